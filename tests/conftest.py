@@ -1,0 +1,18 @@
+"""Test setup: 8 fake CPU devices and JAX's persistent compilation cache.
+
+Both must be configured before the first JAX operation, so this runs at import time.
+"""
+
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+_CACHE = Path(__file__).resolve().parent.parent / ".jax_cache"
+jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+REPO = Path(__file__).resolve().parent.parent
+# DeepSeek's reference outputs on a tiny checkpoint (a copy of shared/golden/tiny-a).
+GOLDEN_TINY_A = REPO / "tests" / "golden" / "tiny-a"
