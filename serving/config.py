@@ -1,0 +1,100 @@
+"""ServeConfig: the runtime knobs of a server (shapes, buckets, limits, ports), never model structure.
+
+The shape fields (`max_slots`, `page_size`, `num_pages`, `max_context`, `prefill_buckets`) are what an
+engine is built with; `check_engine` verifies that the engine actually was, so the scheduler's
+host-side tables and the engine's device buffers cannot disagree. The policy fields only concern the
+scheduler and server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.engine_api import EngineSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    # Shapes (static; every program is compiled for them at start-up).
+    max_slots: int = 32  # decode batch
+    page_size: int = 64  # tokens per KV page
+    num_pages: int = 2048
+    max_context: int = 8192  # prompt + generated tokens of one request; a multiple of page_size
+    prefill_buckets: tuple[int, ...] = (64, 128, 256, 512)  # chunk lengths; largest % page_size == 0
+
+    # Admission and request limits.
+    max_running: int | None = None  # requests holding a slot; None = max_slots
+    max_queued: int = 256  # requests waiting for a slot; beyond running + queued: RESOURCE_EXHAUSTED
+    max_tokens_limit: int = 4096  # largest accepted GenerateRequest.max_tokens
+    default_max_tokens: int = 256  # when the request leaves max_tokens at 0
+    max_logprobs: int = 20  # largest accepted GenerateRequest.logprobs (<= the engine's)
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_request_id_length: int = 256
+    default_deadline_s: float | None = None  # applied when the client sets no gRPC deadline
+
+    # Scheduling.
+    prefill_chunks_per_step: int = 1  # prefill chunks run between two decode steps
+    enable_prefix_cache: bool = True
+
+    # Server.
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = ephemeral
+    metrics_port: int | None = 0  # None = no metrics endpoint; 0 = ephemeral
+    metrics_host: str = "127.0.0.1"
+    grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
+
+    def __post_init__(self):
+        positive = (
+            "max_slots",
+            "page_size",
+            "num_pages",
+            "max_context",
+            "max_tokens_limit",
+            "default_max_tokens",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context % self.page_size:
+            raise ValueError(
+                f"max_context {self.max_context} must be a multiple of page_size {self.page_size}"
+            )
+        if self.num_pages * self.page_size < self.max_context:
+            raise ValueError("num_pages * page_size must hold at least one request of max_context tokens")
+        b = self.prefill_buckets
+        if not b or list(b) != sorted(set(b)) or b[0] < 1:
+            raise ValueError(f"prefill_buckets must be ascending and positive, got {b}")
+        if b[-1] % self.page_size:
+            raise ValueError(
+                f"the largest prefill bucket {b[-1]} must be a multiple of page_size {self.page_size}"
+            )
+        if self.max_running is not None and not 1 <= self.max_running <= self.max_slots:
+            raise ValueError(
+                f"max_running must be in 1..max_slots ({self.max_slots}), got {self.max_running}"
+            )
+        if self.max_queued < 0 or self.max_logprobs < 0 or self.prefill_chunks_per_step < 1:
+            raise ValueError("max_queued and max_logprobs must be >= 0, prefill_chunks_per_step >= 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        if self.grace_period_s < 0:
+            raise ValueError("grace_period_s must be >= 0")
+
+    @property
+    def running_limit(self) -> int:
+        return self.max_slots if self.max_running is None else self.max_running
+
+    def check_engine(self, spec: EngineSpec) -> None:
+        """Raises ValueError if the engine was not built with this config's shapes."""
+        pairs = {
+            "max_slots": (self.max_slots, spec.max_slots),
+            "page_size": (self.page_size, spec.page_size),
+            "num_pages": (self.num_pages, spec.num_pages),
+            "max_context": (self.max_context, spec.max_context),
+            "prefill_buckets": (tuple(self.prefill_buckets), tuple(spec.prefill_buckets)),
+        }
+        bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+        if bad:
+            raise ValueError(f"engine shapes differ from ServeConfig (config, engine): {bad}")
+        if self.max_logprobs > spec.max_logprobs:
+            raise ValueError(f"max_logprobs {self.max_logprobs} exceeds the engine's {spec.max_logprobs}")

@@ -1,0 +1,259 @@
+"""The device-engine interface that the host scheduler drives (JetStream's Engine/orchestrator split).
+
+An engine owns the device side: weights, a static-shape paged KV buffer, per-slot state, and one
+compiled program per shape (a prefill program per bucket length and one decode program). The scheduler
+(`serving/scheduler.py`) owns everything else: which request sits in which slot, which pages it holds,
+the prefix cache, stop conditions and text. The engine never allocates pages or sees a request id.
+
+Shapes are static, so nothing compiles after `warmup()`:
+- `max_slots` decode slots; `decode` always steps a `[max_slots]` batch, inactive rows masked.
+- `num_pages` pages of `page_size` tokens; each slot has a page table of `pages_per_slot` entries
+  (`max_context / page_size`), one row of `page_tables[max_slots, pages_per_slot]` on the host.
+- a prefill chunk is padded to the smallest of `prefill_buckets` that holds it; the scheduler never
+  sends a chunk longer than `max(prefill_buckets)`.
+
+Lifecycle of a slot, as seen by the engine:
+1. `prefill(chunk)` one or more times, positions contiguous. Every chunk starts at a page boundary
+   (`start_pos % page_size == 0`; the scheduler cuts chunks at multiples of the largest bucket, which
+   is a multiple of `page_size`). The first chunk starts at 0, or at a prefix-cache hit (see below).
+   It writes the chunk's KV into the pages named by the page table. The chunk with `is_last_chunk`
+   samples the first generated token.
+2. `decode(batch)` many times: each active row feeds its last token at `positions[s]`, writes its KV,
+   and samples the token at `positions[s] + 1`.
+3. `release(slot)`: the request finished, was aborted or was cancelled. The slot's per-slot state
+   (SWA ring, compressor buffers, ...) is dead; its pages are reused by other slots at once, so the
+   engine must never read a page position at or beyond the sequence length it was given (mask on
+   length; freed pages are not zeroed).
+
+Prefix cache. The scheduler shares pages of full prompt blocks between requests (hash chain over
+page-aligned token blocks, `serving/pages.py`). Resuming a sequence at a page boundary `b` may need
+more than the pages before `b`; for DeepSeek-V4.1 it needs the SWA ring, the compressor's partial group
+and the Engram n-gram history at `b`. `EngineSpec.restore_mode` says which:
+- `"pages"`: pages alone are enough. The first chunk simply starts at `b` (it also receives the
+  `history_tokens` tokens before `b`, for n-gram features).
+- `"snapshot"`: the engine must restore a snapshot it produced earlier at exactly `b`. The scheduler
+  asks for snapshots through `PrefillChunk.snapshot_at` (every full-page boundary the chunk completes);
+  the engine returns those it chose to make (possibly none, or only the chunk end) as opaque handles.
+  A hit is only used up to the deepest boundary that has a snapshot, and the first chunk carries it in
+  `PrefillChunk.restore`. When the cache evicts the block the snapshot belongs to, the scheduler calls
+  `drop_snapshot`, so the engine can free whatever device memory the snapshot holds.
+Either way a hit must give exactly the logits of a cold run.
+
+Sampling is part of the engine's compiled programs (`serving/sampling.py`): per-row parameters arrive as
+arrays, the key for the token at absolute position `p` is `fold_in(PRNGKey(seed), p)`, so a request's
+tokens depend only on its own seed, positions and logits, never on what else is in the batch.
+Top-n log-probabilities are always computed for `max_logprobs` alternatives (a static shape); the
+scheduler slices what a request asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+# An opaque engine-owned handle for the state at one page boundary (see the module docstring).
+Snapshot = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling parameters. temperature == 0 means greedy; top_k == 0 and top_p == 1 mean off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # uint32
+
+    def __post_init__(self):
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be a uint32, got {self.seed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """The static shapes and model facts an engine was built with."""
+
+    max_slots: int
+    page_size: int
+    num_pages: int
+    max_context: int  # tokens per sequence; a multiple of page_size
+    prefill_buckets: tuple[int, ...]  # ascending chunk lengths; the largest is a multiple of page_size
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_logprobs: int  # top-n alternatives computed for every sampled token
+    restore_mode: Literal["pages", "snapshot"] = "pages"
+    history_tokens: int = 0  # tokens before a chunk's start that prefill receives (n-gram features)
+    model_name: str = ""
+    config_summary: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.max_slots < 1 or self.page_size < 1 or self.num_pages < 1:
+            raise ValueError("max_slots, page_size and num_pages must be >= 1")
+        if self.max_context % self.page_size:
+            raise ValueError(
+                f"max_context {self.max_context} is not a multiple of page_size {self.page_size}"
+            )
+        b = self.prefill_buckets
+        if not b or list(b) != sorted(set(b)) or b[0] < 1:
+            raise ValueError(f"prefill_buckets must be ascending and positive, got {b}")
+        if b[-1] % self.page_size:
+            raise ValueError(
+                f"largest prefill bucket {b[-1]} is not a multiple of page_size {self.page_size}"
+            )
+        if self.restore_mode not in ("pages", "snapshot"):
+            raise ValueError(f"restore_mode must be 'pages' or 'snapshot', got {self.restore_mode!r}")
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.max_context // self.page_size
+
+    @property
+    def max_chunk(self) -> int:
+        return self.prefill_buckets[-1]
+
+    def bucket_for(self, length: int) -> int:
+        """The prefill bucket a chunk of `length` tokens is padded to."""
+        for b in self.prefill_buckets:
+            if length <= b:
+                return b
+        raise ValueError(f"chunk of {length} tokens exceeds the largest prefill bucket {self.max_chunk}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefillChunk:
+    """One prefill call: `token_ids` at positions [start_pos, start_pos + len) of `slot`."""
+
+    slot: int
+    token_ids: np.ndarray  # i32[T], 1 <= T <= max(prefill_buckets)
+    start_pos: int  # a multiple of page_size
+    page_table: np.ndarray  # i32[pages_per_slot]; entries past the sequence are unspecified
+    history: np.ndarray  # i32[<= history_tokens], the tokens right before start_pos
+    sampling: SamplingParams
+    is_last_chunk: bool  # sample the token at start_pos + T
+    restore: Snapshot | None = None  # only on a first chunk resuming at start_pos in "snapshot" mode
+    snapshot_at: tuple[int, ...] = ()  # page-aligned positions in (start_pos, start_pos + T]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # of token_id under the raw distribution
+    top_ids: np.ndarray  # i32[max_logprobs], most likely first
+    top_logprobs: np.ndarray  # f32[max_logprobs]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefillResult:
+    token: SampledToken | None  # set iff the chunk was the last one
+    snapshots: Mapping[int, Snapshot] = dataclasses.field(default_factory=dict)  # subset of snapshot_at
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBatch:
+    """Arrays of one decode step; all rows are [max_slots], inactive rows hold don't-care values."""
+
+    active: np.ndarray  # bool[S]
+    token_ids: np.ndarray  # i32[S], the last token of each sequence
+    positions: np.ndarray  # i32[S], absolute position of token_ids; the new token lands at +1
+    page_tables: np.ndarray  # i32[S, pages_per_slot]
+    temperature: np.ndarray  # f32[S]
+    top_p: np.ndarray  # f32[S]
+    top_k: np.ndarray  # i32[S]
+    seed: np.ndarray  # u32[S]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeResult:
+    """One packed host copy per step; rows of inactive slots are garbage."""
+
+    token_ids: np.ndarray  # i32[S]
+    logprobs: np.ndarray  # f32[S]
+    top_ids: np.ndarray  # i32[S, max_logprobs]
+    top_logprobs: np.ndarray  # f32[S, max_logprobs]
+
+    def row(self, s: int) -> SampledToken:
+        return SampledToken(
+            token_id=int(self.token_ids[s]),
+            logprob=float(self.logprobs[s]),
+            top_ids=self.top_ids[s],
+            top_logprobs=self.top_logprobs[s],
+        )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the scheduler needs from a device engine. All calls come from the scheduler's one thread."""
+
+    @property
+    def spec(self) -> EngineSpec: ...
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        """Programs compiled (or loaded from the persistent cache) by engine calls after warmup()."""
+        ...
+
+    def warmup(self) -> None:
+        """Compiles every program variant (all prefill buckets, decode) before serving."""
+        ...
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult: ...
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def drop_snapshot(self, snapshot: Snapshot) -> None: ...
+
+
+class CompileCounter:
+    """Counts XLA compilations that happen on this thread inside `watch()`.
+
+    JAX reports every executable it builds (fresh compile or persistent-cache load) through the
+    `/jax/core/compile/backend_compile_duration` monitoring event on the compiling thread. Engines wrap
+    their serving calls in `watch()`, so compiles from other threads (tests, other engines) are not
+    counted. One process-wide listener dispatches to the counter active on the current thread.
+    """
+
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+    _active = threading.local()
+    _installed = False
+    _install_lock = threading.Lock()
+
+    def __init__(self):
+        self.count = 0
+        self._install()
+
+    @classmethod
+    def _install(cls):
+        with cls._install_lock:
+            if cls._installed:
+                return
+            import jax.monitoring
+
+            def listener(event: str, duration: float, **kwargs):
+                counter = getattr(cls._active, "counter", None)
+                if event == cls._EVENT and counter is not None:
+                    counter.count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @contextmanager
+    def watch(self) -> Iterator[None]:
+        prev = getattr(self._active, "counter", None)
+        self._active.counter = self
+        try:
+            yield
+        finally:
+            self._active.counter = prev

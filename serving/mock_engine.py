@@ -1,0 +1,316 @@
+"""A hand-computable engine (and byte tokenizer) for scheduler and server tests; no model, no device.
+
+The mock keeps a real paged KV buffer on the host (`kv[num_pages, page_size]` holding token ids) and
+computes every next token from what it reads back through the page tables, so page-table, sharing and
+prefix-cache bugs change the output. The most likely next token after a context `t[0..p-1]` is
+
+    v = 7 * t[p-1] + 3 * p + (sum_i (i + 1) * t[i] mod 1_000_003) + 5 * sum(t[p-window:p])
+    target = eos_id if eos_modulus and v % eos_modulus == 0 else token_lo + v % token_span
+
+(`mock_target`). Logits put 0 on the target and fall by 0.7 per step around the ring of the
+`token_span` allowed tokens (so temperature sampling has something to choose from); everything else is
+-30. Tokens are drawn by the real sampler (`serving/sampling.py`), so greedy streams are exactly
+`mock_greedy_stream` and seeded streams exercise the production sampling code.
+
+`restore_mode="snapshot"` emulates an engine with state outside the pages (V4.1's SWA ring and
+compressor partial groups): the `window` term comes from a per-slot ring that only prefill/decode
+update, so resuming after a prefix hit is only correct with a restored snapshot, and prefill raises if
+asked to continue a slot whose state it does not have. `snapshot_chunk_end_only=True` makes the engine
+snapshot only at chunk ends, like an engine that cannot materialize state mid-chunk.
+
+The mock also checks the scheduler's side of the contract: contiguous positions, page-aligned chunk
+starts, chunks within the buckets, decode only on prefilled slots, history tokens that match the pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from serving.engine_api import (
+    CompileCounter,
+    DecodeBatch,
+    DecodeResult,
+    EngineSpec,
+    PrefillChunk,
+    PrefillResult,
+    SamplingParams,
+)
+
+_H_MOD = 1_000_003
+
+
+class ByteTokenizer:
+    """ids 0..2 are BOS, EOS, PAD; id 3 + b is byte b. Decoding replaces invalid UTF-8 with U+FFFD."""
+
+    BOS, EOS, PAD, OFFSET = 0, 1, 2, 3
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        data = bytes(i - self.OFFSET for i in token_ids if self.OFFSET <= i < self.OFFSET + 256)
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class MockRule:
+    """Parameters of the next-token function."""
+
+    eos_id: int = ByteTokenizer.EOS
+    token_lo: int = ByteTokenizer.OFFSET + ord("a")
+    token_span: int = 26
+    window: int = 4
+    eos_modulus: int = 0  # 0 = never EOS
+
+
+def mock_target(context: Sequence[int], rule: MockRule, ring: Sequence[int] | None = None) -> int:
+    """The most likely token after `context` (ring: the last `window` tokens, if kept separately)."""
+    p = len(context)
+    ctx = np.asarray(context, dtype=np.int64)
+    h = int(np.sum((np.arange(p, dtype=np.int64) + 1) * ctx) % _H_MOD)
+    last = ctx[-rule.window :] if ring is None else np.asarray(ring, dtype=np.int64)
+    v = 7 * int(ctx[-1]) + 3 * p + h + 5 * int(np.sum(last))
+    if rule.eos_modulus and v % rule.eos_modulus == 0:
+        return rule.eos_id
+    return rule.token_lo + v % rule.token_span
+
+
+def mock_logits(target: int, rule: MockRule, vocab_size: int) -> np.ndarray:
+    out = np.full(vocab_size, -30.0, np.float32)
+    ring = np.arange(rule.token_span)
+    if target == rule.eos_id:
+        out[rule.token_lo + ring] = -1.0 - 0.7 * ring
+        out[rule.eos_id] = 0.0
+    else:
+        out[rule.token_lo + (target - rule.token_lo + ring) % rule.token_span] = -0.7 * ring
+    return out
+
+
+def mock_greedy_stream(prompt: Sequence[int], n: int, rule: MockRule = MockRule()) -> list[int]:
+    """The first n greedy tokens after `prompt` (ignoring EOS: generation continues past it)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(mock_target(seq, rule))
+    return seq[len(prompt) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class MockSnapshot:
+    pos: int
+    ring: tuple[int, ...]
+
+
+class MockEngine:
+    """Implements `serving.engine_api.Engine` on numpy (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_slots: int = 8,
+        page_size: int = 4,
+        num_pages: int = 64,
+        max_context: int = 64,
+        prefill_buckets: Sequence[int] = (4, 8, 16),
+        max_logprobs: int = 5,
+        rule: MockRule = MockRule(),
+        vocab_size: int = ByteTokenizer.vocab_size,
+        restore_mode: str = "pages",
+        snapshot_chunk_end_only: bool = False,
+        history_tokens: int = 0,
+        step_delay_s: float = 0.0,
+    ):
+        self._spec = EngineSpec(
+            max_slots=max_slots,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_context=max_context,
+            prefill_buckets=tuple(prefill_buckets),
+            vocab_size=vocab_size,
+            eos_token_ids=(rule.eos_id,),
+            max_logprobs=max_logprobs,
+            restore_mode=restore_mode,
+            history_tokens=history_tokens,
+            model_name="mock",
+            config_summary={"kind": "mock", "window": str(rule.window)},
+        )
+        self.rule = rule
+        self.snapshot_chunk_end_only = snapshot_chunk_end_only
+        self.step_delay_s = step_delay_s
+        self.kv = np.full((num_pages, page_size), -1, np.int32)
+        # Per-slot state the engine owns: next position to write (-1 = released) and the ring.
+        self._pos = np.full(max_slots, -1, np.int64)
+        self._decoding = np.zeros(max_slots, bool)
+        self._ring: list[tuple[int, ...]] = [()] * max_slots
+        self.live_snapshots: set[int] = set()
+        self.prefill_log: list[tuple[int, int, int, int]] = []  # (slot, start, length, bucket)
+        self.decode_steps = 0
+        self._compiles = CompileCounter()
+        self._warm = False
+
+    # ---- Engine protocol ----------------------------------------------------------------------
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self._compiles.count
+
+    def warmup(self) -> None:
+        from serving.sampling import jitted_sample
+
+        fn = jitted_sample(self._spec.max_logprobs)
+        v = self._spec.vocab_size
+        for rows in (1, self._spec.max_slots):
+            out = fn(
+                np.zeros((rows, v), np.float32),
+                np.zeros(rows, np.int32),
+                np.ones(rows, np.float32),
+                np.ones(rows, np.float32),
+                np.zeros(rows, np.int32),
+                np.zeros(rows, np.uint32),
+            )
+            np.asarray(out[0])
+        self._warm = True
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult:
+        spec = self._spec
+        s, start, toks = chunk.slot, chunk.start_pos, np.asarray(chunk.token_ids, np.int32)
+        n = len(toks)
+        if not 1 <= n <= spec.max_chunk:
+            raise ValueError(f"chunk length {n} outside 1..{spec.max_chunk}")
+        if start % spec.page_size:
+            raise ValueError(f"chunk start {start} is not page aligned")
+        if start + n > spec.max_context:
+            raise ValueError("chunk runs past max_context")
+        fresh = self._pos[s] < 0
+        if chunk.restore is not None:
+            if spec.restore_mode != "snapshot" or not fresh or chunk.restore.pos != start:
+                raise ValueError("restore only on a fresh slot at the snapshot's position")
+            if id(chunk.restore) not in self.live_snapshots:
+                raise ValueError("restore of a dropped snapshot")
+            self._ring[s] = chunk.restore.ring
+        elif fresh:
+            if start and spec.restore_mode == "snapshot":
+                raise ValueError(f"slot {s}: resume at {start} needs a snapshot")
+            self._ring[s] = ()
+        elif self._pos[s] != start:
+            raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
+        if self._decoding[s]:
+            raise ValueError(f"slot {s} is decoding")
+        self._check_history(chunk)
+        self.prefill_log.append((s, start, n, spec.bucket_for(n)))
+        self._write(chunk.page_table, start, toks)
+        snaps = {}
+        want = set(chunk.snapshot_at)
+        if self.snapshot_chunk_end_only:
+            want &= {start + n}
+        for b in sorted(want):
+            if not start < b <= start + n or b % spec.page_size:
+                raise ValueError(f"snapshot position {b} outside the chunk or not page aligned")
+            if spec.restore_mode == "snapshot":
+                snap = MockSnapshot(
+                    b, (self._ring[s] + tuple(int(t) for t in toks[: b - start]))[-self.rule.window :]
+                )
+                self.live_snapshots.add(id(snap))
+                snaps[b] = snap
+        self._ring[s] = (self._ring[s] + tuple(int(t) for t in toks))[-self.rule.window :]
+        self._pos[s] = start + n
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if not chunk.is_last_chunk:
+            return PrefillResult(token=None, snapshots=snaps)
+        self._decoding[s] = True
+        logits = self._logits_for(s, chunk.page_table, start + n)[None]
+        sp = chunk.sampling
+        out = self._sample(
+            logits,
+            np.array([start + n], np.int32),
+            np.array([sp.temperature], np.float32),
+            np.array([sp.top_p], np.float32),
+            np.array([sp.top_k], np.int32),
+            np.array([sp.seed], np.uint32),
+        )
+        return PrefillResult(token=out.row(0), snapshots=snaps)
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult:
+        spec = self._spec
+        S = spec.max_slots
+        logits = np.zeros((S, spec.vocab_size), np.float32)
+        for s in np.flatnonzero(batch.active):
+            pos = int(batch.positions[s])
+            if not self._decoding[s]:
+                raise ValueError(f"decode on slot {s}, which has not finished prefill")
+            if pos != self._pos[s]:
+                raise ValueError(f"slot {s}: decode at {pos}, state is at {self._pos[s]}")
+            if pos + 1 > spec.max_context:
+                raise ValueError("decode past max_context")
+            tok = np.array([batch.token_ids[s]], np.int32)
+            self._write(batch.page_tables[s], pos, tok)
+            self._ring[s] = (self._ring[s] + (int(tok[0]),))[-self.rule.window :]
+            self._pos[s] = pos + 1
+            logits[s] = self._logits_for(s, batch.page_tables[s], pos + 1)
+        self.decode_steps += 1
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return self._sample(
+            logits, batch.positions + 1, batch.temperature, batch.top_p, batch.top_k, batch.seed
+        )
+
+    def release(self, slot: int) -> None:
+        self._pos[slot] = -1
+        self._decoding[slot] = False
+        self._ring[slot] = ()
+
+    def drop_snapshot(self, snapshot) -> None:
+        if id(snapshot) not in self.live_snapshots:
+            raise ValueError("snapshot dropped twice")
+        self.live_snapshots.discard(id(snapshot))
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _write(self, page_table: np.ndarray, start: int, toks: np.ndarray) -> None:
+        ps = self._spec.page_size
+        pos = np.arange(start, start + len(toks))
+        self.kv[np.asarray(page_table)[pos // ps], pos % ps] = toks
+
+    def _read(self, page_table: np.ndarray, length: int) -> np.ndarray:
+        """Tokens at positions [0, length), read through the page table."""
+        ps = self._spec.page_size
+        pos = np.arange(length)
+        return self.kv[np.asarray(page_table)[pos // ps], pos % ps]
+
+    def _check_history(self, chunk: PrefillChunk) -> None:
+        h = self._spec.history_tokens
+        if not h:
+            return
+        expect = self._read(chunk.page_table, chunk.start_pos)[-h:] if chunk.start_pos else np.zeros(0)
+        if not np.array_equal(np.asarray(chunk.history), expect):
+            raise ValueError(f"history {chunk.history} does not match the pages ({expect})")
+
+    def _logits_for(self, s: int, page_table: np.ndarray, length: int) -> np.ndarray:
+        context = self._read(page_table, length)
+        ring = self._ring[s] if self._spec.restore_mode == "snapshot" else None
+        return mock_logits(mock_target(context, self.rule, ring), self.rule, self._spec.vocab_size)
+
+    def _sample(self, logits, positions, temperature, top_p, top_k, seed) -> DecodeResult:
+        from serving.sampling import jitted_sample
+
+        fn = jitted_sample(self._spec.max_logprobs)
+        if self._warm:
+            with self._compiles.watch():
+                out = fn(logits, positions.astype(np.int32), temperature, top_p, top_k, seed)
+        else:
+            out = fn(logits, positions.astype(np.int32), temperature, top_p, top_k, seed)
+        tok, lp, ids, tlp = (np.asarray(x) for x in out)
+        return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
+
+
+def default_sampling() -> SamplingParams:
+    return SamplingParams(temperature=0.0)

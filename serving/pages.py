@@ -1,0 +1,274 @@
+"""Host-side KV page allocator with a prefix cache (numpy only; no JAX).
+
+Every page is in exactly one of three states:
+- free: on the free list, content meaningless;
+- referenced: `refcount > 0`, held by one or more running requests (shared pages are full prompt
+  blocks served from the prefix cache, read-only for everyone);
+- cached: `refcount == 0` but registered in the prefix cache, kept in LRU order and evicted (back to
+  free) when an allocation needs the space.
+A referenced page may also be registered in the cache; when its last holder releases it, it becomes
+cached (if registered) or free (if not). So `num_free + num_cached + num_referenced == num_pages`.
+
+Prefix cache. Block `i` of a sequence is tokens `[i * page_size, (i + 1) * page_size)`, and only full
+blocks are cached. A block is keyed by a hash chain, `key_i = H(key_{i-1} || tokens_i)` with a
+cryptographic hash (blake2b, 128 bits), so a key identifies the whole prefix, not just one block, and
+crafted prompts cannot collide into another tenant's pages; the stored tokens are compared on a match
+as well. Each entry may carry an opaque engine snapshot of the state at the block's end
+(`serving/engine_api.py`); when an entry leaves the cache, `on_drop_snapshot(snapshot)` is called.
+
+Eviction removes the least recently released block. Its descendants become unreachable (lookups walk
+the chain from the root), so they are dropped from the cache too: unreferenced ones go straight to the
+free list, referenced ones are simply unregistered and are freed when released. Requests release their
+pages last block first, so deeper blocks are older in LRU order and are evicted before their parents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+ROOT_KEY = b"\x00" * 16
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The hash-chain key of a block of tokens following the prefix keyed `parent`."""
+    data = np.asarray(tokens, dtype=np.int32).tobytes()
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+
+@dataclasses.dataclass(eq=False)
+class CacheEntry:
+    key: bytes
+    parent: bytes
+    page: int
+    tokens: np.ndarray  # i32[page_size]
+    snapshot: Any = None
+    children: set[bytes] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    """The cached blocks a prompt starts with, in order (not yet referenced)."""
+
+    entries: tuple[CacheEntry, ...]
+
+    @property
+    def pages(self) -> list[int]:
+        return [e.page for e in self.entries]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class PagePool:
+    """Allocator over `num_pages` pages of `page_size` tokens, with reference counts and a prefix cache."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_cache: bool = True,
+        on_drop_snapshot: Callable[[Any], None] | None = None,
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._on_drop_snapshot = on_drop_snapshot
+        self._refcount = np.zeros(num_pages, np.int32)
+        # Popped from the end; reversed so that pages are handed out in ascending order at first.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._entries: dict[bytes, CacheEntry] = {}
+        self._page_entry: dict[int, CacheEntry] = {}  # page -> its cache entry, if registered
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached unreferenced pages, oldest first
+        self.evictions = 0
+
+    # ---- counts -------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced pages kept for the prefix cache (evictable)."""
+        return len(self._lru)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_pages - self.num_free - self.num_cached
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can obtain now (free plus evictable)."""
+        return self.num_free + self.num_cached
+
+    def refcount(self, page: int) -> int:
+        return int(self._refcount[page])
+
+    # ---- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh pages with refcount 1, evicting least recently used cached pages if needed."""
+        if n > self.num_available:
+            raise OutOfPages(f"need {n} pages, {self.num_available} available")
+        out = []
+        for _ in range(n):
+            if not self._free:
+                self._evict_one()
+            page = self._free.pop()
+            self._refcount[page] = 1
+            out.append(page)
+        return out
+
+    def acquire(self, pages: Iterable[int]) -> None:
+        """Adds a reference to pages already referenced or cached (a prefix hit)."""
+        for page in pages:
+            if self._refcount[page] == 0:
+                if page not in self._lru:
+                    raise ValueError(f"page {page} is free; only referenced or cached pages can be acquired")
+                del self._lru[page]
+            self._refcount[page] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drops one reference from each page; call with a sequence's pages in order.
+
+        Pages are processed last first, so a sequence's deeper blocks become older in LRU order than
+        its shallower ones and are evicted first.
+        """
+        for page in reversed(pages):
+            if self._refcount[page] <= 0:
+                raise ValueError(f"page {page} released more often than referenced")
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                if page in self._page_entry:
+                    self._lru[page] = None
+                else:
+                    self._free.append(page)
+
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> PrefixMatch:
+        """The longest chain of cached full blocks that `token_ids` starts with."""
+        if not self.enable_prefix_cache:
+            return PrefixMatch(())
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        n = len(tokens) // self.page_size
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        out = []
+        key = ROOT_KEY
+        for i in range(n):
+            block = tokens[i * self.page_size : (i + 1) * self.page_size]
+            key = block_key(key, block)
+            entry = self._entries.get(key)
+            if entry is None or not np.array_equal(entry.tokens, block):
+                break
+            out.append(entry)
+        return PrefixMatch(tuple(out))
+
+    def register(self, parent: bytes, tokens: np.ndarray, page: int, snapshot: Any = None) -> bytes:
+        """Registers a full, written block held by the caller; returns its key (the next parent).
+
+        If the key is already cached (another request computed the same prefix), the existing entry
+        wins and `page` stays private to its holder; a snapshot the caller passed is then dropped
+        unless the existing entry has none.
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) != self.page_size:
+            raise ValueError("only full blocks can be registered")
+        key = block_key(parent, tokens)
+        if not self.enable_prefix_cache:
+            self._drop_snapshot(snapshot)
+            return key
+        if self._refcount[page] <= 0:
+            raise ValueError(f"page {page} must be referenced by the caller to be registered")
+        existing = self._entries.get(key)
+        if existing is not None:
+            if existing.snapshot is None and snapshot is not None:
+                existing.snapshot = snapshot
+            elif snapshot is not None and snapshot is not existing.snapshot:
+                self._drop_snapshot(snapshot)
+            return key
+        if page in self._page_entry:
+            raise ValueError(f"page {page} is already registered under another key")
+        if parent != ROOT_KEY and parent not in self._entries:
+            # The parent was evicted while this request ran: the chain is broken, so this block
+            # could never be matched. Do not cache it.
+            self._drop_snapshot(snapshot)
+            return key
+        entry = CacheEntry(key=key, parent=parent, page=page, tokens=tokens.copy(), snapshot=snapshot)
+        self._entries[key] = entry
+        self._page_entry[page] = entry
+        if parent != ROOT_KEY:
+            self._entries[parent].children.add(key)
+        return key
+
+    def clear_cache(self) -> None:
+        """Drops every cache entry (unreferenced cached pages become free)."""
+        for key in [
+            k for k, e in self._entries.items() if e.parent == ROOT_KEY or e.parent not in self._entries
+        ]:
+            if key in self._entries:
+                self._drop_entry(self._entries[key])
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _drop_snapshot(self, snapshot: Any) -> None:
+        if snapshot is not None and self._on_drop_snapshot is not None:
+            self._on_drop_snapshot(snapshot)
+
+    def _evict_one(self) -> None:
+        page = next(iter(self._lru))
+        self.evictions += 1
+        self._drop_entry(self._page_entry[page])
+
+    def _drop_entry(self, entry: CacheEntry) -> None:
+        """Removes `entry` and all its descendants from the cache."""
+        stack = [entry]
+        if entry.parent != ROOT_KEY and entry.parent in self._entries:
+            self._entries[entry.parent].children.discard(entry.key)
+        while stack:
+            e = stack.pop()
+            del self._entries[e.key]
+            del self._page_entry[e.page]
+            self._drop_snapshot(e.snapshot)
+            e.snapshot = None
+            if self._refcount[e.page] == 0:
+                del self._lru[e.page]
+                self._free.append(e.page)
+            stack.extend(self._entries[c] for c in e.children if c in self._entries)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the page states are inconsistent (used by tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate page on the free list"
+        lru = set(self._lru)
+        assert not (free & lru), "page both free and cached"
+        for page in range(self.num_pages):
+            rc = int(self._refcount[page])
+            assert rc >= 0, f"negative refcount on page {page}"
+            if page in free:
+                assert rc == 0, f"free page {page} has refcount {rc}"
+                assert page not in self._page_entry, f"free page {page} is registered"
+            elif page in lru:
+                assert rc == 0, f"cached page {page} has refcount {rc}"
+                assert page in self._page_entry, f"cached page {page} has no entry"
+            else:
+                assert rc > 0, f"page {page} leaked: not free, not cached, refcount 0"
+        assert len(self._page_entry) == len(self._entries)
+        for key, e in self._entries.items():
+            assert self._page_entry[e.page] is e
+            assert e.key == key == block_key(e.parent, e.tokens)
+            assert e.parent == ROOT_KEY or e.parent in self._entries, "orphan entry"
+            for c in e.children:
+                assert c not in self._entries or self._entries[c].parent == key

@@ -1,0 +1,91 @@
+"""Token sampling as pure JAX functions over a batch of rows with per-row parameters.
+
+Invariants (what makes serving reproducible):
+- Row independence: every operation is row-wise (sort, cumsum, categorical with a per-row key), so a
+  row's result depends only on that row's logits and parameters, not on the other rows of the batch.
+- Seeded by position: the key for the token placed at absolute position `p` is
+  `fold_in(PRNGKey(seed), p)`. A request sampled alone, among 31 others, or after a prefix-cache hit
+  draws the same random numbers for the same positions.
+- Parameters are arrays, never static arguments, so greedy and sampled rows share one compiled program
+  (a static `return_logprobs`-style flag is a classic cause of recompiles after warm-up). The only
+  static argument is `num_logprobs`, fixed per engine.
+
+Semantics, in order: temperature scaling, then top-k, then top-p on the scaled distribution, then a
+categorical draw. temperature == 0 is greedy (argmax, lowest id on ties) and ignores top-k/top-p.
+Ties at the top-k/top-p threshold are all kept (deterministic, and at most a few extra candidates).
+Returned log-probabilities are those of the raw model distribution (log_softmax of the logits, before
+temperature and filtering), as OpenAI-style APIs report them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Temperature-scaled logits with tokens outside top-k / top-p set to -inf.
+
+    logits: f32[B, V]; temperature, top_p: f32[B]; top_k: i32[B] (0 or >= V = off).
+    Rows with temperature 0 are returned unscaled (they are sampled greedily).
+    """
+    vocab = logits.shape[-1]
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = logits.astype(jnp.float32) / safe_t[:, None]  # [B, V]
+    desc = -jnp.sort(-scaled, axis=-1)  # [B, V], largest first
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)  # [B]
+    idx = jnp.arange(vocab)[None, :]
+    in_k = idx < k[:, None]  # [B, V] over sorted positions
+    # Nucleus over the top-k survivors: keep a sorted position when the mass strictly before it is
+    # < top_p, so the most likely token is always kept.
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & (mass_before < top_p[:, None])
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [B]
+    threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)  # [B, 1]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """uint32[B, 2] keys: fold_in(PRNGKey(seed), position) per row."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
+
+
+def sample(
+    logits: jax.Array,
+    positions: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seed: jax.Array,
+    *,
+    num_logprobs: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Samples one token per row.
+
+    logits: f32[B, V]; positions: i32[B], the absolute position each sampled token will occupy;
+    temperature, top_p: f32[B]; top_k: i32[B]; seed: u32[B].
+    Returns (token i32[B], logprob f32[B], top_ids i32[B, N], top_logprobs f32[B, N]), N = num_logprobs.
+    """
+    logits = logits.astype(jnp.float32)
+    filtered = filter_logits(logits, temperature, top_p, top_k)
+    keys = row_keys(seed.astype(jnp.uint32), positions.astype(jnp.uint32))
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)  # [B]
+    greedy = jnp.argmax(logits, axis=-1)
+    token = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    token_logp = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    if num_logprobs > 0:
+        top_logp, top_ids = jax.lax.top_k(logp, num_logprobs)
+    else:
+        top_logp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return token, token_logp, top_ids.astype(jnp.int32), top_logp
+
+
+@functools.cache
+def jitted_sample(num_logprobs: int):
+    """A jitted `sample` for one `num_logprobs` (one cache entry per shape of logits)."""
+    return jax.jit(functools.partial(sample, num_logprobs=num_logprobs))

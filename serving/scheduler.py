@@ -1,0 +1,642 @@
+"""Host-side continuous batching over a static-shape paged engine (pure Python/numpy, no JAX).
+
+Request lifecycle (one request = one `_Seq`):
+1. `submit` (any thread): checks the in-flight limit (running + queued, else `AdmissionError`
+   "queue_full" -> RESOURCE_EXHAUSTED), a duplicate id and shutdown, then puts the request in the inbox.
+   Field validation (`validate`) happens before that, so a bad request never takes a place.
+2. Waiting: FIFO. At the start of every scheduler step the head of the queue is admitted when a slot is
+   free, `max_running` allows, and pages for its whole worst case (prompt + max_tokens) can be
+   reserved. Reserving up front means a running request never runs out of pages, so there is no
+   preemption. The prefix cache supplies the prompt's leading full blocks (never the block holding the
+   last prompt token: the first generated token needs that token's logits). In "snapshot" mode only
+   blocks up to the deepest engine snapshot are reused.
+3. Prefill: `prefill_chunks_per_step` chunks per step (oldest request first), each at most the largest
+   bucket and starting on a page boundary. After each chunk, the prompt blocks it completed are
+   registered in the prefix cache (with any engine snapshots). The last chunk samples the first token.
+4. Decode: one `engine.decode` per step over all slots whose prefill is done. New requests therefore
+   join between decode steps, and a long prompt stalls decoding by at most one chunk per step.
+5. Finish (stop token, stop string, max_tokens/context, abort, cancel, deadline): the slot and every
+   page reference are released in the same step, before the next engine call; the final event carries
+   the finish reason and usage.
+
+Threading: `step()` is only ever called by one thread (the scheduler thread from `start()`, or a test).
+Other threads touch only the inbox, the abort list and the live-request table, under `self._lock`.
+Events go to a per-request sink; `submit_async` makes one that hands events to an asyncio loop with
+`loop.call_soon_threadsafe`, so the device loop never runs on the event loop.
+
+Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
+never sent; a stop string is cut from the text (see `serving/text.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from serving.config import ServeConfig
+from serving.engine_api import DecodeBatch, Engine, PrefillChunk, SampledToken, SamplingParams
+from serving.metrics import Metrics
+from serving.pages import ROOT_KEY, PagePool
+from serving.text import Released, StreamText, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class InvalidRequest(ValueError):
+    """A malformed field or a request beyond a limit; `field` names it (INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class AdmissionError(RuntimeError):
+    """The request was not admitted; `kind` is queue_full, duplicate_id, shutting_down or engine_failed."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int | None = None  # None = ServeConfig.default_max_tokens
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
+    ignore_eos: bool = False
+    deadline: float | None = None  # in the scheduler's clock (time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None  # the engine failed; the stream ends without a finish reason
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+Sink = Callable[[StreamEvent], None]
+
+
+class _Seq:
+    """Scheduler-thread state of one request."""
+
+    def __init__(self, req: GenerationRequest, sink: Sink, arrival: float, max_tokens: int, text: StreamText):
+        self.req = req
+        self.sink = sink
+        self.arrival = arrival
+        self.prompt = np.asarray(req.prompt_token_ids, np.int32)
+        self.max_tokens = max_tokens
+        self.text = text
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.cached_tokens = 0
+        self.prefilled = 0  # prompt tokens whose KV is written
+        self.registered = 0  # prompt blocks registered in (or taken from) the prefix cache
+        self.parent_key = ROOT_KEY
+        self.restore = None
+        self.decoding = False
+        self.generated = 0
+        self.last_token = -1
+        self.pos = -1  # position of last_token
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.done = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        config: ServeConfig,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        spec = engine.spec
+        config.check_engine(spec)
+        self.engine = engine
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.pool = PagePool(
+            spec.num_pages,
+            spec.page_size,
+            enable_prefix_cache=config.enable_prefix_cache,
+            on_drop_snapshot=engine.drop_snapshot,
+        )
+        self._eos = frozenset(spec.eos_token_ids)
+        S, P = spec.max_slots, spec.pages_per_slot
+        self.page_tables = np.zeros((S, P), np.int32)
+        self._slots: list[_Seq | None] = [None] * S
+        self._free_slots = list(range(S))
+        self._tokens = np.zeros(S, np.int32)
+        self._positions = np.zeros(S, np.int32)
+        self._temperature = np.zeros(S, np.float32)
+        self._top_p = np.ones(S, np.float32)
+        self._top_k = np.zeros(S, np.int32)
+        self._seed = np.zeros(S, np.uint32)
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        # Shared with other threads, under _lock.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[_Seq] = []
+        self._aborts: list[str] = []
+        self._live: dict[str, _Seq] = {}
+        self._admitting = True
+        self._failed: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        if metrics is not None:
+            metrics.slots_total.set(S)
+
+    # ---- any thread ---------------------------------------------------------------------------
+
+    def validate(self, req: GenerationRequest) -> int:
+        """Raises InvalidRequest naming the field or limit; returns the effective max_tokens."""
+        cfg, spec = self.config, self.spec
+        if not req.request_id or len(req.request_id) > cfg.max_request_id_length:
+            raise InvalidRequest("request_id", f"must have 1..{cfg.max_request_id_length} characters")
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt", "is empty")
+        if n >= spec.max_context:
+            raise InvalidRequest(
+                "prompt",
+                f"has {n} tokens; the limit is max_context - 1 = {spec.max_context - 1} "
+                f"(max_context = {spec.max_context} tokens of prompt plus output)",
+            )
+        ids = np.asarray(req.prompt_token_ids)
+        if ids.min() < 0 or ids.max() >= spec.vocab_size:
+            raise InvalidRequest("prompt_token_ids", f"token ids must be in [0, {spec.vocab_size})")
+        if req.max_tokens is not None:
+            if req.max_tokens < 1:
+                raise InvalidRequest("max_tokens", f"must be >= 1, got {req.max_tokens}")
+            if req.max_tokens > cfg.max_tokens_limit:
+                raise InvalidRequest(
+                    "max_tokens", f"{req.max_tokens} exceeds the limit max_tokens = {cfg.max_tokens_limit}"
+                )
+        if not 0 <= req.logprobs <= cfg.max_logprobs:
+            raise InvalidRequest(
+                "logprobs", f"must be in 0..max_logprobs = {cfg.max_logprobs}, got {req.logprobs}"
+            )
+        if len(req.stop) > cfg.max_stop_strings:
+            raise InvalidRequest("stop", f"at most max_stop_strings = {cfg.max_stop_strings} strings")
+        for s in req.stop:
+            if not s or len(s) > cfg.max_stop_string_length:
+                raise InvalidRequest(
+                    "stop", f"each stop string must have 1..{cfg.max_stop_string_length} characters"
+                )
+        if any(not 0 <= t < spec.vocab_size for t in req.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", f"token ids must be in [0, {spec.vocab_size})")
+        max_tokens = cfg.default_max_tokens if req.max_tokens is None else req.max_tokens
+        # The sequence (prompt + output) must fit in max_context; beyond it finish with LENGTH.
+        return min(max_tokens, spec.max_context - n)
+
+    def submit(self, req: GenerationRequest, sink: Sink) -> None:
+        """Queues a request; raises InvalidRequest or AdmissionError at once, never blocks."""
+        max_tokens = self.validate(req)
+        text = StreamText(self.tokenizer, req.stop, context=req.prompt_token_ids)
+        seq = _Seq(req, sink, self.clock(), max_tokens, text)
+        with self._lock:
+            if self._failed is not None:
+                raise AdmissionError("engine_failed", f"the engine failed: {self._failed}")
+            if not self._admitting:
+                self._reject("shutting_down")
+                raise AdmissionError("shutting_down", "the server is shutting down")
+            if req.request_id in self._live:
+                self._reject("duplicate_id")
+                raise AdmissionError("duplicate_id", f"request_id {req.request_id!r} is already in flight")
+            limit = self.config.running_limit + self.config.max_queued
+            if len(self._live) >= limit:
+                self._reject("queue_full")
+                raise AdmissionError(
+                    "queue_full",
+                    f"{len(self._live)} requests in flight; the limit is max_running + max_queued = {limit}",
+                )
+            self._live[req.request_id] = seq
+            self._inbox.append(seq)
+            self._wake.notify()
+
+    def submit_async(self, req: GenerationRequest) -> RequestStream:
+        """Submits from a running asyncio loop; events arrive through the returned async iterator."""
+        stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
+        self.submit(req, stream._sink)
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts an in-flight request (finish_reason abort); False if there is none with this id."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._aborts.append(request_id)
+            self._wake.notify()
+            return True
+
+    def abort_all(self) -> int:
+        with self._lock:
+            ids = list(self._live)
+            self._aborts.extend(ids)
+            self._wake.notify()
+            return len(ids)
+
+    def stop_admitting(self) -> None:
+        with self._lock:
+            self._admitting = False
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> None:
+        """Runs `step()` on a dedicated thread until `shutdown()`."""
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._thread = threading.Thread(target=self._loop, name="ced-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Aborts whatever is in flight, then stops the scheduler thread."""
+        self.stop_admitting()
+        self.abort_all()
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ---- scheduler thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stop and not self._live:
+                    return
+            try:
+                worked = self.step()
+            except Exception as exc:  # an engine bug: fail everything, refuse new work
+                log.exception("scheduler step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                worked = True
+            if not worked:
+                with self._lock:
+                    if not self._inbox and not self._aborts and not self._stop:
+                        # Wake up now and then for deadlines of waiting requests.
+                        self._wake.wait(timeout=0.05)
+
+    def step(self) -> bool:
+        """One scheduling round; returns False when there was nothing to do."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        self._waiting.extend(inbox)
+        for rid in aborts:
+            seq = self._live_seq(rid)
+            if seq is not None:
+                self._finish(seq, FinishReason.ABORT)
+        now = self.clock()
+        self._expire(now)
+        self._admit(now)
+        worked = bool(inbox or aborts)
+        for _ in range(self.config.prefill_chunks_per_step):
+            if not self._prefilling:
+                break
+            self._prefill_one(self._prefilling[0])
+            worked = True
+        if any(s is not None and s.decoding for s in self._slots):
+            self._decode()
+            worked = True
+        self._update_gauges()
+        return worked
+
+    def _live_seq(self, rid: str) -> _Seq | None:
+        with self._lock:
+            return self._live.get(rid)
+
+    def _expire(self, now: float) -> None:
+        expired = [s for s in self._waiting if s.req.deadline is not None and s.req.deadline <= now]
+        expired += [
+            s for s in self._slots if s is not None and s.req.deadline is not None and s.req.deadline <= now
+        ]
+        for seq in expired:
+            self._finish(seq, FinishReason.ABORT)
+
+    def _admit(self, now: float) -> None:
+        ps = self.spec.page_size
+        limit = self.config.running_limit
+        while self._waiting and self._free_slots and self.num_running < limit:
+            seq = self._waiting[0]
+            n = len(seq.prompt)
+            # Never reuse the block holding the last prompt token (its logits are needed).
+            match = self.pool.match(seq.prompt, max_blocks=(n - 1) // ps)
+            entries = list(match.entries)
+            if self.spec.restore_mode == "snapshot":
+                usable = max((i + 1 for i, e in enumerate(entries) if e.snapshot is not None), default=0)
+                entries = entries[:usable]
+            hit_pages = [e.page for e in entries]
+            # KV is written for every position but the last sampled token's.
+            total = -(-(n + seq.max_tokens - 1) // ps)
+            self.pool.acquire(hit_pages)
+            need = total - len(hit_pages)
+            if self.pool.num_available < need:
+                self.pool.release(hit_pages)
+                break  # strict FIFO: the head waits for pages rather than being overtaken
+            seq.pages = hit_pages + self.pool.allocate(need)
+            self._waiting.popleft()
+            slot = self._free_slots.pop(0)
+            seq.slot = slot
+            self._slots[slot] = seq
+            self.page_tables[slot] = 0
+            self.page_tables[slot, : len(seq.pages)] = seq.pages
+            seq.cached_tokens = seq.prefilled = len(entries) * ps
+            seq.registered = len(entries)
+            seq.parent_key = entries[-1].key if entries else ROOT_KEY
+            seq.restore = entries[-1].snapshot if entries and self.spec.restore_mode == "snapshot" else None
+            sp = seq.req.sampling
+            self._temperature[slot] = sp.temperature
+            self._top_p[slot] = sp.top_p
+            self._top_k[slot] = sp.top_k
+            self._seed[slot] = sp.seed
+            self._prefilling.append(seq)
+            if self.metrics is not None:
+                self.metrics.queue_time.observe(now - seq.arrival)
+                self.metrics.observe_prefix(seq.cached_tokens, n)
+                self.metrics.prompt_tokens.inc(n)
+
+    def _prefill_one(self, seq: _Seq) -> None:
+        spec, ps = self.spec, self.spec.page_size
+        n = len(seq.prompt)
+        start = seq.prefilled
+        end = min(n, start + spec.max_chunk)
+        full_end = (n // ps) * ps  # prompt blocks that will be registered end by here
+        snapshot_at = ()
+        if spec.restore_mode == "snapshot" and self.config.enable_prefix_cache:
+            snapshot_at = tuple(range((start // ps + 1) * ps, min(end, full_end) + 1, ps))
+        h = spec.history_tokens
+        chunk = PrefillChunk(
+            slot=seq.slot,
+            token_ids=seq.prompt[start:end],
+            start_pos=start,
+            page_table=self.page_tables[seq.slot],
+            history=seq.prompt[max(0, start - h) : start] if h else seq.prompt[:0],
+            sampling=seq.req.sampling,
+            is_last_chunk=end == n,
+            restore=seq.restore,
+            snapshot_at=snapshot_at,
+        )
+        result = self.engine.prefill(chunk)
+        seq.restore = None
+        seq.prefilled = end
+        snapshots = dict(result.snapshots)
+        for i in range(seq.registered, end // ps):
+            b = (i + 1) * ps
+            seq.parent_key = self.pool.register(
+                seq.parent_key, seq.prompt[i * ps : b], seq.pages[i], snapshots.pop(b, None)
+            )
+            seq.registered = i + 1
+        for snap in snapshots.values():  # boundaries we did not ask for
+            self.engine.drop_snapshot(snap)
+        if end == n:
+            self._prefilling.remove(seq)
+            seq.decoding = True
+            seq.pos = n - 1  # so that the first token lands at n
+            self._on_token(seq, result.token)
+
+    def _decode(self) -> None:
+        active = np.array([s is not None and s.decoding for s in self._slots])
+        batch = DecodeBatch(
+            active=active,
+            token_ids=self._tokens.copy(),
+            positions=self._positions.copy(),
+            page_tables=self.page_tables.copy(),
+            temperature=self._temperature.copy(),
+            top_p=self._top_p.copy(),
+            top_k=self._top_k.copy(),
+            seed=self._seed.copy(),
+        )
+        result = self.engine.decode(batch)
+        for slot in np.flatnonzero(active):
+            seq = self._slots[slot]
+            self._on_token(seq, result.row(int(slot)))
+
+    def _on_token(self, seq: _Seq, tok: SampledToken) -> None:
+        now = self.clock()
+        seq.generated += 1
+        seq.pos += 1
+        seq.last_token = tok.token_id
+        self._tokens[seq.slot] = tok.token_id
+        self._positions[seq.slot] = seq.pos
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.ttft.observe(now - seq.arrival)
+        seq.last_token_time = now
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc()
+        req = seq.req
+        if tok.token_id in req.stop_token_ids or (tok.token_id in self._eos and not req.ignore_eos):
+            self._finish(seq, FinishReason.STOP)
+            return
+        payload = None
+        if req.logprobs:
+            top = tuple(
+                (int(i), float(lp))
+                for i, lp in zip(tok.top_ids[: req.logprobs], tok.top_logprobs[: req.logprobs], strict=True)
+            )
+            payload = TokenLogprobs(tok.token_id, tok.logprob, top)
+        rel = seq.text.push(tok.token_id, payload)
+        if rel.stopped:
+            self._finish(seq, FinishReason.STOP, rel)
+        elif seq.generated >= seq.max_tokens:
+            self._finish(seq, FinishReason.LENGTH, rel)
+        elif rel.token_ids or rel.text:
+            self._emit(seq, rel)
+
+    def _emit(self, seq: _Seq, rel: Released | None, reason=None, usage=None, error=None) -> None:
+        ev = StreamEvent(
+            request_id=seq.req.request_id,
+            token_ids=tuple(rel.token_ids) if rel else (),
+            text=rel.text if rel else "",
+            logprobs=tuple(p for p in rel.payloads if p is not None) if rel else (),
+            finish_reason=reason,
+            usage=usage,
+            error=error,
+        )
+        try:
+            seq.sink(ev)
+        except Exception:  # a broken sink must not take the scheduler down
+            log.exception("event sink failed for %s", seq.req.request_id)
+
+    def _finish(self, seq: _Seq, reason: FinishReason, rel: Released | None = None, error=None) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        self._release(seq)
+        if reason is not FinishReason.ABORT and not (rel is not None and rel.stopped):
+            tail = seq.text.finish()  # nothing more will come: flush held-back text
+            if rel is None:
+                rel = tail
+            else:
+                rel = Released(
+                    rel.token_ids + tail.token_ids, rel.text + tail.text, rel.payloads + tail.payloads
+                )
+        usage = Usage(len(seq.prompt), seq.cached_tokens, seq.generated)
+        if error is None:
+            self._emit(seq, rel, reason=reason, usage=usage)
+        else:
+            self._emit(seq, None, error=error)
+        if self.metrics is not None:
+            if error is None:
+                self.metrics.requests_finished.labels(finish_reason=reason.value).inc()
+            if seq.generated >= 2:
+                tpot = (seq.last_token_time - seq.first_token_time) / (seq.generated - 1)
+                self.metrics.tpot.observe(tpot)
+        with self._lock:
+            self._live.pop(seq.req.request_id, None)
+
+    def _release(self, seq: _Seq) -> None:
+        """Frees the slot and every page reference of `seq` (idempotent)."""
+        if seq.slot is not None:
+            slot = seq.slot
+            self.engine.release(slot)
+            self._slots[slot] = None
+            self._free_slots.append(slot)
+            self._free_slots.sort()
+            self.page_tables[slot] = 0
+            seq.slot = None
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        if seq.pages:
+            self.pool.release(seq.pages)
+            seq.pages = []
+        seq.decoding = False
+
+    def _fail_all(self, error: str) -> None:
+        with self._lock:
+            self._failed = error
+            seqs = list(self._live.values())
+            self._inbox = []
+            self._aborts = []
+        for seq in seqs:
+            try:
+                self._finish(seq, FinishReason.ABORT, error=error)
+            except Exception:
+                log.exception("cleanup after engine failure")
+                with self._lock:
+                    self._live.pop(seq.req.request_id, None)
+
+    def _reject(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_rejected.labels(reason=reason).inc()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.queue_depth.set(len(self._waiting))
+        m.active_slots.set(self.num_running)
+        m.pages_used.set(self.pool.num_referenced)
+        m.pages_free.set(self.pool.num_free)
+        m.pages_cached.set(self.pool.num_cached)
+        m.compiles_after_warmup.set(self.engine.compiles_after_warmup)
+
+
+class RequestStream:
+    """Async iterator over one request's events; closing it early aborts the request.
+
+    Events are produced on the scheduler thread and handed to the loop with `call_soon_threadsafe`.
+    """
+
+    def __init__(self, scheduler: Scheduler, request_id: str, loop: asyncio.AbstractEventLoop):
+        self._scheduler = scheduler
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._finished = False
+
+    def _sink(self, ev: StreamEvent) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._finished:
+            raise StopAsyncIteration
+        ev = await self._queue.get()
+        if ev.final:
+            self._finished = True
+        return ev
+
+    def close(self) -> None:
+        """Aborts the request unless it already finished (client cancel or disconnect)."""
+        if not self._finished:
+            self._finished = True
+            self._scheduler.abort(self.request_id)
+
+
+def collect(events: Sequence[StreamEvent]) -> tuple[list[int], str, StreamEvent]:
+    """Concatenated token ids and text of a finished stream, and its final event (for tests/tools)."""
+    ids: list[int] = []
+    text = ""
+    for ev in events:
+        ids.extend(ev.token_ids)
+        text += ev.text
+    return ids, text, events[-1]

@@ -1,0 +1,143 @@
+"""serving/pages.py: allocation, reference counts, prefix matching, LRU eviction, no leaks."""
+
+import numpy as np
+import pytest
+
+from serving.pages import ROOT_KEY, OutOfPages, PagePool
+
+pytestmark = pytest.mark.timeout(60)
+
+PS = 4
+
+
+def _register_all(pool, tokens, pages, snapshots=None):
+    key = ROOT_KEY
+    for i in range(len(tokens) // PS):
+        snap = None if snapshots is None else snapshots[i]
+        key = pool.register(key, tokens[i * PS : (i + 1) * PS], pages[i], snap)
+    return key
+
+
+def test_allocate_release_counts():
+    pool = PagePool(8, PS)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free == 5 and pool.num_referenced == 3
+    with pytest.raises(OutOfPages):
+        pool.allocate(6)
+    pool.release(a)
+    assert pool.num_free == 8 and pool.num_referenced == 0
+    with pytest.raises(ValueError):
+        pool.release([0])
+    pool.check_invariants()
+
+
+def test_shared_prefix_refcounts_and_cached_state():
+    pool = PagePool(8, PS)
+    tokens = np.arange(10)
+    pages = pool.allocate(3)
+    _register_all(pool, tokens, pages)  # two full blocks
+    m = pool.match(np.arange(12))
+    assert m.pages == pages[:2]
+    pool.acquire(m.pages)
+    assert pool.refcount(pages[0]) == 2
+    pool.release(pages)  # first holder finishes
+    assert pool.refcount(pages[0]) == 1 and pool.num_cached == 0 and pool.num_free == 6
+    pool.release(m.pages)
+    assert pool.num_cached == 2 and pool.num_free == 6 and pool.num_referenced == 0
+    # a different second block only matches the first
+    assert pool.match([0, 1, 2, 3, 9, 9, 9, 9]).pages == pages[:1]
+    assert len(pool.match(np.arange(12), max_blocks=1)) == 1
+    pool.check_invariants()
+
+
+def test_lru_eviction_deepest_first_and_cascades():
+    dropped = []
+    pool = PagePool(6, PS, on_drop_snapshot=dropped.append)
+    a = pool.allocate(3)
+    _register_all(pool, np.arange(12), a, snapshots=["a0", "a1", "a2"])
+    pool.release(a)  # released last-block-first: a[2] is the oldest in LRU
+    b = pool.allocate(3)  # uses the 3 free pages
+    assert set(b).isdisjoint(a)
+    pool.allocate(1)  # must evict: the deepest block goes first
+    assert dropped == ["a2"] and len(pool.match(np.arange(12))) == 2
+    # evicting a parent drops its (unreachable) descendants too
+    pool._evict_one()
+    pool._evict_one()
+    assert pool.num_cached == 0
+    assert sorted(dropped) == ["a0", "a1", "a2"]
+    pool.check_invariants()
+
+
+def test_collision_keeps_existing_entry_and_broken_chain_is_not_cached():
+    dropped = []
+    pool = PagePool(8, PS, on_drop_snapshot=dropped.append)
+    a = pool.allocate(1)
+    b = pool.allocate(1)
+    k = pool.register(ROOT_KEY, [1, 2, 3, 4], a[0], "sa")
+    assert pool.register(ROOT_KEY, [1, 2, 3, 4], b[0], "sb") == k
+    assert dropped == ["sb"] and pool.match([1, 2, 3, 4]).pages == a
+    pool.release(b)
+    assert pool.num_free == 7  # the private duplicate is freed, not cached
+    c = pool.allocate(1)
+    pool.register(b"\x01" * 16, [5, 6, 7, 8], c[0], "sc")  # unknown parent: cannot be matched
+    assert dropped == ["sb", "sc"]
+    pool.release(c)
+    assert pool.num_free == 7 and pool.num_cached == 0
+    pool.check_invariants()
+
+
+def test_prefix_cache_disabled():
+    pool = PagePool(4, PS, enable_prefix_cache=False)
+    a = pool.allocate(2)
+    _register_all(pool, np.arange(8), a)
+    assert len(pool.match(np.arange(8))) == 0
+    pool.release(a)
+    assert pool.num_free == 4
+
+
+def test_randomized_no_leaks_and_consistent_refcounts():
+    """Random admit / finish / cancel / evict sequences, checking every invariant after each op."""
+    rng = np.random.default_rng(0)
+    dropped = []
+    pool = PagePool(24, PS, on_drop_snapshot=dropped.append)
+    prefixes = [rng.integers(0, 5, size=12) for _ in range(3)]
+    live: dict[int, list[int]] = {}  # request -> pages it holds (one reference each)
+    made_snapshots = 0
+    for step in range(3000):
+        op = rng.choice(["admit", "finish", "cancel", "pressure"], p=[0.45, 0.25, 0.15, 0.15])
+        if op == "admit":
+            prompt = np.concatenate([prefixes[rng.integers(3)][: rng.integers(0, 13)], rng.integers(0, 5, 9)])
+            total = -(-(len(prompt) + int(rng.integers(1, 6))) // PS)
+            m = pool.match(prompt, max_blocks=(len(prompt) - 1) // PS)
+            pool.acquire(m.pages)
+            if pool.num_available < total - len(m):
+                pool.release(m.pages)
+                continue
+            pages = m.pages + pool.allocate(total - len(m))
+            key = m.entries[-1].key if len(m) else ROOT_KEY
+            for i in range(len(m), len(prompt) // PS):
+                made_snapshots += 1
+                key = pool.register(key, prompt[i * PS : (i + 1) * PS], pages[i], f"s{made_snapshots}")
+            live[step] = pages
+        elif op in ("finish", "cancel") and live:
+            rid = list(live)[rng.integers(len(live))]
+            pool.release(live.pop(rid))
+        elif op == "pressure":
+            n = int(rng.integers(1, 6))
+            if pool.num_available >= n:
+                pool.release(pool.allocate(n))
+        pool.check_invariants()
+        expect = np.zeros(pool.num_pages, int)
+        for pages in live.values():
+            np.add.at(expect, pages, 1)
+        np.testing.assert_array_equal(pool._refcount, expect)
+        live_snaps = {e.snapshot for e in pool._entries.values() if e.snapshot is not None}
+        assert len(live_snaps) + len(dropped) == made_snapshots  # every snapshot cached or dropped once
+        assert len(set(dropped)) == len(dropped)
+    for pages in live.values():
+        pool.release(pages)
+    assert pool.num_referenced == 0 and pool.num_free + pool.num_cached == pool.num_pages
+    assert pool.evictions > 0
+    pool.clear_cache()
+    assert pool.num_free == pool.num_pages and len(dropped) == made_snapshots
+    pool.check_invariants()

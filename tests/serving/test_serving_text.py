@@ -1,0 +1,95 @@
+"""serving/text.py: incremental detokenization and stop strings across token boundaries."""
+
+from pathlib import Path
+
+import pytest
+
+from serving.mock_engine import ByteTokenizer
+from serving.text import HFTokenizer, IncrementalDetokenizer, StreamText
+
+pytestmark = pytest.mark.timeout(30)
+
+TOK = ByteTokenizer()
+TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "ced_jax" / "assets" / "tiny" / "tokenizer.json"
+
+
+def _deltas(tokenizer, ids, context=()):
+    d = IncrementalDetokenizer(tokenizer, context)
+    out = [d.push(t) for t in ids]
+    out.append(d.flush())
+    return out
+
+
+def test_multibyte_characters_never_split():
+    text = "aé€😀b"  # 1, 2, 3, 4 and 1 bytes
+    deltas = _deltas(TOK, TOK.encode(text))
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    # the emoji's text arrives with its 4th byte, not before
+    assert deltas[:10] == ["a", "", "é", "", "", "€", "", "", "", "😀"]
+
+
+def test_invalid_bytes_are_released_after_four_tokens():
+    ids = [TOK.OFFSET + 0xFF] + TOK.encode("abcd")
+    deltas = _deltas(TOK, ids)
+    assert "".join(deltas) == "\ufffdabcd"
+    assert deltas[0] == ""  # held while it could still be a prefix
+
+
+def test_hf_byte_level_tokenizer_round_trip():
+    tok = HFTokenizer.from_file(TINY_TOKENIZER)
+    vocab = tok._tok.get_vocab()
+    ids = [vocab["Ġthe"], vocab["Ã"], vocab["©"], vocab["Ġof"], vocab["the"]]  # Ã© = UTF-8 of é
+    deltas = _deltas(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == " theé ofthe"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def _run(stop, pieces):
+    """Feeds the byte tokens of each piece; returns (released text, released tokens, stopped, per-push texts)."""
+    st = StreamText(TOK, stop)
+    text, toks, pushes = "", [], []
+    for piece in pieces:
+        for t in TOK.encode(piece):
+            r = st.push(t, payload=t)
+            assert r.payloads == r.token_ids
+            text += r.text
+            toks += r.token_ids
+            pushes.append(r.text)
+            if r.stopped:
+                return text, toks, True, pushes
+    r = st.finish()
+    return text + r.text, toks + r.token_ids, False, pushes
+
+
+def test_stop_string_across_tokens_is_cut_and_never_leaks():
+    text, toks, stopped, pushes = _run(["STOP"], ["hello ST", "OP world"])
+    assert stopped and text == "hello "
+    assert TOK.decode(toks) == "hello "
+    # "S" and "T" were held back as a possible prefix of "STOP", never streamed
+    assert "S" not in "".join(pushes)
+
+
+def test_false_prefix_is_released_later_and_finish_flushes():
+    text, toks, stopped, pushes = _run(["STOP"], ["a STO", "RM ST"])
+    assert not stopped and text == "a STORM ST"
+    assert TOK.decode(toks) == text
+    assert "".join(pushes) == "a STORM "  # the trailing "ST" only came with finish()
+
+
+def test_earliest_of_several_stops_wins_and_overlapping_prefixes():
+    text, _, stopped, _ = _run(["xyz", "abab"], ["aababxyz"])
+    assert stopped and text == "a"
+    text, _, stopped, _ = _run(["abc"], ["aababc"])
+    assert stopped and text == "aab"
+
+
+def test_stop_string_with_multibyte_characters():
+    text, toks, stopped, _ = _run(["é!"], ["café", "!", "more"])
+    assert stopped and text == "caf"
+    assert TOK.decode(toks) == "caf"
+
+
+def test_no_stop_strings_streams_immediately():
+    st = StreamText(TOK, ())
+    assert st.push(TOK.encode("a")[0]).text == "a"
