@@ -1,0 +1,238 @@
+"""CSA2 attention: latent MQA over [own sliding window || selected shared compressed entries].
+
+Letters: B batch, T tokens in this chunk, H heads, Dh head dim (K = V), W window, R compress
+ratio, S compressed-cache capacity (max_len / R), I indexer heads, Dk indexer head dim, X top-k.
+
+Phases differ only in metadata: every call gets `start` [B] (position of the chunk's first token)
+and `lens` [B] (valid tokens in the chunk; the rest is padding). Prefill, chunked prefill and
+decode (T = 1) are the same code. Caches are explicit arrays passed in and returned:
+- window ring [B, W, Dh]: slot = position % W, FP8-fake-quantised K after RoPE;
+- compressed KV [B, S, Dh] and index keys [B, S, Dk] of each KV-source layer, entry j standing
+  for tokens [j R, (j+1) R), rotated at position j R and FP4-fake-quantised;
+- compressor partial groups [B, R, Dh] (kv and score, f32) of each ratio>1 source.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ced_jax import ops
+from ced_jax.config import ModelConfig
+from ced_jax.layers.common import apply_rope, bf16_linear, f32_linear, fp8_linear, rms_norm, rope_inv_freq
+from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
+
+
+def layer_inv_freq(cfg: ModelConfig, layer: int):
+    """Compressed layers rotate at compress_rope_theta with YaRN; SWA-only layers at rope_theta."""
+    if cfg.compress_ratios[layer] > 0:
+        yarn = (cfg.rope_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_original_max_position)
+        return rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, yarn)
+    return rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, None)
+
+
+def ring_update(ring: jax.Array, new: jax.Array, start: jax.Array, lens: jax.Array) -> jax.Array:
+    """Write the valid tokens of a chunk into a ring of period P = ring.shape[1] (slot = pos % P).
+
+    ring [B, P, ...], new [B, T, ...]. Each slot takes the newest chunk token that maps to it."""
+    period = ring.shape[1]
+    slots = jnp.arange(period)[None, :]
+    last = (start + lens - 1)[:, None]
+    newest = last - jnp.mod(last - slots, period)  # newest position <= last with pos % P == slot
+    take = newest >= start[:, None]
+    idx = jnp.clip(newest - start[:, None], 0, new.shape[1] - 1)
+    gathered = jnp.take_along_axis(new, idx.reshape(idx.shape + (1,) * (new.ndim - 2)), axis=1)
+    take = take.reshape(take.shape + (1,) * (new.ndim - 2))
+    return jnp.where(take, gathered, ring)
+
+
+def ring_positions(start: jax.Array, period: int) -> jax.Array:
+    """Position held by each ring slot before this chunk is written (-ve: never written). [B, P]."""
+    prev = (start - 1)[:, None]
+    return prev - jnp.mod(prev - jnp.arange(period)[None, :], period)
+
+
+def window_segments(kv: jax.Array, ring: jax.Array, positions: jax.Array, start: jax.Array,
+                    lens: jax.Array, window: int):
+    """Keys each query sees in its causal window: positions (p - W, p] from the ring and the chunk."""
+    ring_pos = ring_positions(start, ring.shape[1])  # [B, W]
+    q = positions[:, :, None]
+    ring_valid = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > q - window)
+    chunk_pos = positions[:, None, :]
+    chunk_valid = (jnp.arange(kv.shape[1])[None, None, :] < lens[:, None, None]) & (chunk_pos <= q) & (
+        chunk_pos > q - window)
+    return [(ring, ring_valid, "shared"), (kv, chunk_valid, "shared")]
+
+
+def compress(x: jax.Array, p: dict, state_kv, state_score, start: jax.Array, lens: jax.Array, ratio: int,
+             eps: float):
+    """Pool each complete group of `ratio` tokens into one latent (pre-RoPE, bf16-rounded).
+
+    Returns (latent [B, G, Dh], entry index [B, G], complete [B, G], new state_kv, new state_score).
+    Ratio 1 is a plain projection; ratio > 1 pools with a softmax gate in f32, the tokens of a
+    group split across calls being carried in the partial-group state."""
+    if ratio == 1:
+        latent = rms_norm(bf16_linear(x, p["wkv"]["weight"]), p["norm"]["weight"], eps)
+        groups = jnp.arange(x.shape[1])[None, :]
+        return latent, start[:, None] + groups, groups < lens[:, None], state_kv, state_score
+    kv = f32_linear(x, p["wkv"]["weight"])
+    score = f32_linear(x, p["wgate"]["weight"])
+    t = x.shape[1]
+    n_groups = t // ratio + 1
+    offset = jnp.mod(start, ratio)[:, None]  # tokens of the current group already in the state
+    e = jnp.arange(n_groups * ratio)[None, :]
+    src = jnp.clip(jnp.where(e < offset, e, e - offset + ratio), 0, ratio + t - 1)[..., None]
+    ext_kv = jnp.take_along_axis(jnp.concatenate([state_kv, kv], axis=1), src, axis=1)
+    ext_score = jnp.take_along_axis(jnp.concatenate([state_score, score], axis=1), src, axis=1)
+    ext_kv = ext_kv.reshape(x.shape[0], n_groups, ratio, -1)
+    ext_score = ext_score.reshape(x.shape[0], n_groups, ratio, -1)
+    weights = jnp.exp(ext_score - jnp.max(ext_score, axis=2, keepdims=True))
+    weights = exact_div(weights, jnp.sum(weights, axis=2, keepdims=True))
+    pooled = jnp.sum(ext_kv * weights, axis=2)
+    latent = rms_norm(round_bf16(pooled), p["norm"]["weight"], eps)
+    groups = jnp.arange(n_groups)[None, :]
+    complete = (groups + 1) * ratio <= offset + lens[:, None]
+    entry = start[:, None] // ratio + groups
+    new_state_kv = ring_update(state_kv, kv, start, lens)
+    new_state_score = ring_update(state_score, score, start, lens)
+    return latent, entry, complete, new_state_kv, new_state_score
+
+
+def write_entries(cache: jax.Array, values: jax.Array, entry: jax.Array, complete: jax.Array) -> jax.Array:
+    """cache [B, S, ...] <- values [B, G, ...] at entry [B, G] where complete (others dropped)."""
+    capacity = cache.shape[1]
+    idx = jnp.where(complete, entry, capacity)  # out of bounds -> dropped
+    batch = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], idx.shape)
+    return cache.at[batch, idx].set(values.astype(cache.dtype), mode="drop")
+
+
+def index_keys(latent: jax.Array, p: dict, entry_pos: jax.Array, inv_freq, eps: float) -> jax.Array:
+    """Index keys from the pre-RoPE latent: RMSNorm(latent Wk^T), RoPE at j R, FP4 (ue8m0, 32)."""
+    k = rms_norm(bf16_linear(latent, p["wk"]["weight"]), p["k_norm"]["weight"], eps)
+    k = apply_rope(k, entry_pos, inv_freq)
+    return fp4_fake_quant_ue8m0(k, 32)
+
+
+def main_entries(latent: jax.Array, entry_pos: jax.Array, inv_freq) -> jax.Array:
+    """Compressed main KV: RoPE at j R, then FP4 with e4m3 scales per 16."""
+    return fp4_fake_quant_e4m3(apply_rope(latent, entry_pos, inv_freq), 16)
+
+
+def index_scores(x, qr, p: dict, index_k: jax.Array, positions, inv_freq, cfg: ModelConfig, ratio: int):
+    """The indexer's bf16 score row per query: sum_h relu(qI_h . k_t) w_h, invisible entries -inf.
+
+    index_k [B, S, Dk] -> scores [B, T, S] (f32 holding bf16 values)."""
+    n_heads, dk = cfg.index_n_heads, cfg.index_head_dim
+    q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"])
+    q = q.reshape(*q.shape[:-1], n_heads, dk)
+    q = apply_rope(q, positions[..., None], inv_freq)
+    q = fp4_fake_quant_ue8m0(q, 32)
+    w = round_bf16(bf16_linear(x, p["weights_proj"]["weight"]) * (dk**-0.5 * n_heads**-0.5))
+    s = round_bf16(jnp.einsum("bthd,bsd->bths", q, index_k, precision=jax.lax.Precision.HIGHEST))
+    s = round_bf16(jax.nn.relu(s) * w[..., None])
+    s = round_bf16(jnp.sum(s, axis=2))
+    visible = jnp.arange(index_k.shape[1])[None, None, :] < ((positions + 1) // ratio)[..., None]
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def candidate_pool(scores: jax.Array, positions: jax.Array, ratio: int, top_blocks: int, block: int) -> jax.Array:
+    """Level one of the two-level top-k: a bool mask [B, T, S] of the best `top_blocks` blocks of
+    `block` entries (by their best score), the block of the newest visible entry always kept."""
+    width = scores.shape[-1]
+    pad = -width % block
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    block_scores = jnp.max(padded.reshape(*scores.shape[:-1], -1, block), axis=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = ((positions + 1) // ratio - 1) // block
+    block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
+    values, ids = jax.lax.top_k(block_scores, min(top_blocks, n_blocks))
+    keep = jnp.zeros(block_scores.shape, bool)
+    keep = jnp.put_along_axis(keep, ids, values > -jnp.inf, axis=-1, inplace=False)
+    return jnp.repeat(keep, block, axis=-1)[..., :width]
+
+
+def select_topk(scores: jax.Array, positions: jax.Array, ratio: int, top_k: int) -> jax.Array:
+    """Top-k entries by score (lower index first on ties), ascending, -1 = none. [B, T, X]."""
+    k = min(top_k, scores.shape[-1])
+    values, ids = jax.lax.top_k(scores, k)
+    valid = (values > -jnp.inf) & (ids < ((positions + 1) // ratio)[..., None])
+    big = jnp.iinfo(jnp.int32).max
+    ordered = jnp.sort(jnp.where(valid, ids, big), axis=-1)
+    return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
+
+
+def attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, start: jax.Array,
+              lens: jax.Array, cache: dict, shared: dict, *, forced_topk: jax.Array | None,
+              index_k_mode: str, impl: str):
+    """One attention sublayer. x: attn_norm output [B, T, D]. Returns (out [B, T, D], own top-k or None).
+
+    `cache` and `shared` are dicts updated in place (this function is traced, not run eagerly):
+    shared carries what layers hand down: 'topk' [B, T, X], 'candidates' [B, T, S], and for the
+    reference index-K mode 'index_k_ptr' (the cache the released code's global pointer names)."""
+    key = str(layer)
+    eps = cfg.rms_norm_eps
+    inv_freq = layer_inv_freq(cfg, layer)
+    ratio = cfg.compress_ratios[layer]
+    n_heads, head_dim = cfg.num_heads, cfg.head_dim
+
+    qr = rms_norm(fp8_linear(x, p["wq_a"]["weight"], p["wq_a"]["scale"]), p["q_norm"]["weight"], eps)
+    q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"]).reshape(*x.shape[:-1], n_heads, head_dim)
+    q = apply_rope(q, positions[..., None], inv_freq)
+
+    kv = rms_norm(fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"]), p["kv_norm"]["weight"], eps)
+    kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
+    ring = cache["window"][key]
+    segments = window_segments(kv, ring, positions, start, lens, cfg.sliding_window)
+    cache["window"][key] = ring_update(ring, kv, start, lens)
+
+    own_topk = None
+    if ratio > 0:
+        src = str(cfg.kv_source_of(layer))
+        if layer in cfg.kv_source_layer_ids:
+            comp = p["compressor"]
+            latent, entry, complete, skv, ssc = compress(
+                x, comp, cache["state_kv"].get(key), cache["state_score"].get(key), start, lens, ratio, eps)
+            if ratio > 1:
+                cache["state_kv"][key], cache["state_score"][key] = skv, ssc
+            entry_pos = entry * ratio
+            # Index keys come from the latent before it is rotated and quantised for the main cache.
+            cache["index_k"][key] = write_entries(
+                cache["index_k"][key], index_keys(latent, p["indexer"], entry_pos, inv_freq, eps), entry, complete)
+            cache["kv"][key] = write_entries(cache["kv"][key], main_entries(latent, entry_pos, inv_freq),
+                                             entry, complete)
+            published = jnp.any(complete, axis=1)  # [B]: did this owner produce an entry in this call
+            if index_k_mode == "reference":
+                # The released code moves its global index-K pointer only when an owner publishes.
+                ptr = shared["index_k_ptr"]
+                own = cache["index_k"][key]
+                own = jnp.pad(own, ((0, 0), (0, ptr.shape[1] - own.shape[1]), (0, 0)))
+                shared["index_k_ptr"] = jnp.where(published[:, None, None], own, ptr)
+        if layer in cfg.index_source_layer_ids:
+            if index_k_mode == "reference":
+                keys = shared["index_k_ptr"]
+                cap = cache["index_k"][src].shape[1]
+                keys = keys[:, :cap] if keys.shape[1] >= cap else jnp.pad(
+                    keys, ((0, 0), (0, cap - keys.shape[1]), (0, 0)))
+            else:
+                keys = cache["index_k"][src]
+            scores = index_scores(x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio)
+            if layer == cfg.candidate_source_layer_id:
+                shared["candidates"] = candidate_pool(scores, positions, ratio, cfg.candidate_topk_blocks,
+                                                      cfg.candidate_block_size)
+            elif cfg.uses_candidates(layer):
+                scores = jnp.where(shared["candidates"], scores, -jnp.inf)
+            own_topk = select_topk(scores, positions, ratio, cfg.index_topk)
+            shared["topk"] = own_topk if forced_topk is None else forced_topk
+        topk = shared["topk"]
+        entries = cache["kv"][src]
+        gathered = jnp.take_along_axis(entries[:, None, :, :], jnp.maximum(topk, 0)[..., None], axis=2)
+        segments.append((gathered, topk >= 0, "per_query"))
+
+    o = ops.sparse_attention(q, segments, p["attn_sink"], head_dim**-0.5, impl=impl)
+    o = apply_rope(o, positions[..., None], inv_freq, inverse=True)
+    groups = cfg.o_groups
+    o = o.reshape(*x.shape[:-1], groups, n_heads * head_dim // groups)
+    wo_a = p["wo_a"]["weight"].astype(jnp.float32).reshape(groups, cfg.o_lora_rank, -1)
+    o = round_bf16(jnp.einsum("btgd,grd->btgr", o, wo_a, precision=jax.lax.Precision.HIGHEST))
+    out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"]["weight"], p["wo_b"]["scale"])
+    return out, own_topk

@@ -1,0 +1,84 @@
+"""Small pure functions shared by every layer: RMSNorm, RoPE, and the three kinds of linear.
+
+All activations are f32 arrays holding bf16-representable values (see `ced_jax.quant`); each
+function rounds its output to bf16 exactly where DeepSeek's reference does.
+
+Dimension letters: B batch, T tokens of this chunk, D model width, H heads, K contraction.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ced_jax.quant import dequant_fp8_weight, fp8_fake_quant, mean_last, round_bf16
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in f32, output rounded to bf16. x: [..., D], weight: [D]."""
+    var = mean_last(jnp.square(x))
+    return round_bf16(weight.astype(jnp.float32) * (x * jax.lax.rsqrt(var + eps)))
+
+
+def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:
+    """y = act_quant(x) @ dequant(W)^T, rounded to bf16. W: FP8 [N, K] with ue8m0 block scales."""
+    w = dequant_fp8_weight(weight, scale, block)
+    y = jnp.einsum("...k,nk->...n", fp8_fake_quant(x, block), w, precision=HIGHEST)
+    return round_bf16(y)
+
+
+def bf16_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """A linear whose weight is bf16 in the reference: f32 accumulation, bf16 output."""
+    return round_bf16(jnp.einsum("...k,nk->...n", x, weight.astype(jnp.float32), precision=HIGHEST))
+
+
+def f32_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """A linear the reference runs in fp32 (router, ratio>1 compressor, head): no rounding."""
+    return jnp.einsum("...k,nk->...n", x, weight.astype(jnp.float32), precision=HIGHEST)
+
+
+# ------------------------------------------------------------------------------------- RoPE
+@lru_cache(maxsize=16)
+def rope_inv_freq(dim: int, base: float, yarn: tuple[float, float, float, int] | None) -> np.ndarray:
+    """Per-pair rotation frequencies (f32, computed as the reference does in torch f32).
+
+    yarn = (factor, beta_fast, beta_slow, original_max_position), or None for plain RoPE (the
+    SWA-only layers). Dimensions whose wavelength fits the original context keep their frequency,
+    those beyond it are divided by `factor`, with a linear ramp between."""
+    f32 = np.float32
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    if yarn is not None:
+        factor, beta_fast, beta_slow, original = yarn
+
+        def corrected_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected_dim(beta_fast)), 0)
+        high = min(math.ceil(corrected_dim(beta_slow)), dim - 1)
+        ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(max(high - low, 1e-3)), 0, 1)
+        smooth = f32(1) - ramp
+        freqs = freqs / f32(factor) * (f32(1) - smooth) + freqs * smooth
+    return freqs.astype(f32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False) -> jax.Array:
+    """Interleaved RoPE on the last `2*len(inv_freq)` dims of x; output rounded to bf16.
+
+    x: [..., Dh] with positions broadcastable to x.shape[:-1] (heads axes included by the caller).
+    Adjacent pairs (2i, 2i+1) are one complex number; the no-RoPE part comes first."""
+    rd = 2 * inv_freq.shape[0]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if inverse:
+        sin = -sin
+    head, tail = x[..., :-rd], x[..., -rd:]
+    pairs = tail.reshape(*tail.shape[:-1], rd // 2, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(tail.shape)
+    return jnp.concatenate([head, round_bf16(rotated)], axis=-1)

@@ -1,0 +1,37 @@
+"""Engram: an n-gram hash lookup written into every residual stream, gated per stream.
+
+The hash ids ([B, T, C] rows of this layer's table, C = (N-1) * heads) are computed on the host
+(`ced_jax.engram_hash`): the hash needs 64-bit integer arithmetic and only depends on token ids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ced_jax.layers.common import fp8_linear
+from ced_jax.quant import e8m0_to_f32, mean_last, round_bf16
+
+
+def engram_lookup(table: jax.Array, table_scale: jax.Array, rows: jax.Array, block: int = 32) -> jax.Array:
+    """FP8 table rows times their ue8m0 scales per `block` -> f32 [..., C, head_dim] (bf16-exact)."""
+    values = table[rows].astype(jnp.float32)
+    scales = jnp.repeat(e8m0_to_f32(table_scale[rows]), block, axis=-1)
+    return round_bf16(values * scales)
+
+
+def engram(x: jax.Array, rows: jax.Array, p: dict, *, eps: float, token_mask: jax.Array | None = None) -> jax.Array:
+    """x: [B, T, M, D] residual streams; rows: i32 [B, T, C]. Returns the updated streams."""
+    hc, dim = x.shape[-2:]
+    emb = engram_lookup(p["embed"]["weight"], p["embed"]["scale"], rows)
+    kv = fp8_linear(emb.reshape(*emb.shape[:-2], -1), p["wkv"]["weight"], p["wkv"]["scale"])
+    key = kv[..., : hc * dim].reshape(*kv.shape[:-1], hc, dim)
+    value = kv[..., hc * dim:]
+    weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)
+    # normalised per (token, stream) over D, not jointly over the streams
+    rstd = jax.lax.rsqrt(mean_last(jnp.square(x))[..., 0] + eps) * jax.lax.rsqrt(mean_last(jnp.square(key))[..., 0] + eps)
+    dot = jnp.sum(x * weight * key, axis=-1) * rstd * dim**-0.5
+    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+    if token_mask is not None:
+        gate = jnp.where(token_mask[..., None], gate, 0.0)
+    return round_bf16(x + gate[..., None] * value[..., None, :])

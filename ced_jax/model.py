@@ -1,0 +1,262 @@
+"""The DeepSeek-V4.1 text model: embed -> M streams -> blocks (Engram, attention, MoE under mHC)
+-> collapse -> norm -> fp32 head.
+
+Parameters mirror the released checkpoint's names ('layers.3.attn.wq_a.weight' is
+params['layers']['3']['attn']['wq_a']['weight']) in their storage formats: FP8 e4m3 weights with
+ue8m0 scale bytes (uint8), FP4 experts packed two per byte (uint8, stacked [E, ...]), f32 for the
+reference's f32 tensors, and bf16 (or f32 holding bf16 values, for CPU speed) for the rest.
+`Transformer` is the Flax NNX module that holds them with their logical sharding axes; the math is
+the pure `forward` over the plain parameter dict, which is what gets jitted.
+
+Letters: B batch, T chunk tokens, D width, M hyper-connection streams, V vocab, L layers,
+X experts (or top-k entries) per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from ced_jax.config import ModelConfig
+from ced_jax.layers import moe as moe_lib
+from ced_jax.layers.attention import attention
+from ced_jax.layers.common import f32_linear, rms_norm
+from ced_jax.layers.engram import engram
+from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes
+from ced_jax.quant import round_bf16
+
+FP8 = ml_dtypes.float8_e4m3fn
+E8M0 = np.uint8  # raw ue8m0 exponent bytes
+FP4X2 = np.uint8  # two e2m1 codes per byte, low nibble first
+BF16 = ml_dtypes.bfloat16
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]  # logical axis names (see ced_jax.sharding)
+
+
+def _fp8_linear(out_dim: int, in_dim: int, axes: tuple[str | None, str | None], block: int) -> dict:
+    cdiv = lambda a: -(-a // block)
+    return {"weight": ParamSpec((out_dim, in_dim), FP8, axes),
+            "scale": ParamSpec((cdiv(out_dim), cdiv(in_dim)), E8M0, (None, None))}
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The nested parameter tree (backbone only: DSpark and vision are not executed yet)."""
+    D, hd, ql = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    H, G, R = cfg.num_heads, cfg.o_groups, cfg.o_lora_rank
+    E, F, blk = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.weight_block_size
+    M, mix = cfg.hc_mult, cfg.mix_hc
+    norm = lambda n: {"weight": ParamSpec((n,), BF16, (None,))}
+    layers = {}
+    for i in range(cfg.num_layers):
+        attn = {
+            "wq_a": _fp8_linear(ql, D, (None, "embed"), blk),
+            "q_norm": norm(ql),
+            "wq_b": _fp8_linear(H * hd, ql, ("q_heads", None), blk),
+            "wkv": _fp8_linear(hd, D, (None, "embed"), blk),
+            "kv_norm": norm(hd),
+            "wo_a": {"weight": ParamSpec((G * R, H * hd // G), BF16, ("o_groups", None))},
+            "wo_b": _fp8_linear(D, G * R, ("embed", "o_groups"), blk),
+            "attn_sink": ParamSpec((H,), F32, ("q_heads",)),
+        }
+        ratio = cfg.compress_ratios[i]
+        if i in cfg.kv_source_layer_ids:
+            comp = {"wkv": {"weight": ParamSpec((hd, D), BF16, (None, "embed"))}, "norm": norm(hd)}
+            if ratio > 1:
+                comp["wgate"] = {"weight": ParamSpec((hd, D), BF16, (None, "embed"))}
+            attn["compressor"] = comp
+        if i in cfg.index_source_layer_ids:
+            ih, idim = cfg.index_n_heads, cfg.index_head_dim
+            idx = {"wq_b": _fp8_linear(ih * idim, ql, ("index_heads", None), blk),
+                   "weights_proj": {"weight": ParamSpec((ih, D), BF16, ("index_heads", "embed"))}}
+            if i in cfg.kv_source_layer_ids:
+                idx["wk"] = {"weight": ParamSpec((idim, hd), BF16, (None, None))}
+                idx["k_norm"] = norm(idim)
+            attn["indexer"] = idx
+        expert = lambda out_dim, in_dim: {
+            "weight": ParamSpec((E, out_dim, in_dim // 2), FP4X2, ("experts", "expert_mlp", None)),
+            "scale": ParamSpec((E, out_dim, in_dim // 32), E8M0, ("experts", "expert_mlp", None))}
+        ffn = {
+            "gate": {"weight": ParamSpec((E, D), BF16, (None, "embed")), "bias": ParamSpec((E,), F32, (None,)),
+                     "bias_vl": ParamSpec((E,), F32, (None,))},
+            "experts": {"w1": expert(F, D), "w3": expert(F, D), "w2": expert(D, F)},
+            "shared_experts": {"w1": _fp8_linear(F, D, ("mlp", "embed"), blk),
+                               "w3": _fp8_linear(F, D, ("mlp", "embed"), blk),
+                               "w2": _fp8_linear(D, F, ("embed", "mlp"), blk)},
+        }
+        layer = {"attn": attn, "ffn": ffn, "attn_norm": norm(D), "ffn_norm": norm(D)}
+        for site in ("attn", "ffn"):
+            layer[f"hc_{site}_fn"] = ParamSpec((mix, M * D), F32, (None, None))
+            layer[f"hc_{site}_base"] = ParamSpec((mix,), F32, (None,))
+            layer[f"hc_{site}_scale"] = ParamSpec((3,), F32, (None,))
+        if i in cfg.engram_layer_ids:
+            k = cfg.engram_layer_ids.index(i)
+            rows, ehd = cfg.engram_num_embeddings[k], cfg.engram_head_dim
+            layer["engram"] = {
+                "embed": {"weight": ParamSpec((rows, ehd), FP8, ("engram_rows", None)),
+                          "scale": ParamSpec((rows, ehd // 32), E8M0, ("engram_rows", None))},
+                "wkv": _fp8_linear(D * (M + 1), cfg.engram_hash_cols * ehd, (None, None), blk),
+                "q_weight": ParamSpec((M, D), BF16, (None, "embed")),
+                "k_weight": ParamSpec((M, D), BF16, (None, "embed")),
+            }
+        layers[str(i)] = layer
+    return {
+        "embed": {"weight": ParamSpec((cfg.vocab_size, D), BF16, ("vocab", "embed"))},
+        "layers": layers,
+        "norm": norm(D),
+        "head": {"weight": ParamSpec((cfg.vocab_size, D), BF16, ("vocab", "embed"))},
+    }
+
+
+def flatten_specs(tree: dict, prefix: str = "") -> dict[str, ParamSpec]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten_specs(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+class ParamTree(nnx.Module):
+    """NNX container mirroring the nested spec dict; each leaf an nnx.Param tagged with its logical
+    axes (`sharding_axes` metadata, read by ced_jax.sharding)."""
+
+    def __init__(self, spec: dict, values: dict | None = None):
+        for key, sub in spec.items():
+            given = None if values is None else values.get(key)
+            if isinstance(sub, dict):
+                setattr(self, key, ParamTree(sub, given))
+            else:
+                value = given if given is not None else jnp.zeros(sub.shape, sub.dtype)
+                setattr(self, key, nnx.Param(value, sharding_axes=sub.axes))
+
+
+class Transformer(nnx.Module):
+    """The model's parameters (see `param_specs`). Use `params_dict` for the pure `forward`."""
+
+    def __init__(self, cfg: ModelConfig, values: dict | None = None):
+        self.cfg = cfg
+        self.params = ParamTree(param_specs(cfg), values)
+
+    def params_dict(self) -> dict:
+        return nnx.to_pure_dict(nnx.state(self.params))
+
+
+# ------------------------------------------------------------------------------------ cache
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """Dense per-sequence caches for `batch` sequences of up to `max_len` tokens.
+
+    Values are bf16/fp8/fp4-exact, so any dtype that holds bf16 exactly gives the same numerics."""
+    hd, W = cfg.head_dim, cfg.sliding_window
+    cache = {"window": {}, "kv": {}, "index_k": {}, "state_kv": {}, "state_score": {}}
+    for i in range(cfg.num_layers):
+        cache["window"][str(i)] = jnp.zeros((batch, W, hd), dtype)
+    for s in cfg.kv_source_layer_ids:
+        r = cfg.compress_ratios[s]
+        if max_len % r:
+            raise ValueError(f"max_len={max_len} must be a multiple of every compress ratio (layer {s}: {r})")
+        cache["kv"][str(s)] = jnp.zeros((batch, max_len // r, hd), dtype)
+        cache["index_k"][str(s)] = jnp.zeros((batch, max_len // r, cfg.index_head_dim), dtype)
+        if r > 1:
+            cache["state_kv"][str(s)] = jnp.zeros((batch, r, hd), jnp.float32)
+            cache["state_score"][str(s)] = jnp.zeros((batch, r, hd), jnp.float32)
+    return cache
+
+
+# ---------------------------------------------------------------------------------- forward
+def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str):
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    scores = moe_lib.router_scores(flat, p["gate"]["weight"])
+    forced = None if forced_ids is None else forced_ids.reshape(b * t, -1)
+    ids, weights, own = moe_lib.route(scores, p["gate"]["bias"], cfg.num_experts_per_tok,
+                                      cfg.routed_scaling_factor, cfg.norm_topk_prob, forced)
+    routed = moe_lib.routed_experts(flat, ids, weights, p["experts"], limit=cfg.swiglu_limit, impl=impl)
+    shared = moe_lib.shared_expert(flat, p["shared_experts"], limit=cfg.swiglu_limit)
+    return round_bf16(routed + shared).reshape(b, t, d), own.reshape(b, t, -1)
+
+
+def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig):
+    return hc_mixes(x, p[f"hc_{site}_fn"], p[f"hc_{site}_scale"], p[f"hc_{site}_base"], hc=cfg.hc_mult,
+                    iters=cfg.hc_sinkhorn_iters, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: dict, start: jax.Array, lens: jax.Array,
+            engram_rows: jax.Array | None = None, forced: dict | None = None, *, capture_blocks: bool = False,
+            index_k_mode: str = "intended", impl: str = "reference"):
+    """Run one chunk of tokens for every sequence of the batch.
+
+    tokens i32 [B, T]; start i32 [B] (position of tokens[:, 0]); lens i32 [B] (valid tokens, rest
+    padding); engram_rows i32 [B, T, n_engram_layers, C] from `EngramHasher`; forced: optional
+    {'topk': {layer: i32 [B, T, X]}, 'experts': i32 [L, B, T, X], 'block_input': [L, B, T, M, D],
+    'pre_mix': [L, B, T, M]} to replay recorded decisions / patch block inputs.
+
+    Returns (logits f32 [B, T, V], new cache, aux) with aux = {'topk': {layer: own top-k},
+    'experts': own expert ids [L, B, T, X], 'block_output' (if capture_blocks): [L, B, T, M, D],
+    what each block produced, after the next layer's Engram}."""
+    if index_k_mode not in ("intended", "reference"):
+        raise ValueError(f"index_k_mode must be 'intended' or 'reference', got {index_k_mode!r}")
+    forced = forced or {}
+    b, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cache = jax.tree.map(lambda a: a, cache)  # a fresh dict tree we may update
+    shared: dict[str, Any] = {}
+    if index_k_mode == "reference" and cfg.kv_source_layer_ids:
+        # The released code's pointer still names the last KV source published in the previous call.
+        width = max(a.shape[1] for a in cache["index_k"].values())
+        last = cache["index_k"][str(cfg.kv_source_layer_ids[-1])]
+        shared["index_k_ptr"] = jnp.pad(last, ((0, 0), (0, width - last.shape[1]), (0, 0)))
+    M = cfg.hc_mult
+    h = round_bf16(params["embed"]["weight"].astype(jnp.float32)[tokens])
+    x = jnp.broadcast_to(h[:, :, None, :], (b, t, M, h.shape[-1]))
+    pre = jnp.zeros((b, t, M), jnp.float32).at[..., 0].set(1.0)
+    own_topk, own_experts, block_outputs = {}, [], []
+    for i in range(cfg.num_layers):
+        p = params["layers"][str(i)]
+        if i in cfg.engram_layer_ids:
+            k = cfg.engram_layer_ids.index(i)
+            x = engram(x, engram_rows[:, :, k], p["engram"], eps=cfg.rms_norm_eps)
+        if capture_blocks and i > 0:
+            block_outputs.append(x)
+        if "block_input" in forced:
+            x = forced["block_input"][i].astype(jnp.float32)
+            pre = forced["pre_mix"][i].astype(jnp.float32)
+        # --- attention site (collapses with the previous site's pre: single-pass mHC)
+        residual = x
+        attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg)
+        a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
+        y, topk = attention(p["attn"], cfg, i, a_in, positions, start, lens, cache, shared,
+                            forced_topk=forced.get("topk", {}).get(str(i)), index_k_mode=index_k_mode, impl=impl)
+        if topk is not None:
+            own_topk[str(i)] = topk
+        x = hc_expand(y, residual, attn_post, attn_comb)
+        # --- FFN site
+        residual = x
+        ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
+        f_in = rms_norm(hc_collapse(x, attn_pre), p["ffn_norm"]["weight"], cfg.rms_norm_eps)
+        forced_ids = forced["experts"][i] if "experts" in forced else None
+        y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl)
+        own_experts.append(ids)
+        x = hc_expand(y, residual, ffn_post, ffn_comb)
+        pre = ffn_pre
+    if capture_blocks:
+        block_outputs.append(x)
+    final = rms_norm(hc_collapse(x, pre), params["norm"]["weight"], cfg.rms_norm_eps)
+    logits = f32_linear(final, params["head"]["weight"])
+    aux = {"topk": own_topk, "experts": jnp.stack(own_experts)}
+    if capture_blocks:
+        aux["block_output"] = jnp.stack(block_outputs)
+    return logits, cache, aux
