@@ -127,7 +127,9 @@ def abort(addr: str, request_id: str, timeout: float | None = 10.0) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`ced-jax client ADDR --prompt TEXT`: prints the text as it streams, a summary on stderr."""
-    p = argparse.ArgumentParser(prog="ced-jax client", description="Stream a completion from a ced-jax server.")
+    p = argparse.ArgumentParser(
+        prog="ced-jax client", description="Stream a completion from a ced-jax server."
+    )
     p.add_argument("addr", help="host:port of the server")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=0, help="0 = server default")

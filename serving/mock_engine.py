@@ -37,7 +37,6 @@ from serving.engine_api import (
     EngineSpec,
     PrefillChunk,
     PrefillResult,
-    SamplingParams,
 )
 
 _H_MOD = 1_000_003
@@ -149,6 +148,7 @@ class MockEngine:
         self.live_snapshots: set[int] = set()
         self.prefill_log: list[tuple[int, int, int, int]] = []  # (slot, start, length, bucket)
         self.decode_steps = 0
+        self.max_active_seen = 0  # largest number of rows decoded together
         self._compiles = CompileCounter()
         self._warm = False
 
@@ -257,6 +257,7 @@ class MockEngine:
             self._pos[s] = pos + 1
             logits[s] = self._logits_for(s, batch.page_tables[s], pos + 1)
         self.decode_steps += 1
+        self.max_active_seen = max(self.max_active_seen, int(np.sum(batch.active)))
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return self._sample(
@@ -310,7 +311,3 @@ class MockEngine:
             out = fn(logits, positions.astype(np.int32), temperature, top_p, top_k, seed)
         tok, lp, ids, tlp = (np.asarray(x) for x in out)
         return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
-
-
-def default_sampling() -> SamplingParams:
-    return SamplingParams(temperature=0.0)

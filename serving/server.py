@@ -287,7 +287,8 @@ async def serve_async(engine: Engine, tokenizer: Tokenizer, config: ServeConfig,
     if ready is not None:
         ready(server)
     await stop.wait()
-    print("ced-jax: shutting down", flush=True)
+    server.scheduler.stop_admitting()  # before anything else, so "shutting down" means refusing work
+    print(f"ced-jax: shutting down (grace period {config.grace_period_s:g} s)", flush=True)
     await server.shutdown()
     return 0
 

@@ -5,10 +5,15 @@ Imported by name (pytest puts tests/serving on sys.path), so test modules share 
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 from serving.config import ServeConfig
 from serving.engine_api import SamplingParams
 from serving.mock_engine import ByteTokenizer, MockEngine
 from serving.scheduler import GenerationRequest, Scheduler
+from serving.server import Server
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -40,3 +45,45 @@ def run_until_idle(sched: Scheduler, max_steps: int = 10_000) -> int:
         if not sched.step():
             return i
     raise AssertionError("scheduler did not go idle")
+
+
+def wait_until(cond, timeout: float = 10.0, interval: float = 0.01) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(interval)
+
+
+class ServerThread:
+    """A serving.server.Server on its own event loop thread, so tests can use blocking gRPC clients."""
+
+    def __init__(self, engine, tokenizer, config):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self._thread.start()
+        self.server = self.call(self._make(engine, tokenizer, config))
+        self.call(self.server.start())
+        self.addr = self.server.address
+        self.scheduler = self.server.scheduler
+
+    @staticmethod
+    async def _make(engine, tokenizer, config):
+        return Server(engine, tokenizer, config)
+
+    def call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, grace_period_s: float = 0.0) -> None:
+        self.call(self.server.shutdown(grace_period_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def assert_idle(self, timeout: float = 5.0) -> None:
+        """Eventually no request holds a slot or a page."""
+        s = self.scheduler
+        wait_until(
+            lambda: s.num_in_flight == 0 and s.num_running == 0 and s.pool.num_referenced == 0, timeout
+        )
+        s.pool.check_invariants()

@@ -79,7 +79,9 @@ def test_top_k_and_top_p_restrict_support():
         (0.81, 2, {0, 1}),
     ]
     for top_p, top_k, kept in cases:
-        f = np.asarray(filter_logits(logits, ones, np.full(B, top_p, np.float32), np.full(B, top_k, np.int32)))
+        f = np.asarray(
+            filter_logits(logits, ones, np.full(B, top_p, np.float32), np.full(B, top_k, np.int32))
+        )
         assert set(np.flatnonzero(np.isfinite(f[0]))) == kept, (top_p, top_k)
 
 

@@ -46,7 +46,7 @@ def test_hf_byte_level_tokenizer_round_trip():
 
 
 def _run(stop, pieces):
-    """Feeds the byte tokens of each piece; returns (released text, released tokens, stopped, per-push texts)."""
+    """Feeds the byte tokens of each piece; returns (text, tokens, stopped, text of each push)."""
     st = StreamText(TOK, stop)
     text, toks, pushes = "", [], []
     for piece in pieces:

@@ -1,0 +1,338 @@
+"""serving/scheduler.py driven step by step against the hand-computable mock engine."""
+
+import numpy as np
+import pytest
+from serving_helpers import GREEDY, make_engine_and_config, request, run_until_idle, wait_until
+
+from serving.engine_api import SamplingParams
+from serving.metrics import Metrics
+from serving.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
+from serving.scheduler import AdmissionError, FinishReason, InvalidRequest, Scheduler, collect
+
+pytestmark = pytest.mark.timeout(60)
+
+TOK = ByteTokenizer()
+
+
+def _sched(metrics=None, clock=None, **kw):
+    engine, cfg = make_engine_and_config(**kw)
+    extra = {} if clock is None else {"clock": clock}
+    return engine, Scheduler(engine, TOK, cfg, metrics, **extra)
+
+
+def _submit(sched, rid, prompt, **kw):
+    events = []
+    sched.submit(request(rid, prompt, **kw), events.append)
+    return events
+
+
+def _assert_clean(engine, sched):
+    """No request holds a slot or a page; the cache holds exactly the live snapshots."""
+    assert sched.num_running == 0 and sched.num_waiting == 0 and sched.num_in_flight == 0
+    assert sched.pool.num_referenced == 0
+    assert sched.pool.num_free + sched.pool.num_cached == sched.pool.num_pages
+    sched.pool.check_invariants()
+    cached = {id(e.snapshot) for e in sched.pool._entries.values() if e.snapshot is not None}
+    assert engine.live_snapshots == cached
+
+
+def test_greedy_stream_matches_reference_with_chunked_prefill():
+    engine, sched = _sched()
+    prompt = TOK.encode("the quick brown fox jumps")  # 25 tokens: chunks of 16 and 9 (bucket 16)
+    ev = _submit(sched, "a", prompt, max_tokens=12)
+    run_until_idle(sched)
+    ids, text, last = collect(ev)
+    want = mock_greedy_stream(prompt, 12)
+    assert ids == want and text == TOK.decode(want)
+    assert last.finish_reason is FinishReason.LENGTH
+    assert (last.usage.prompt_tokens, last.usage.cached_prompt_tokens, last.usage.completion_tokens) == (
+        25,
+        0,
+        12,
+    )
+    assert [(s, n, b) for _, s, n, b in engine.prefill_log] == [(0, 16, 16), (16, 9, 16)]
+    assert engine.compiles_after_warmup == 0
+    _assert_clean(engine, sched)
+
+
+def test_context_limit_clamps_max_tokens():
+    engine, sched = _sched()
+    prompt = TOK.encode("x" * 60)  # max_context 64 leaves room for 4 tokens
+    ev = _submit(sched, "a", prompt, max_tokens=50)
+    run_until_idle(sched)
+    ids, _, last = collect(ev)
+    assert ids == mock_greedy_stream(prompt, 4) and last.finish_reason is FinishReason.LENGTH
+    _assert_clean(engine, sched)
+
+
+def test_eos_stop_token_ids_and_ignore_eos():
+    rule = MockRule(eos_modulus=5)
+    engine, sched = _sched(rule=rule)
+    prompt = TOK.encode("abc")
+    ref = mock_greedy_stream(prompt, 40, rule)
+    first_eos = ref.index(rule.eos_id)
+    ev = _submit(sched, "eos", prompt, max_tokens=40)
+    ev2 = _submit(sched, "ign", prompt, max_tokens=40, ignore_eos=True)
+    stop_tok = ref[2]
+    ev3 = _submit(sched, "stoptok", prompt, max_tokens=40, stop_token_ids=(stop_tok,), ignore_eos=True)
+    run_until_idle(sched)
+    ids, _, last = collect(ev)
+    assert ids == ref[:first_eos] and last.finish_reason is FinishReason.STOP
+    assert last.usage.completion_tokens == first_eos + 1  # the EOS is counted, not sent
+    ids, _, last = collect(ev2)
+    assert last.finish_reason is FinishReason.LENGTH and len(ids) == 40
+    assert ids == ref  # EOS streamed as a token (it has no text)
+    ids, _, last = collect(ev3)
+    assert ids == ref[: ref.index(stop_tok)] and last.finish_reason is FinishReason.STOP
+    _assert_clean(engine, sched)
+
+
+def test_stop_string_across_token_boundaries():
+    engine, sched = _sched()
+    prompt = TOK.encode("hello")
+    full = TOK.decode(mock_greedy_stream(prompt, 30))
+    stop = full[10:13]  # three tokens long
+    cut = full.index(stop)
+    ev = _submit(sched, "a", prompt, max_tokens=30, stop=(stop, "never-appears"))
+    run_until_idle(sched)
+    ids, text, last = collect(ev)
+    assert text == full[:cut] and stop not in text
+    assert TOK.decode(ids) == text and last.finish_reason is FinishReason.STOP
+    assert all(stop not in e.text for e in ev)
+    _assert_clean(engine, sched)
+
+
+def test_logprobs():
+    engine, sched = _sched()
+    ev = _submit(sched, "a", "hi", max_tokens=4, logprobs=3)
+    ev0 = _submit(sched, "b", "hi", max_tokens=4)
+    run_until_idle(sched)
+    ids, _, _ = collect(ev)
+    lps = [lp for e in ev for lp in e.logprobs]
+    assert [lp.token_id for lp in lps] == ids
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the best is sampled
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    assert all(not e.logprobs for e in ev0)
+
+
+def test_validation_names_fields_and_limits():
+    engine, sched = _sched()
+    bad = [
+        (dict(prompt=()), "prompt"),
+        (dict(prompt=[5] * 64), "max_context"),
+        (dict(prompt=[300]), "prompt_token_ids"),
+        (dict(max_tokens=61), "max_tokens = 60"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(logprobs=6), "max_logprobs"),
+        (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+    ]
+    for kw, needle in bad:
+        prompt = kw.pop("prompt", [5, 6])
+        with pytest.raises(InvalidRequest, match=needle):
+            sched.submit(request("x", prompt, **kw), lambda e: None)
+    assert sched.num_in_flight == 0
+
+
+def test_admission_limits_fifo_and_duplicates():
+    engine, sched = _sched(max_running=2, max_queued=2)
+    evs = [_submit(sched, f"r{i}", "abcdef", max_tokens=8) for i in range(4)]
+    with pytest.raises(AdmissionError) as e:
+        _submit(sched, "r4", "abc")
+    assert e.value.kind == "queue_full"
+    with pytest.raises(AdmissionError) as e:
+        _submit(sched, "r0", "abc")
+    assert e.value.kind == "duplicate_id"
+    sched.step()
+    assert sched.num_running == 2 and sched.num_waiting == 2
+    run_until_idle(sched)
+    assert all(collect(ev)[2].finish_reason is FinishReason.LENGTH for ev in evs)
+    _assert_clean(engine, sched)
+
+
+def test_head_of_line_waits_for_pages():
+    # 16 pages of 4 tokens; each request reserves ceil((6 + 40 - 1) / 4) = 12 pages
+    engine, sched = _sched(num_pages=16)
+    a = _submit(sched, "a", "abcdef", max_tokens=40)
+    b = _submit(sched, "b", "abcdeg", max_tokens=40)
+    sched.step()
+    assert sched.num_running == 1 and sched.num_waiting == 1
+    run_until_idle(sched)
+    assert collect(a)[0] == mock_greedy_stream(TOK.encode("abcdef"), 40)
+    assert collect(b)[0] == mock_greedy_stream(TOK.encode("abcdeg"), 40)
+    _assert_clean(engine, sched)
+
+
+def test_abort_in_every_phase_frees_slot_and_pages():
+    engine, sched = _sched(max_running=1)
+    long_prompt = "y" * 40  # three chunks of prefill
+    running = _submit(sched, "run", "abc", max_tokens=50)
+    prefilling = _submit(sched, "pre", long_prompt, max_tokens=5)
+    waiting = _submit(sched, "wait", "abc", max_tokens=5)
+    for _ in range(3):
+        sched.step()
+    assert sched.abort("run") and sched.abort("wait")
+    sched.step()  # "pre" is admitted and starts prefill in this step
+    assert sched.abort("pre")
+    assert not sched.abort("nope")
+    run_until_idle(sched)
+    for ev in (running, prefilling, waiting):
+        assert ev[-1].finish_reason is FinishReason.ABORT
+    assert len(collect(running)[0]) >= 1
+    _assert_clean(engine, sched)
+
+
+def test_deadline_expires_waiting_and_running_requests():
+    now = [0.0]
+    engine, sched = _sched(clock=lambda: now[0], max_running=1)
+    a = _submit(sched, "a", "abc", max_tokens=50, deadline=1.0)
+    b = _submit(sched, "b", "abc", max_tokens=50, deadline=0.5)
+    sched.step()
+    sched.step()
+    now[0] = 0.7
+    sched.step()
+    assert b[-1].finish_reason is FinishReason.ABORT and sched.num_running == 1
+    now[0] = 1.5
+    run_until_idle(sched)
+    assert a[-1].finish_reason is FinishReason.ABORT and 1 <= len(collect(a)[0]) < 50
+    _assert_clean(engine, sched)
+
+
+def test_new_requests_join_between_decode_steps():
+    engine, sched = _sched()
+    a = _submit(sched, "a", "abc", max_tokens=20)
+    for _ in range(5):
+        sched.step()
+    steps_before = engine.decode_steps
+    b = _submit(sched, "b", "x" * 20, max_tokens=5)  # two prefill chunks
+    sched.step()
+    sched.step()
+    # b was prefilled in two chunks while a kept decoding (one decode per step)
+    assert engine.decode_steps == steps_before + 2
+    assert len(collect(a)[0]) == 8  # first step: prefill token + one decode; then one per step
+    run_until_idle(sched)
+    assert collect(a)[0] == mock_greedy_stream(TOK.encode("abc"), 20)
+    assert collect(b)[0] == mock_greedy_stream(TOK.encode("x" * 20), 5)
+
+
+@pytest.mark.parametrize("mode", ["pages", "snapshot", "snapshot_chunk_end"])
+def test_prefix_cache_hit_gives_cold_run_output(mode):
+    kw = dict(restore_mode="pages" if mode == "pages" else "snapshot", history_tokens=3)
+    kw["snapshot_chunk_end_only"] = mode == "snapshot_chunk_end"
+    engine, sched = _sched(**kw)
+    system = "you are a helpful bot. "  # 23 tokens
+    p1, p2 = TOK.encode(system + "first"), TOK.encode(system + "second")
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    _submit(sched, "a", p1, max_tokens=10, sampling=sampling)
+    run_until_idle(sched)
+    b = _submit(sched, "b", p2, max_tokens=10, sampling=sampling)
+    run_until_idle(sched)
+    # cold run of p2 on a fresh engine
+    engine2, sched2 = _sched(**kw)
+    c = _submit(sched2, "c", p2, max_tokens=10, sampling=sampling)
+    run_until_idle(sched2)
+    assert collect(b)[0] == collect(c)[0]
+    cached = collect(b)[2].usage.cached_prompt_tokens
+    # pages mode reuses every shared full block (20 of the 23 shared tokens); chunk-end-only
+    # snapshots exist at 16 only (the first chunk of p1 ended there)
+    assert cached == {"pages": 20, "snapshot": 20, "snapshot_chunk_end": 16}[mode]
+    assert collect(c)[2].usage.cached_prompt_tokens == 0
+    _assert_clean(engine, sched)
+
+
+def test_snapshot_mode_without_snapshot_is_cold():
+    """An engine that never snapshots gets no prefix hits (pages alone are not enough for it)."""
+    engine, sched = _sched(restore_mode="snapshot", enable_prefix_cache=True)
+    engine.snapshot_chunk_end_only = True
+    p = TOK.encode("abcdefghij")  # 10 tokens: one chunk, ends at 10 (not page aligned)
+    for rid in ("a", "b"):
+        ev = _submit(sched, rid, p, max_tokens=3)
+        run_until_idle(sched)
+        assert collect(ev)[2].usage.cached_prompt_tokens == 0
+        assert collect(ev)[0] == mock_greedy_stream(p, 3)
+
+
+def test_randomized_workload_no_leaks_and_exact_outputs():
+    rng = np.random.default_rng(0)
+    engine, sched = _sched(num_pages=40, max_slots=4, max_queued=6, restore_mode="snapshot")
+    prefixes = ["shared prefix one. ", "another shared prefix! "]
+    events, prompts, aborted = {}, {}, set()
+    n = 0
+    for _ in range(400):
+        op = rng.choice(["submit", "abort", "step", "step"])
+        if op == "submit":
+            prompt = TOK.encode(
+                prefixes[rng.integers(2)][: rng.integers(0, 24)] + "q" * int(rng.integers(1, 9))
+            )
+            rid = f"r{n}"
+            n += 1
+            try:
+                events[rid] = _submit(sched, rid, prompt, max_tokens=int(rng.integers(1, 20)))
+                prompts[rid] = prompt
+            except AdmissionError:
+                pass
+        elif op == "abort" and events:
+            rid = list(events)[rng.integers(len(events))]
+            if sched.abort(rid):
+                aborted.add(rid)
+        else:
+            sched.step()
+        sched.pool.check_invariants()
+    run_until_idle(sched)
+    _assert_clean(engine, sched)
+    finished = 0
+    for rid, ev in events.items():
+        ids, _, last = collect(ev)
+        assert last.finish_reason is not None
+        if last.finish_reason is FinishReason.LENGTH:
+            assert ids == mock_greedy_stream(prompts[rid], len(ids))
+            finished += 1
+        else:
+            assert rid in aborted
+    assert finished > 10 and sched.pool.evictions > 0
+    assert engine.compiles_after_warmup == 0
+
+
+def test_engine_failure_fails_streams_and_refuses_new_work():
+    engine, sched = _sched()
+    ev = _submit(sched, "a", "abc", max_tokens=10)
+
+    def broken(batch):
+        raise RuntimeError("device lost")
+
+    engine.decode = broken
+    sched.start()
+    try:
+        wait_until(lambda: ev and ev[-1].final)
+        assert ev[-1].error and "device lost" in ev[-1].error
+        with pytest.raises(AdmissionError) as e:
+            _submit(sched, "b", "abc")
+        assert e.value.kind == "engine_failed"
+    finally:
+        sched.shutdown()
+
+
+def test_metrics_are_updated():
+    metrics = Metrics()
+    engine, sched = _sched(metrics=metrics)
+    for rid in ("a", "b"):
+        _submit(sched, rid, "shared prompt text", max_tokens=5)
+        run_until_idle(sched)
+    r = metrics.registry
+    assert r.get_sample_value("ced_time_to_first_token_seconds_count") == 2
+    assert r.get_sample_value("ced_time_per_output_token_seconds_count") == 2
+    assert r.get_sample_value("ced_requests_finished_total", {"finish_reason": "length"}) == 2
+    assert r.get_sample_value("ced_prefix_cache_hit_tokens_total") == 16
+    assert r.get_sample_value("ced_prefix_cache_hit_rate") == pytest.approx(16 / 36)
+    assert r.get_sample_value("ced_kv_pages_used") == 0
+    assert r.get_sample_value("ced_compiles_after_warmup") == 0
+    assert r.get_sample_value("ced_generation_tokens_total") == 10
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=float("nan"))
+    assert GREEDY.temperature == 0.0

@@ -1,0 +1,227 @@
+"""The gRPC server over a real localhost connection, with the mock engine and the real sampler."""
+
+import asyncio
+import math
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from serving_helpers import ServerThread, make_engine_and_config, wait_until
+
+from serving import client
+from serving.mock_engine import ByteTokenizer, mock_greedy_stream
+from serving.proto import ced_pb2, ced_pb2_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine, cfg = make_engine_and_config(max_queued=2, metrics_port=0)
+    st = ServerThread(engine, TOK, cfg)
+    st.engine = engine
+    yield st
+    st.close()
+
+
+@pytest.fixture
+def slow(srv):
+    """Makes every engine step take 20 ms for the duration of a test."""
+    srv.engine.step_delay_s = 0.02
+    yield srv
+    srv.engine.step_delay_s = 0.0
+
+
+def _stub(addr):
+    channel = grpc.insecure_channel(addr)
+    return channel, ced_pb2_grpc.InferenceServiceStub(channel)
+
+
+def test_generate_streams_text_prompt(srv):
+    prompt = "stream me"
+    out = client.generate(srv.addr, prompt, max_tokens=12, temperature=0.0, timeout=10)
+    want = mock_greedy_stream(TOK.encode(prompt), 12)
+    assert out.token_ids == want and out.text == TOK.decode(want)
+    assert out.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 12)
+    assert out.messages >= 2  # streamed, not one blob
+    srv.assert_idle()
+
+
+def test_generate_token_ids_prompt_and_logprobs(srv):
+    ids = TOK.encode("by ids")
+    out = client.generate(srv.addr, ids, max_tokens=5, temperature=0.0, logprobs=2, timeout=10)
+    assert out.token_ids == mock_greedy_stream(ids, 5)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert all(len(lp.top) == 2 and lp.top[0].token_id == lp.token_id for lp in out.logprobs)
+
+
+def test_stop_string_across_token_boundaries(srv):
+    prompt = "stop test"
+    full = TOK.decode(mock_greedy_stream(TOK.encode(prompt), 30))
+    stop = full[7:10]
+    out = client.generate(srv.addr, prompt, max_tokens=30, temperature=0.0, stop=[stop], timeout=10)
+    assert out.text == full[: full.index(stop)] and stop not in out.text
+    assert out.finish_reason == "stop" and TOK.decode(out.token_ids) == out.text
+
+
+def test_tokenize_model_info_health_reflection(srv):
+    assert client.tokenize(srv.addr, "héllo") == TOK.encode("héllo")
+    info = client.model_info(srv.addr)
+    assert info.model_name == "mock" and info.limits.max_context == 64 and info.limits.max_tokens == 60
+    assert (
+        info.limits.max_slots == 4
+        and info.limits.max_queued == 2
+        and list(info.prefill_buckets) == [4, 8, 16]
+    )
+    assert list(info.eos_token_ids) == [TOK.EOS] and info.config["kind"] == "mock"
+    with grpc.insecure_channel(srv.addr) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "ced.v1.InferenceService"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = db.get_services()
+        assert "ced.v1.InferenceService" in services and "grpc.health.v1.Health" in services
+        method = db.FindFileContainingSymbol("ced.v1.InferenceService")
+        assert method.package == "ced.v1"
+
+
+def _invalid(srv, prompt="ok", **kw):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(srv.addr, prompt, timeout=10, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    return e.value.details()
+
+
+def test_invalid_arguments_name_the_field_or_limit(srv):
+    assert "max_context" in _invalid(srv, prompt="x" * 64)
+    assert "max_tokens = 60" in _invalid(srv, max_tokens=61)
+    assert "max_tokens" in _invalid(srv, max_tokens=-2)
+    assert "prompt" in _invalid(srv, prompt="")
+    assert "prompt_token_ids" in _invalid(srv, prompt=[])
+    assert "prompt_token_ids" in _invalid(srv, prompt=[1, 999])
+    assert "sampling.temperature" in _invalid(srv, temperature=-1.0)
+    assert "sampling.temperature" in _invalid(srv, temperature=math.nan)
+    assert "sampling.top_p" in _invalid(srv, top_p=0.0)
+    assert "sampling.top_p" in _invalid(srv, top_p=1.5)
+    assert "sampling.top_k" in _invalid(srv, top_k=-1)
+    assert "logprobs" in _invalid(srv, logprobs=6)
+    assert "logprobs" in _invalid(srv, logprobs=-1)
+    assert "stop" in _invalid(srv, stop=["a"] * 17)
+    assert "stop_token_ids" in _invalid(srv, stop_token_ids=[-5])
+    assert "request_id" in _invalid(srv, request_id="r" * 300)
+    channel, stub = _stub(srv.addr)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(ced_pb2.GenerateRequest(max_tokens=3), timeout=5))  # no prompt at all
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
+    srv.assert_idle()
+
+
+def test_resource_exhausted_duplicate_id_and_abort(slow):
+    srv = slow
+    channel, stub = _stub(srv.addr)
+    with channel:
+        # 4 slots + 2 queued places; each stream would take 40 steps of 20 ms
+        calls = [
+            stub.Generate(client.build_request("busy", request_id=f"busy{i}", max_tokens=40), timeout=20)
+            for i in range(6)
+        ]
+        wait_until(lambda: srv.scheduler.num_in_flight == 6)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(client.build_request("one more", max_tokens=2), timeout=5))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_running + max_queued" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(client.build_request("dup", request_id="busy0", max_tokens=2), timeout=5))
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        for i in range(6):
+            assert client.abort(srv.addr, f"busy{i}")
+        assert not client.abort(srv.addr, "no-such-request")
+        for call in calls:
+            msgs = list(call)
+            assert msgs[-1].finish_reason == ced_pb2.FINISH_REASON_ABORT
+            assert msgs[-1].usage.prompt_tokens == 4
+    srv.assert_idle()
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+def test_client_cancel_or_disconnect_frees_slot_and_pages(slow, how):
+    srv = slow
+    channel, stub = _stub(srv.addr)
+    call = stub.Generate(client.build_request("cancel me please", max_tokens=50), timeout=20)
+    first = next(call)
+    second = next(call)
+    assert first.token_ids or second.token_ids
+    assert srv.scheduler.num_running == 1 and srv.scheduler.pool.num_referenced > 0
+    if how == "cancel":
+        call.cancel()
+    channel.close()
+    srv.assert_idle()
+    assert srv.scheduler.num_waiting == 0
+
+
+def test_deadline_exceeded_frees_resources(slow):
+    srv = slow
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(srv.addr, "too slow", max_tokens=50, timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    srv.assert_idle()
+
+
+def test_metrics_endpoint(srv):
+    client.generate(srv.addr, "metrics please", max_tokens=4, temperature=0.0, timeout=10)
+    srv.assert_idle()
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
+    for name in (
+        "ced_time_to_first_token_seconds_bucket",
+        "ced_time_per_output_token_seconds_bucket",
+        "ced_queue_time_seconds_bucket",
+        "ced_queue_depth",
+        "ced_active_slots",
+        "ced_kv_pages_used",
+        "ced_kv_pages_free",
+        "ced_prefix_cache_hit_rate",
+        "ced_prefix_cache_hit_tokens_total",
+        'ced_requests_finished_total{finish_reason="length"}',
+        "ced_compiles_after_warmup 0.0",
+    ):
+        assert name in body, name
+
+
+def test_same_tokens_alone_and_among_31_others():
+    engine, cfg = make_engine_and_config(max_slots=32, num_pages=512, max_queued=0)
+    srv = ServerThread(engine, TOK, cfg)
+    try:
+        target = dict(max_tokens=24, temperature=0.9, top_p=0.95, top_k=20, seed=1234)
+
+        async def run(prompts_kwargs):
+            async def one(prompt, kw):
+                return client.collect([m async for m in client.astream(srv.addr, prompt, timeout=30, **kw)])
+
+            return await asyncio.gather(*(one(p, kw) for p, kw in prompts_kwargs))
+
+        (alone,) = asyncio.run(run([("the target", target)]))
+        others = [
+            (
+                f"other prompt {i}",
+                dict(max_tokens=10 + i % 20, temperature=(i % 4) * 0.5, seed=i, top_k=i % 7),
+            )
+            for i in range(31)
+        ]
+        together = asyncio.run(run(others[:13] + [("the target", target)] + others[13:]))
+        assert together[13].token_ids == alone.token_ids and together[13].text == alone.text
+        assert len(alone.token_ids) == 24
+        assert engine.max_active_seen >= 16  # they really shared decode steps
+        assert engine.compiles_after_warmup == 0
+        srv.assert_idle()
+    finally:
+        srv.close()
