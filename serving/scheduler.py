@@ -183,7 +183,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Seq] = []
-        self._aborts: list[str] = []
+        self._aborts: list[_Seq] = []
         self._live: dict[str, _Seq] = {}
         self._admitting = True
         self._failed: str | None = None
@@ -235,8 +235,12 @@ class Scheduler:
         # The sequence (prompt + output) must fit in max_context; beyond it finish with LENGTH.
         return min(max_tokens, spec.max_context - n)
 
-    def submit(self, req: GenerationRequest, sink: Sink) -> None:
-        """Queues a request; raises InvalidRequest or AdmissionError at once, never blocks."""
+    def submit(self, req: GenerationRequest, sink: Sink) -> object:
+        """Queues a request; raises InvalidRequest or AdmissionError at once, never blocks.
+
+        Returns an opaque handle for `abort(..., handle=)`, which only aborts this very request even
+        if its id is reused after it finished.
+        """
         max_tokens = self.validate(req)
         text = StreamText(self.tokenizer, req.stop, context=req.prompt_token_ids)
         seq = _Seq(req, sink, self.clock(), max_tokens, text)
@@ -259,28 +263,30 @@ class Scheduler:
             self._live[req.request_id] = seq
             self._inbox.append(seq)
             self._wake.notify()
+        return seq
 
     def submit_async(self, req: GenerationRequest) -> RequestStream:
         """Submits from a running asyncio loop; events arrive through the returned async iterator."""
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
-        self.submit(req, stream._sink)
+        stream._handle = self.submit(req, stream._sink)
         return stream
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, handle: object | None = None) -> bool:
         """Aborts an in-flight request (finish_reason abort); False if there is none with this id."""
         with self._lock:
-            if request_id not in self._live:
+            seq = self._live.get(request_id)
+            if seq is None or (handle is not None and seq is not handle):
                 return False
-            self._aborts.append(request_id)
+            self._aborts.append(seq)
             self._wake.notify()
             return True
 
     def abort_all(self) -> int:
         with self._lock:
-            ids = list(self._live)
-            self._aborts.extend(ids)
+            seqs = list(self._live.values())
+            self._aborts.extend(seqs)
             self._wake.notify()
-            return len(ids)
+            return len(seqs)
 
     def stop_admitting(self) -> None:
         with self._lock:
@@ -342,10 +348,8 @@ class Scheduler:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         self._waiting.extend(inbox)
-        for rid in aborts:
-            seq = self._live_seq(rid)
-            if seq is not None:
-                self._finish(seq, FinishReason.ABORT)
+        for seq in aborts:
+            self._finish(seq, FinishReason.ABORT)  # a no-op if it finished meanwhile
         now = self.clock()
         self._expire(now)
         self._admit(now)
@@ -360,10 +364,6 @@ class Scheduler:
             worked = True
         self._update_gauges()
         return worked
-
-    def _live_seq(self, rid: str) -> _Seq | None:
-        with self._lock:
-            return self._live.get(rid)
 
     def _expire(self, now: float) -> None:
         expired = [s for s in self._waiting if s.req.deadline is not None and s.req.deadline <= now]
@@ -607,6 +607,7 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._finished = False
+        self._handle: object | None = None
 
     def _sink(self, ev: StreamEvent) -> None:
         try:
@@ -629,7 +630,7 @@ class RequestStream:
         """Aborts the request unless it already finished (client cancel or disconnect)."""
         if not self._finished:
             self._finished = True
-            self._scheduler.abort(self.request_id)
+            self._scheduler.abort(self.request_id, handle=self._handle)
 
 
 def collect(events: Sequence[StreamEvent]) -> tuple[list[int], str, StreamEvent]:

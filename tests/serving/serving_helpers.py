@@ -76,6 +76,9 @@ class ServerThread:
 
     def close(self, grace_period_s: float = 0.0) -> None:
         self.call(self.server.shutdown(grace_period_s))
+        self.stop_loop()
+
+    def stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()

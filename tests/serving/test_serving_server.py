@@ -225,3 +225,35 @@ def test_same_tokens_alone_and_among_31_others():
         srv.assert_idle()
     finally:
         srv.close()
+
+
+def test_client_cli_streams(srv, capsys):
+    assert client.main([srv.addr, "--prompt", "cli", "--max-tokens", "5", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == TOK.decode(mock_greedy_stream(TOK.encode("cli"), 5))
+    assert "finish_reason=length" in err and "completion_tokens=5" in err
+
+
+def test_graceful_shutdown_in_process_health_and_abort():
+    engine, cfg = make_engine_and_config(step_delay_s=0.02)
+    srv = ServerThread(engine, TOK, cfg)
+    channel, stub = _stub(srv.addr)
+    with channel:
+        call = stub.Generate(client.build_request("long one", max_tokens=55, temperature=0.0), timeout=20)
+        next(call)
+        done = asyncio.run_coroutine_threadsafe(srv.server.shutdown(grace_period_s=0.3), srv.loop)
+        health = health_pb2_grpc.HealthStub(channel)
+        wait_until(
+            lambda: (
+                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(client.build_request("late", max_tokens=2), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        msgs = list(call)
+        assert msgs[-1].finish_reason == ced_pb2.FINISH_REASON_ABORT
+        done.result(10)
+    assert srv.scheduler.pool.num_referenced == 0
+    srv.stop_loop()
