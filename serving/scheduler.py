@@ -108,6 +108,7 @@ class StreamEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None  # the engine failed; the stream ends without a finish reason
+    deadline_exceeded: bool = False  # with finish_reason ABORT: the request's deadline passed
 
     @property
     def final(self) -> bool:
@@ -141,6 +142,7 @@ class _Seq:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.done = False
+        self.deadline_exceeded = False
 
 
 class Scheduler:
@@ -371,6 +373,7 @@ class Scheduler:
             s for s in self._slots if s is not None and s.req.deadline is not None and s.req.deadline <= now
         ]
         for seq in expired:
+            seq.deadline_exceeded = True
             self._finish(seq, FinishReason.ABORT)
 
     def _admit(self, now: float) -> None:
@@ -513,6 +516,7 @@ class Scheduler:
             finish_reason=reason,
             usage=usage,
             error=error,
+            deadline_exceeded=reason is FinishReason.ABORT and seq.deadline_exceeded,
         )
         try:
             seq.sink(ev)

@@ -163,6 +163,9 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
                 async for ev in stream:
                     if ev.error is not None:
                         await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {ev.error}")
+                    if ev.deadline_exceeded:
+                        # The scheduler noticed the deadline before gRPC did; answer as gRPC would.
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
                     yield event_to_proto(ev)
             finally:
                 stream.close()  # a no-op after the final event; otherwise aborts the request

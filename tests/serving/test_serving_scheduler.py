@@ -192,7 +192,7 @@ def test_deadline_expires_waiting_and_running_requests():
     sched.step()
     now[0] = 0.7
     sched.step()
-    assert b[-1].finish_reason is FinishReason.ABORT and sched.num_running == 1
+    assert b[-1].finish_reason is FinishReason.ABORT and b[-1].deadline_exceeded and sched.num_running == 1
     now[0] = 1.5
     run_until_idle(sched)
     assert a[-1].finish_reason is FinishReason.ABORT and 1 <= len(collect(a)[0]) < 50

@@ -124,9 +124,10 @@ def test_invalid_arguments_name_the_field_or_limit(srv):
 
 def test_resource_exhausted_duplicate_id_and_abort(slow):
     srv = slow
+    srv.engine.step_delay_s = 0.05  # the streams are aborted anyway; make them outlast a busy machine
     channel, stub = _stub(srv.addr)
     with channel:
-        # 4 slots + 2 queued places; each stream would take 40 steps of 20 ms
+        # 4 slots + 2 queued places; each stream would take 40 steps of 50 ms
         calls = [
             stub.Generate(client.build_request("busy", request_id=f"busy{i}", max_tokens=40), timeout=20)
             for i in range(6)
