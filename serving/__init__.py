@@ -1,0 +1,11 @@
+"""gRPC serving for ced-jax: a host-side scheduler driving a static-shape device engine.
+
+Layout (request flow top to bottom):
+- `proto/`: the public ced.v1 API (`ced.proto`; stubs generated on import, never committed).
+- `server.py`: grpc.aio servicer, health, reflection, graceful shutdown; proto <-> scheduler only.
+- `scheduler.py`: admission, continuous batching, chunked prefill, stop handling, on its own thread.
+- `pages.py`: page allocator and prefix cache; `text.py`: detokenization and stop strings.
+- `engine_api.py`: the interface a device engine implements; `sampling.py`: the JAX sampler it uses.
+- `mock_engine.py`: a hand-computable engine for tests; `metrics.py`: Prometheus metrics.
+- `config.py`: ServeConfig; `client.py`: Python client and the `ced-jax client` command.
+"""
