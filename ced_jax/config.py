@@ -114,7 +114,8 @@ class ModelConfig:
         L = self.num_layers
         if len(self.compress_ratios) < L:
             raise ConfigError(
-                f"compress_ratios: expected at least num_hidden_layers={L} entries, got {len(self.compress_ratios)}"
+                f"compress_ratios: expected at least num_hidden_layers={L} entries, "
+                f"got {len(self.compress_ratios)}"
             )
         for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
             for i in getattr(self, name):
@@ -134,7 +135,9 @@ class ModelConfig:
         if self.head_dim % 32 or self.index_head_dim % 32:
             raise ConfigError("head_dim and index_head_dim must be multiples of 32 (FP8/FP4 blocks)")
         if self.num_heads % self.o_groups:
-            raise ConfigError(f"num_attention_heads={self.num_heads} is not divisible by o_groups={self.o_groups}")
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not divisible by o_groups={self.o_groups}"
+            )
         if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
             raise ConfigError("engram_num_embeddings must have one entry per engram layer")
         if self.scoring_func != "sqrtsoftplus":
@@ -281,8 +284,14 @@ _TEXT_FIXED: dict[str, Any] = {
 _TEXT_IGNORED = {"attention_dropout", "initializer_range", "use_cache", "torch_dtype", "dtype"}
 _TOP_KEYS = {"bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"}
 _TOP_FIXED = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41"}
-_TOP_IGNORED = {"dtype", "torch_dtype", "transformers_version", "text_config", "vision_config",
-                "quantization_config"}
+_TOP_IGNORED = {
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "text_config",
+    "vision_config",
+    "quantization_config",
+}
 _QUANT_FIXED = {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0"}
 _QUANT_KEYS = {"weight_block_size", "expert_dtype", "fmt"}
 _VISION_KEYS = {f.name for f in dataclasses.fields(VisionConfig)}
@@ -354,8 +363,12 @@ def _from_hf(raw: dict[str, Any], *, name: str) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type != "yarn":
         raise ConfigError(f"text_config.rope_scaling.rope_type must be 'yarn', got {rope_type!r}")
-    for key, fname in (("factor", "rope_factor"), ("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow"),
-                       ("original_max_position_embeddings", "rope_original_max_position")):
+    for key, fname in (
+        ("factor", "rope_factor"),
+        ("beta_fast", "rope_beta_fast"),
+        ("beta_slow", "rope_beta_slow"),
+        ("original_max_position_embeddings", "rope_original_max_position"),
+    ):
         if key not in rope:
             raise ConfigError(f"text_config.rope_scaling: missing '{key}'")
         kw[fname] = _convert(fname, rope[key], f"text_config.rope_scaling.{key}")
@@ -365,7 +378,9 @@ def _from_hf(raw: dict[str, Any], *, name: str) -> ModelConfig:
         if quant.get(key) != expected:
             raise ConfigError(f"quantization_config.{key} must be {expected!r}, got {quant.get(key)!r}")
     block = quant.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1] and isinstance(block[0], int)):
+    if not (
+        isinstance(block, list) and len(block) == 2 and block[0] == block[1] and isinstance(block[0], int)
+    ):
         raise ConfigError(f"quantization_config.weight_block_size must be [B, B], got {block!r}")
     kw["weight_block_size"] = block[0]
     kw["expert_dtype"] = quant.get("expert_dtype", "fp4")
@@ -380,7 +395,8 @@ def _from_hf(raw: dict[str, Any], *, name: str) -> ModelConfig:
     kw.setdefault("candidate_topk_blocks", 0)
     kw.setdefault("candidate_block_size", 1)
     missing = sorted(
-        f.name for f in dataclasses.fields(ModelConfig)
+        f.name
+        for f in dataclasses.fields(ModelConfig)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kw
     )
     if missing:
@@ -393,22 +409,38 @@ def _from_hf(raw: dict[str, Any], *, name: str) -> ModelConfig:
 
 
 def _to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    text: dict[str, Any] = {"model_type": "deepseek_v41_text", "num_key_value_heads": 1, "hidden_act": "silu",
-                            "attention_bias": False, "tie_word_embeddings": False, "topk_method": "noaux_tc"}
+    text: dict[str, Any] = {
+        "model_type": "deepseek_v41_text",
+        "num_key_value_heads": 1,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+    }
     for key, fname in _TEXT_KEYS.items():
         value = getattr(cfg, fname)
         text[key] = list(value) if isinstance(value, tuple) else value
     text["rope_scaling"] = {
-        "rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
-        "beta_slow": cfg.rope_beta_slow, "original_max_position_embeddings": cfg.rope_original_max_position,
+        "rope_type": "yarn",
+        "factor": cfg.rope_factor,
+        "beta_fast": cfg.rope_beta_fast,
+        "beta_slow": cfg.rope_beta_slow,
+        "original_max_position_embeddings": cfg.rope_original_max_position,
     }
     out: dict[str, Any] = {
-        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
-        "image_token_id": cfg.image_token_id, "text_config": text,
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "image_token_id": cfg.image_token_id,
+        "text_config": text,
         "quantization_config": {
-            "quant_method": "fp8", "activation_scheme": "dynamic",
-            "weight_block_size": [cfg.weight_block_size, cfg.weight_block_size], "scale_fmt": "ue8m0",
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [cfg.weight_block_size, cfg.weight_block_size],
+            "scale_fmt": "ue8m0",
             "expert_dtype": cfg.expert_dtype,
         },
     }
@@ -421,40 +453,98 @@ def _to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def _v41_flash_hf() -> dict[str, Any]:
     """The released DeepSeek-V4.1-Flash config.json (spec section 1.2), as a dict."""
     text = {
-        "model_type": "deepseek_v41_text", "vocab_size": 129280, "hidden_size": 5120,
-        "moe_intermediate_size": 2304, "num_hidden_layers": 40, "num_attention_heads": 64,
-        "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280,
-        "o_lora_rank": 1024, "o_groups": 8, "hidden_act": "silu", "swiglu_limit": 10.0,
-        "rms_norm_eps": 1e-20, "attention_bias": False, "tie_word_embeddings": False,
-        "max_position_embeddings": 1048576, "rope_theta": 10000,
-        "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                         "original_max_position_embeddings": 65536},
-        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 6,
-        "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5, "sliding_window": 128,
-        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0], "compress_rope_theta": 160000,
-        "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-        "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
-        "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
-        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-        "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682],
-        "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
-        "engram_vocab_size": 16000000, "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 2,
-        "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
-        "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
-        "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+        "model_type": "deepseek_v41_text",
+        "vocab_size": 129280,
+        "hidden_size": 5120,
+        "moe_intermediate_size": 2304,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1280,
+        "o_lora_rank": 1024,
+        "o_groups": 8,
+        "hidden_act": "silu",
+        "swiglu_limit": 10.0,
+        "rms_norm_eps": 1e-20,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 1048576,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 65536,
+        },
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "sliding_window": 128,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+        "compress_rope_theta": 160000,
+        "kv_source_layer_ids": [2, 8, 14, 20],
+        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "candidate_source_layer_id": 20,
+        "candidate_topk_blocks": 2048,
+        "candidate_block_size": 8,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "engram_layer_ids": [1, 14],
+        "engram_num_embeddings": [384006168, 384016682],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": 16000000,
+        "engram_compressed_vocab_size": 99092,
+        "engram_pad_token_id": 2,
+        "num_nextn_predict_layers": 3,
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": 128799,
+        "dspark_target_layer_ids": [37, 38, 39],
+        "dspark_markov_rank": 256,
+        "dspark_n_routed_experts": 128,
+        "dspark_num_experts_per_tok": 3,
     }
     return {
-        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 129264,
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "image_token_id": 129264,
         "text_config": text,
         "vision_config": {
-            "model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024,
-            "num_attention_heads": 16, "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000,
-            "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936, "max_wh_ratio": None,
+            "model_type": "deepseek_v41_vision",
+            "num_hidden_layers": 32,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "intermediate_size": 2816,
+            "patch_size": 14,
+            "rope_theta": 10000,
+            "downsample_ratio": 3,
+            "max_image_tokens": 1024,
+            "min_pixels": 295936,
+            "max_wh_ratio": None,
         },
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0",
+            "expert_dtype": "fp4",
+        },
     }
 
 

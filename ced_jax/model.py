@@ -47,8 +47,10 @@ class ParamSpec:
 
 def _fp8_linear(out_dim: int, in_dim: int, axes: tuple[str | None, str | None], block: int) -> dict:
     cdiv = lambda a: -(-a // block)
-    return {"weight": ParamSpec((out_dim, in_dim), FP8, axes),
-            "scale": ParamSpec((cdiv(out_dim), cdiv(in_dim)), E8M0, (None, None))}
+    return {
+        "weight": ParamSpec((out_dim, in_dim), FP8, axes),
+        "scale": ParamSpec((cdiv(out_dim), cdiv(in_dim)), E8M0, (None, None)),
+    }
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -78,22 +80,30 @@ def param_specs(cfg: ModelConfig) -> dict:
             attn["compressor"] = comp
         if i in cfg.index_source_layer_ids:
             ih, idim = cfg.index_n_heads, cfg.index_head_dim
-            idx = {"wq_b": _fp8_linear(ih * idim, ql, ("index_heads", None), blk),
-                   "weights_proj": {"weight": ParamSpec((ih, D), BF16, ("index_heads", "embed"))}}
+            idx = {
+                "wq_b": _fp8_linear(ih * idim, ql, ("index_heads", None), blk),
+                "weights_proj": {"weight": ParamSpec((ih, D), BF16, ("index_heads", "embed"))},
+            }
             if i in cfg.kv_source_layer_ids:
                 idx["wk"] = {"weight": ParamSpec((idim, hd), BF16, (None, None))}
                 idx["k_norm"] = norm(idim)
             attn["indexer"] = idx
         expert = lambda out_dim, in_dim: {
             "weight": ParamSpec((E, out_dim, in_dim // 2), FP4X2, ("experts", "expert_mlp", None)),
-            "scale": ParamSpec((E, out_dim, in_dim // 32), E8M0, ("experts", "expert_mlp", None))}
+            "scale": ParamSpec((E, out_dim, in_dim // 32), E8M0, ("experts", "expert_mlp", None)),
+        }
         ffn = {
-            "gate": {"weight": ParamSpec((E, D), BF16, (None, "embed")), "bias": ParamSpec((E,), F32, (None,)),
-                     "bias_vl": ParamSpec((E,), F32, (None,))},
+            "gate": {
+                "weight": ParamSpec((E, D), BF16, (None, "embed")),
+                "bias": ParamSpec((E,), F32, (None,)),
+                "bias_vl": ParamSpec((E,), F32, (None,)),
+            },
             "experts": {"w1": expert(F, D), "w3": expert(F, D), "w2": expert(D, F)},
-            "shared_experts": {"w1": _fp8_linear(F, D, ("mlp", "embed"), blk),
-                               "w3": _fp8_linear(F, D, ("mlp", "embed"), blk),
-                               "w2": _fp8_linear(D, F, ("embed", "mlp"), blk)},
+            "shared_experts": {
+                "w1": _fp8_linear(F, D, ("mlp", "embed"), blk),
+                "w3": _fp8_linear(F, D, ("mlp", "embed"), blk),
+                "w2": _fp8_linear(D, F, ("embed", "mlp"), blk),
+            },
         }
         layer = {"attn": attn, "ffn": ffn, "attn_norm": norm(D), "ffn_norm": norm(D)}
         for site in ("attn", "ffn"):
@@ -104,8 +114,10 @@ def param_specs(cfg: ModelConfig) -> dict:
             k = cfg.engram_layer_ids.index(i)
             rows, ehd = cfg.engram_num_embeddings[k], cfg.engram_head_dim
             layer["engram"] = {
-                "embed": {"weight": ParamSpec((rows, ehd), FP8, ("engram_rows", None)),
-                          "scale": ParamSpec((rows, ehd // 32), E8M0, ("engram_rows", None))},
+                "embed": {
+                    "weight": ParamSpec((rows, ehd), FP8, ("engram_rows", None)),
+                    "scale": ParamSpec((rows, ehd // 32), E8M0, ("engram_rows", None)),
+                },
                 "wkv": _fp8_linear(D * (M + 1), cfg.engram_hash_cols * ehd, (None, None), blk),
                 "q_weight": ParamSpec((M, D), BF16, (None, "embed")),
                 "k_weight": ParamSpec((M, D), BF16, (None, "embed")),
@@ -182,21 +194,46 @@ def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str):
     flat = x.reshape(b * t, d)
     scores = moe_lib.router_scores(flat, p["gate"]["weight"])
     forced = None if forced_ids is None else forced_ids.reshape(b * t, -1)
-    ids, weights, own = moe_lib.route(scores, p["gate"]["bias"], cfg.num_experts_per_tok,
-                                      cfg.routed_scaling_factor, cfg.norm_topk_prob, forced)
+    ids, weights, own = moe_lib.route(
+        scores,
+        p["gate"]["bias"],
+        cfg.num_experts_per_tok,
+        cfg.routed_scaling_factor,
+        cfg.norm_topk_prob,
+        forced,
+    )
     routed = moe_lib.routed_experts(flat, ids, weights, p["experts"], limit=cfg.swiglu_limit, impl=impl)
     shared = moe_lib.shared_expert(flat, p["shared_experts"], limit=cfg.swiglu_limit)
     return round_bf16(routed + shared).reshape(b, t, d), own.reshape(b, t, -1)
 
 
 def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig):
-    return hc_mixes(x, p[f"hc_{site}_fn"], p[f"hc_{site}_scale"], p[f"hc_{site}_base"], hc=cfg.hc_mult,
-                    iters=cfg.hc_sinkhorn_iters, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+    return hc_mixes(
+        x,
+        p[f"hc_{site}_fn"],
+        p[f"hc_{site}_scale"],
+        p[f"hc_{site}_base"],
+        hc=cfg.hc_mult,
+        iters=cfg.hc_sinkhorn_iters,
+        norm_eps=cfg.rms_norm_eps,
+        hc_eps=cfg.hc_eps,
+    )
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: dict, start: jax.Array, lens: jax.Array,
-            engram_rows: jax.Array | None = None, forced: dict | None = None, *, capture_blocks: bool = False,
-            index_k_mode: str = "intended", impl: str = "reference"):
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    cache: dict,
+    start: jax.Array,
+    lens: jax.Array,
+    engram_rows: jax.Array | None = None,
+    forced: dict | None = None,
+    *,
+    capture_blocks: bool = False,
+    index_k_mode: str = "intended",
+    impl: str = "reference",
+):
     """Run one chunk of tokens for every sequence of the batch.
 
     tokens i32 [B, T]; start i32 [B] (position of tokens[:, 0]); lens i32 [B] (valid tokens, rest
@@ -238,8 +275,20 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: dict, star
         residual = x
         attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg)
         a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
-        y, topk = attention(p["attn"], cfg, i, a_in, positions, start, lens, cache, shared,
-                            forced_topk=forced.get("topk", {}).get(str(i)), index_k_mode=index_k_mode, impl=impl)
+        y, topk = attention(
+            p["attn"],
+            cfg,
+            i,
+            a_in,
+            positions,
+            start,
+            lens,
+            cache,
+            shared,
+            forced_topk=forced.get("topk", {}).get(str(i)),
+            index_k_mode=index_k_mode,
+            impl=impl,
+        )
         if topk is not None:
             own_topk[str(i)] = topk
         x = hc_expand(y, residual, attn_post, attn_comb)

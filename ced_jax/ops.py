@@ -34,13 +34,20 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     order = jnp.argsort(expert_ids)
     group_sizes = jnp.bincount(expert_ids, length=num_experts).astype(jnp.int32)
     weight = dequant_fp4_weight(w["weight"], w["scale"])  # [E, N, K]
-    out_sorted = jax.lax.ragged_dot(rows[order], jnp.swapaxes(weight, 1, 2), group_sizes,
-                                    precision=jax.lax.Precision.HIGHEST)
+    out_sorted = jax.lax.ragged_dot(
+        rows[order], jnp.swapaxes(weight, 1, 2), group_sizes, precision=jax.lax.Precision.HIGHEST
+    )
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
 
 
-def sparse_attention(q: jax.Array, segments: list[tuple[jax.Array, jax.Array, str]], sink: jax.Array,
-                     scale: float, *, impl: str = "reference") -> jax.Array:
+def sparse_attention(
+    q: jax.Array,
+    segments: list[tuple[jax.Array, jax.Array, str]],
+    sink: jax.Array,
+    scale: float,
+    *,
+    impl: str = "reference",
+) -> jax.Array:
     """Single-KV-head attention (V = K) over several key segments, with a per-head sink.
 
     q: [B, T, H, Dh]. Each segment is (keys, valid, layout): layout "shared" has keys [B, S, Dh]

@@ -86,7 +86,9 @@ def round_e4m3(x: jax.Array) -> jax.Array:
     mag = jnp.abs(x)
     bits = jax.lax.bitcast_convert_type(mag, jnp.uint32)
     lsb = (bits >> 20) & 1
-    normal = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x7FFFF) + lsb) & jnp.uint32(0xFFF00000), jnp.float32)
+    normal = jax.lax.bitcast_convert_type(
+        (bits + jnp.uint32(0x7FFFF) + lsb) & jnp.uint32(0xFFF00000), jnp.float32
+    )
     subnormal = jnp.round(mag * 512.0) * np.float32(1.0 / 512.0)
     return jnp.where(jnp.signbit(x), -1.0, 1.0) * jnp.where(mag < 2.0**-6, subnormal, normal)
 

@@ -52,20 +52,25 @@ def ring_positions(start: jax.Array, period: int) -> jax.Array:
     return prev - jnp.mod(prev - jnp.arange(period)[None, :], period)
 
 
-def window_segments(kv: jax.Array, ring: jax.Array, positions: jax.Array, start: jax.Array,
-                    lens: jax.Array, window: int):
+def window_segments(
+    kv: jax.Array, ring: jax.Array, positions: jax.Array, start: jax.Array, lens: jax.Array, window: int
+):
     """Keys each query sees in its causal window: positions (p - W, p] from the ring and the chunk."""
     ring_pos = ring_positions(start, ring.shape[1])  # [B, W]
     q = positions[:, :, None]
     ring_valid = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > q - window)
     chunk_pos = positions[:, None, :]
-    chunk_valid = (jnp.arange(kv.shape[1])[None, None, :] < lens[:, None, None]) & (chunk_pos <= q) & (
-        chunk_pos > q - window)
+    chunk_valid = (
+        (jnp.arange(kv.shape[1])[None, None, :] < lens[:, None, None])
+        & (chunk_pos <= q)
+        & (chunk_pos > q - window)
+    )
     return [(ring, ring_valid, "shared"), (kv, chunk_valid, "shared")]
 
 
-def compress(x: jax.Array, p: dict, state_kv, state_score, start: jax.Array, lens: jax.Array, ratio: int,
-             eps: float):
+def compress(
+    x: jax.Array, p: dict, state_kv, state_score, start: jax.Array, lens: jax.Array, ratio: int, eps: float
+):
     """Pool each complete group of `ratio` tokens into one latent (pre-RoPE, bf16-rounded).
 
     Returns (latent [B, G, Dh], entry index [B, G], complete [B, G], new state_kv, new state_score).
@@ -135,7 +140,9 @@ def index_scores(x, qr, p: dict, index_k: jax.Array, positions, inv_freq, cfg: M
     return jnp.where(visible, s, -jnp.inf)
 
 
-def candidate_pool(scores: jax.Array, positions: jax.Array, ratio: int, top_blocks: int, block: int) -> jax.Array:
+def candidate_pool(
+    scores: jax.Array, positions: jax.Array, ratio: int, top_blocks: int, block: int
+) -> jax.Array:
     """Level one of the two-level top-k: a bool mask [B, T, S] of the best `top_blocks` blocks of
     `block` entries (by their best score), the block of the newest visible entry always kept."""
     width = scores.shape[-1]
@@ -161,9 +168,21 @@ def select_topk(scores: jax.Array, positions: jax.Array, ratio: int, top_k: int)
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
-def attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, start: jax.Array,
-              lens: jax.Array, cache: dict, shared: dict, *, forced_topk: jax.Array | None,
-              index_k_mode: str, impl: str):
+def attention(
+    p: dict,
+    cfg: ModelConfig,
+    layer: int,
+    x: jax.Array,
+    positions: jax.Array,
+    start: jax.Array,
+    lens: jax.Array,
+    cache: dict,
+    shared: dict,
+    *,
+    forced_topk: jax.Array | None,
+    index_k_mode: str,
+    impl: str,
+):
     """One attention sublayer. x: attn_norm output [B, T, D]. Returns (out [B, T, D], own top-k or None).
 
     `cache` and `shared` are dicts updated in place (this function is traced, not run eagerly):
@@ -191,15 +210,21 @@ def attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, positions: ja
         if layer in cfg.kv_source_layer_ids:
             comp = p["compressor"]
             latent, entry, complete, skv, ssc = compress(
-                x, comp, cache["state_kv"].get(key), cache["state_score"].get(key), start, lens, ratio, eps)
+                x, comp, cache["state_kv"].get(key), cache["state_score"].get(key), start, lens, ratio, eps
+            )
             if ratio > 1:
                 cache["state_kv"][key], cache["state_score"][key] = skv, ssc
             entry_pos = entry * ratio
             # Index keys come from the latent before it is rotated and quantised for the main cache.
             cache["index_k"][key] = write_entries(
-                cache["index_k"][key], index_keys(latent, p["indexer"], entry_pos, inv_freq, eps), entry, complete)
-            cache["kv"][key] = write_entries(cache["kv"][key], main_entries(latent, entry_pos, inv_freq),
-                                             entry, complete)
+                cache["index_k"][key],
+                index_keys(latent, p["indexer"], entry_pos, inv_freq, eps),
+                entry,
+                complete,
+            )
+            cache["kv"][key] = write_entries(
+                cache["kv"][key], main_entries(latent, entry_pos, inv_freq), entry, complete
+            )
             published = jnp.any(complete, axis=1)  # [B]: did this owner produce an entry in this call
             if index_k_mode == "reference":
                 # The released code moves its global index-K pointer only when an owner publishes.
@@ -211,14 +236,18 @@ def attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, positions: ja
             if index_k_mode == "reference":
                 keys = shared["index_k_ptr"]
                 cap = cache["index_k"][src].shape[1]
-                keys = keys[:, :cap] if keys.shape[1] >= cap else jnp.pad(
-                    keys, ((0, 0), (0, cap - keys.shape[1]), (0, 0)))
+                keys = (
+                    keys[:, :cap]
+                    if keys.shape[1] >= cap
+                    else jnp.pad(keys, ((0, 0), (0, cap - keys.shape[1]), (0, 0)))
+                )
             else:
                 keys = cache["index_k"][src]
             scores = index_scores(x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio)
             if layer == cfg.candidate_source_layer_id:
-                shared["candidates"] = candidate_pool(scores, positions, ratio, cfg.candidate_topk_blocks,
-                                                      cfg.candidate_block_size)
+                shared["candidates"] = candidate_pool(
+                    scores, positions, ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size
+                )
             elif cfg.uses_candidates(layer):
                 scores = jnp.where(shared["candidates"], scores, -jnp.inf)
             own_topk = select_topk(scores, positions, ratio, cfg.index_topk)

@@ -20,16 +20,20 @@ def engram_lookup(table: jax.Array, table_scale: jax.Array, rows: jax.Array, blo
     return round_bf16(values * scales)
 
 
-def engram(x: jax.Array, rows: jax.Array, p: dict, *, eps: float, token_mask: jax.Array | None = None) -> jax.Array:
+def engram(
+    x: jax.Array, rows: jax.Array, p: dict, *, eps: float, token_mask: jax.Array | None = None
+) -> jax.Array:
     """x: [B, T, M, D] residual streams; rows: i32 [B, T, C]. Returns the updated streams."""
     hc, dim = x.shape[-2:]
     emb = engram_lookup(p["embed"]["weight"], p["embed"]["scale"], rows)
     kv = fp8_linear(emb.reshape(*emb.shape[:-2], -1), p["wkv"]["weight"], p["wkv"]["scale"])
     key = kv[..., : hc * dim].reshape(*kv.shape[:-1], hc, dim)
-    value = kv[..., hc * dim:]
+    value = kv[..., hc * dim :]
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)
     # normalised per (token, stream) over D, not jointly over the streams
-    rstd = jax.lax.rsqrt(mean_last(jnp.square(x))[..., 0] + eps) * jax.lax.rsqrt(mean_last(jnp.square(key))[..., 0] + eps)
+    rstd = jax.lax.rsqrt(mean_last(jnp.square(x))[..., 0] + eps) * jax.lax.rsqrt(
+        mean_last(jnp.square(key))[..., 0] + eps
+    )
     dot = jnp.sum(x * weight * key, axis=-1) * rstd * dim**-0.5
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
     if token_mask is not None:

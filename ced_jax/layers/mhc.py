@@ -15,8 +15,17 @@ from ced_jax.layers.common import HIGHEST
 from ced_jax.quant import exact_div, mean_last, round_bf16
 
 
-def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, hc: int, iters: int,
-             norm_eps: float, hc_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def hc_mixes(
+    x: jax.Array,
+    fn: jax.Array,
+    scale: jax.Array,
+    base: jax.Array,
+    *,
+    hc: int,
+    iters: int,
+    norm_eps: float,
+    hc_eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x: [B, T, M, D] -> pre [B, T, M], post [B, T, M], comb [B, T, M(j), M(k)] (all f32).
 
     One RMS statistic over the flattened M*D stream (no weight), a 24-wide projection, then the
@@ -25,8 +34,8 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     rsqrt = jax.lax.rsqrt(mean_last(jnp.square(flat)) + norm_eps)
     mixes = jnp.einsum("...k,nk->...n", flat, fn, precision=HIGHEST) * rsqrt
     pre = jax.nn.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * jax.nn.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
+    post = 2 * jax.nn.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*mixes.shape[:-1], hc, hc)
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
     comb = exact_div(comb, jnp.sum(comb, axis=-1, keepdims=True)) + hc_eps
     comb = exact_div(comb, jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)

@@ -24,8 +24,14 @@ def router_scores(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
     return jnp.sqrt(softplus)
 
 
-def route(scores: jax.Array, bias: jax.Array, top_k: int, scaling: float, norm_topk: bool,
-          forced_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(
+    scores: jax.Array,
+    bias: jax.Array,
+    top_k: int,
+    scaling: float,
+    norm_topk: bool,
+    forced_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (ids used [N, X], weights [N, X] f32, own ids [N, X]). forced_ids replays a recorded routing."""
     _, own_ids = jax.lax.top_k(scores + bias, top_k)
     ids = own_ids if forced_ids is None else forced_ids
@@ -42,8 +48,9 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, limit: float,
-                   impl: str) -> jax.Array:
+def routed_experts(
+    x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, limit: float, impl: str
+) -> jax.Array:
     """sum over the X selected experts of w2(weight * swiglu(w1 x, w3 x)), f32 [N, D].
 
     experts: {'w1'|'w2'|'w3': {'weight': u8 packed FP4 [E, out, in/2], 'scale': u8 e8m0 [E, out, in/32]}}."""

@@ -1,0 +1,497 @@
+"""The notebook / CLI API: `load(path_or_preset)` -> `Model` with `generate`, `logits`, `describe`.
+
+A `Model` holds the parameters on device and two jitted programs over the same `forward`:
+`prefill` (a chunk of up to `prefill_chunk` tokens) and `decode` (one token per sequence). The
+cache pytree is donated to both. Engram hash rows are computed on the host from the token history.
+
+Loading a checkpoint directory needs the converter's declarative name table, so this module
+imports `conversion` lazily: it is the one place where ced_jax reaches above itself, and only to
+read weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
+from ced_jax.engram_hash import EngramHasher
+from ced_jax.model import forward, init_cache
+
+TINY_SEED = 1234  # the embedded tiny model's random weights
+
+
+def _to_device(flat: dict[str, np.ndarray], bf16_as_f32: bool) -> dict:
+    """Flat {dotted name: array} -> nested dict of device arrays. bf16 is widened to f32 (exact)
+    where XLA:CPU would otherwise run pathologically slow bf16 GEMVs."""
+    root: dict = {}
+    for name, arr in flat.items():
+        if bf16_as_f32 and arr.dtype == ml_dtypes.bfloat16:
+            arr = arr.astype(np.float32)
+        node = root
+        parts = name.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = jnp.asarray(arr)
+    return root
+
+
+class Model:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        flat_params: dict[str, np.ndarray],
+        *,
+        hasher: EngramHasher | None,
+        tokenizer_path: Path | None,
+        impl: str = "reference",
+        bf16_as_f32: bool | None = None,
+        prefill_chunk: int = 512,
+    ):
+        self.cfg = cfg
+        if bf16_as_f32 is None:
+            bf16_as_f32 = jax.default_backend() == "cpu"
+        self.params = _to_device(flat_params, bf16_as_f32)
+        self.hasher = hasher
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer = None
+        self.impl = impl
+        self.prefill_chunk = prefill_chunk
+        step = partial(_step, cfg=cfg)
+        # Two programs over the same forward: shapes differ (T = chunk vs T = 1), code does not.
+        self.prefill_program = jax.jit(
+            step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
+        )
+        self.decode_program = jax.jit(
+            step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
+        )
+
+    # ------------------------------------------------------------------ tokenizer
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            if self.tokenizer_path is None:
+                raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return [self.cfg.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ describe
+    def describe(self) -> dict:
+        return describe(self.cfg)
+
+    # ------------------------------------------------------------------ running
+    def new_session(self, batch: int, max_len: int) -> Session:
+        return Session(self, batch, max_len)
+
+    def logits(
+        self,
+        prompt_ids,
+        decode_ids=(),
+        *,
+        index_k_mode: str = "intended",
+        replay: dict | None = None,
+        patch: dict | None = None,
+        capture: bool = False,
+        prefill_chunk: int | None = None,
+    ) -> dict:
+        """Prefill `prompt_ids` from position 0, then feed `decode_ids` one at a time (teacher forcing).
+
+        replay / patch use the golden fixture's names (see the CLI help). Returns fp32 arrays:
+        prefill_logits_full [T, V], decode_logits [N, V]; with capture the decisions taken
+        (prefill_topk_layer{l}, decode_topk_layer{l}, prefill_gate_indices, decode_gate_indices);
+        with patch what each block produced (prefill_block_output, decode_block_output)."""
+        prompt = _check_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size, allow_empty=False)
+        dec = _check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
+        replay, patch = replay or {}, patch or {}
+        t, n = len(prompt), len(dec)
+        _check_replay_patch(self.cfg, replay, patch, t, n)
+        session = self.new_session(1, _round_up(t + n, 64))
+        chunk = prefill_chunk or t
+        out: dict[str, list] = {}
+        capture_blocks = bool(patch)
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            forced = _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e))
+            logits, aux = session.step(
+                np.asarray(prompt[s:e])[None],
+                forced=forced,
+                capture_blocks=capture_blocks,
+                index_k_mode=index_k_mode,
+            )
+            out.setdefault("prefill_logits_full", []).append(logits[0])
+            _collect(out, aux, "prefill", capture_blocks, batch_index=0)
+        for i, tok in enumerate(dec):
+            forced = _forced_slice(self.cfg, replay, patch, "decode", i)
+            logits, aux = session.step(
+                np.asarray([[tok]]), forced=forced, capture_blocks=capture_blocks, index_k_mode=index_k_mode
+            )
+            out.setdefault("decode_logits", []).append(logits[0])
+            _collect(out, aux, "decode", capture_blocks, batch_index=0)
+        result = {k: np.concatenate(v, axis=_cat_axis(k)) for k, v in out.items()}
+        if not capture and "prefill_gate_indices" in result:
+            result = {k: v for k, v in result.items() if "topk" not in k and "gate_indices" not in k}
+        if "decode_logits" not in result:
+            result["decode_logits"] = np.zeros((0, self.cfg.vocab_size), np.float32)
+        return result
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+    ) -> dict:
+        """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise sampling is
+        the Gumbel-max trick keyed by (seed, position), so a seed reproduces its tokens."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        ids = (
+            self.encode(prompt)
+            if isinstance(prompt, str)
+            else _check_ids(prompt, "prompt", self.cfg.vocab_size)
+        )
+        session = self.new_session(1, _round_up(len(ids) + max_tokens, 64))
+        chunk = self.prefill_chunk
+        for s in range(0, len(ids), chunk):
+            logits, _ = session.step(np.asarray(ids[s : s + chunk])[None])
+        last = logits[0, -1]
+        out: list[int] = []
+        for _ in range(max_tokens):
+            tok = _sample(last, temperature, seed, len(ids) + len(out))
+            out.append(tok)
+            if stop_at_eos and tok == self.cfg.eos_token_id:
+                break
+            if len(out) == max_tokens:
+                break
+            logits, _ = session.step(np.asarray([[tok]]))
+            last = logits[0, -1]
+        result = {"prompt_ids": ids, "token_ids": out}
+        if self.tokenizer_path is not None:
+            result["text"] = self.decode_text(out)
+        return result
+
+
+class Session:
+    """One batch of sequences advancing together through the cache (all start at position 0)."""
+
+    def __init__(self, model: Model, batch: int, max_len: int):
+        self.model, self.batch, self.max_len = model, batch, max_len
+        self.cache = init_cache(model.cfg, batch, max_len)
+        self.positions = np.zeros(batch, np.int32)
+        self.history = model.hasher.empty_history(batch) if model.hasher is not None else None
+
+    def step(
+        self,
+        tokens: np.ndarray,
+        lens: np.ndarray | None = None,
+        *,
+        forced: dict | None = None,
+        capture_blocks: bool = False,
+        index_k_mode: str = "intended",
+    ):
+        """Feed tokens [B, T] (lens[b] valid). Returns (logits np [B, T, V], aux as numpy)."""
+        tokens = np.asarray(tokens, np.int32)
+        b, t = tokens.shape
+        lens = np.full(b, t, np.int32) if lens is None else np.asarray(lens, np.int32)
+        if np.any(self.positions + lens > self.max_len):
+            raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
+        rows = None
+        if self.model.hasher is not None:
+            rows = jnp.asarray(self.model.hasher.hash_ids(self.history, tokens))
+            self.history = self.model.hasher.next_history(self.history, tokens, lens)
+        program = self.model.decode_program if t == 1 else self.model.prefill_program
+        logits, self.cache, aux = program(
+            self.model.params,
+            jnp.asarray(tokens),
+            self.cache,
+            jnp.asarray(self.positions),
+            jnp.asarray(lens),
+            rows,
+            _to_jnp(forced),
+            capture_blocks=capture_blocks,
+            index_k_mode=index_k_mode,
+            impl=self.model.impl,
+        )
+        self.positions = self.positions + lens
+        return np.asarray(logits), jax.tree.map(np.asarray, aux)
+
+
+def _step(
+    params, tokens, cache, start, lens, engram_rows, forced, *, cfg, capture_blocks, index_k_mode, impl
+):
+    return forward(
+        params,
+        cfg,
+        tokens,
+        cache,
+        start,
+        lens,
+        engram_rows,
+        forced,
+        capture_blocks=capture_blocks,
+        index_k_mode=index_k_mode,
+        impl=impl,
+    )
+
+
+# ---------------------------------------------------------------------- helpers
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _to_jnp(tree):
+    return None if tree is None else jax.tree.map(jnp.asarray, tree)
+
+
+def _check_ids(ids, field: str, vocab: int, allow_empty: bool = False) -> list[int]:
+    try:
+        values = [int(v) for v in ids]
+        if any(float(v) != int(v) for v in ids):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}: expected a list of integer token ids") from None
+    if not values and not allow_empty:
+        raise ValueError(f"{field}: must not be empty")
+    bad = [v for v in values if not 0 <= v < vocab]
+    if bad:
+        raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return values
+
+
+def _sample(logits: np.ndarray, temperature: float, seed: int, position: int) -> int:
+    if temperature == 0:
+        return int(np.argmax(logits))
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
+    probs = jax.nn.softmax(jnp.asarray(logits, jnp.float32) / max(temperature, 1e-5))
+    noise = jax.random.exponential(key, probs.shape)
+    return int(jnp.argmax(probs / noise))
+
+
+def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: int) -> None:
+    """Validate replay / patch arrays by name and shape so a wrong file fails with a clear error."""
+    L, k, M, D = cfg.num_layers, cfg.num_experts_per_tok, cfg.hc_mult, cfg.hidden_size
+    expected: dict[str, tuple] = {
+        "prefill_gate_indices": (L, t, k),
+        "decode_gate_indices": (n, L, k),
+        "prefill_block_input": (L, t, M, D),
+        "prefill_pre_mix_input": (L, t, M),
+        "decode_block_input": (n, L, M, D),
+        "decode_pre_mix_input": (n, L, M),
+    }
+    for layer in cfg.index_source_layer_ids:
+        width = min(cfg.index_topk, 10**12)
+        expected[f"prefill_topk_layer{layer}"] = (t, None if width else 0)
+        expected[f"decode_topk_layer{layer}"] = (n, None)
+    for source, what in ((replay, "replay"), (patch, "patch")):
+        for name, arr in source.items():
+            if name not in expected:
+                raise ValueError(f"{what}: unknown array {name!r}")
+            shape = expected[name]
+            got = tuple(np.shape(arr))
+            if len(got) != len(shape) or any(
+                s is not None and s != g for s, g in zip(shape, got, strict=False)
+            ):
+                raise ValueError(f"{what}: {name} has shape {list(got)}, expected {list(shape)} (None = any)")
+    for a, b in (
+        ("prefill_block_input", "prefill_pre_mix_input"),
+        ("decode_block_input", "decode_pre_mix_input"),
+    ):
+        if (a in patch) != (b in patch):
+            raise ValueError(f"patch: {a} and {b} must be given together")
+
+
+def _forced_slice(cfg: ModelConfig, replay: dict, patch: dict, phase: str, where) -> dict | None:
+    """Forced decisions/inputs for one prefill chunk (where = slice of tokens) or decode step (int)."""
+    forced: dict[str, Any] = {}
+    topk = {}
+    for layer in cfg.index_source_layer_ids:
+        arr = replay.get(f"{phase}_topk_layer{layer}")
+        if arr is not None:
+            a = np.asarray(arr, np.int32)
+            topk[str(layer)] = a[where][None] if phase == "prefill" else a[where][None, None]
+    if topk:
+        forced["topk"] = topk
+    gates = replay.get(f"{phase}_gate_indices")
+    if gates is not None:
+        g = np.asarray(gates, np.int32)
+        forced["experts"] = g[:, where][:, None] if phase == "prefill" else g[where][:, None, None]
+    block = patch.get(f"{phase}_block_input")
+    if block is not None:
+        pre = np.asarray(patch[f"{phase}_pre_mix_input"], np.float32)
+        block = np.asarray(block, np.float32)
+        if phase == "prefill":
+            forced["block_input"], forced["pre_mix"] = block[:, where][:, None], pre[:, where][:, None]
+        else:
+            forced["block_input"], forced["pre_mix"] = block[where][:, None, None], pre[where][:, None, None]
+    return forced or None
+
+
+def _collect(out: dict, aux: dict, phase: str, capture_blocks: bool, batch_index: int) -> None:
+    for layer, topk in aux["topk"].items():
+        out.setdefault(f"{phase}_topk_layer{layer}", []).append(topk[batch_index])
+    experts = aux["experts"][:, batch_index]  # [L, T, X]
+    out.setdefault(f"{phase}_gate_indices", []).append(
+        experts if phase == "prefill" else experts.transpose(1, 0, 2)
+    )
+    if capture_blocks:
+        blocks = aux["block_output"][:, batch_index]  # [L, T, M, D]
+        out.setdefault(f"{phase}_block_output", []).append(
+            blocks if phase == "prefill" else blocks.transpose(1, 0, 2, 3)
+        )
+
+
+def _cat_axis(name: str) -> int:
+    return 1 if name in ("prefill_gate_indices", "prefill_block_output") else 0
+
+
+# ---------------------------------------------------------------------- describe
+def describe(cfg: ModelConfig) -> dict:
+    """Config summary, parameter counts, active parameters per token, KV bytes: all from the layout."""
+    from conversion.mapping import hf_inventory, parameter_counts
+
+    counts = parameter_counts(cfg)
+    inventory = hf_inventory(cfg)
+    E, X = cfg.n_routed_experts, cfg.num_experts_per_tok
+
+    def layer_active(i: int) -> float:
+        total = 0.0
+        for name, spec in inventory.items():
+            if spec.group != "backbone" or not name.startswith(f"layers.{i}."):
+                continue
+            n = spec.params
+            total += n * X / E if ".ffn.experts." in name else n
+        return total
+
+    head = math.prod(inventory["head.weight"].shape)
+    decode_active = sum(layer_active(i) for i in range(cfg.num_layers)) + head
+    # The causal encoder path of a prompt token: the layers below the first ratio-1 KV source, plus
+    # that source's KV projection (its compressor and index-key projection).
+    decoder_start = min(
+        (s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 1), default=cfg.num_layers
+    )
+    kv_projection = sum(
+        spec.params
+        for name, spec in inventory.items()
+        if name.startswith(f"layers.{decoder_start}.attn.compressor.")
+        or name.startswith(f"layers.{decoder_start}.attn.indexer.wk")
+        or name.startswith(f"layers.{decoder_start}.attn.indexer.k_norm")
+    )
+    prompt_active = sum(layer_active(i) for i in range(decoder_start)) + kv_projection
+    main_bytes = cfg.head_dim // 2 + cfg.head_dim // 16  # FP4 e2m1 + one e4m3 scale per 16
+    index_bytes = cfg.index_head_dim // 2 + cfg.index_head_dim // 32  # FP4 e2m1 + one ue8m0 per 32
+    kv_per_token = sum((main_bytes + index_bytes) / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
+    swa_entry = cfg.head_dim + cfg.head_dim // 32  # FP8 + one ue8m0 per 32
+    return {
+        "model": cfg.name,
+        "config": {
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "routed_experts": E,
+            "experts_per_token": X,
+            "layer_kinds": list(cfg.layer_kinds),
+            "compress_ratios": list(cfg.compress_ratios[: cfg.num_layers]),
+            "kv_source_layers": list(cfg.kv_source_layer_ids),
+            "index_source_layers": list(cfg.index_source_layer_ids),
+            "engram_layers": list(cfg.engram_layer_ids),
+            "sliding_window": cfg.sliding_window,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "dspark_stages": cfg.num_nextn_predict_layers,
+            "vision": cfg.vision is not None,
+        },
+        "parameters": {
+            "backbone": counts["backbone"],
+            "engram_tables": counts["engram_table"],
+            "dspark": counts["dspark"],
+            "vision": counts["vision"],
+            "total": counts["total"],
+        },
+        "active_parameters_per_token": {
+            "prompt_encoder_path": int(round(prompt_active)),
+            "decode_path": int(round(decode_active)),
+        },
+        "kv_bytes_per_token": kv_per_token,
+        "swa_bytes_per_sequence": cfg.num_layers * cfg.sliding_window * swa_entry,
+        "storage_bytes": {"weights": sum(spec.nbytes for spec in inventory.values())},
+    }
+
+
+# ---------------------------------------------------------------------- load
+def load(path_or_preset: str | Path, *, impl: str = "reference", prefill_chunk: int = 512) -> Model:
+    """A preset name ('tiny'), or a Hugging Face checkpoint directory in the released format."""
+    name = str(path_or_preset)
+    if name in PRESETS:
+        cfg = preset(name)
+        if name != "tiny":
+            raise ValueError(
+                f"preset {name!r} has no embedded weights; pass a checkpoint directory "
+                f"(`ced-jax describe {name}` works without weights)"
+            )
+        from conversion.synthetic import synthetic_params
+
+        flat = synthetic_params(cfg, TINY_SEED)
+        hasher = EngramHasher.from_token_map_file(cfg, ASSETS / "tiny" / "engram_token_map.json")
+        return Model(
+            cfg,
+            flat,
+            hasher=hasher,
+            tokenizer_path=ASSETS / "tiny" / "tokenizer.json",
+            impl=impl,
+            prefill_chunk=prefill_chunk,
+        )
+    directory = Path(name)
+    if not directory.is_dir():
+        raise ValueError(f"{name!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
+    cfg = ModelConfig.from_pretrained(directory)
+    from conversion.hf_loader import load_hf_checkpoint
+
+    flat, _report = load_hf_checkpoint(directory, cfg)
+    hasher = None
+    if cfg.engram_layer_ids:
+        if (directory / "engram_token_map.json").exists():
+            hasher = EngramHasher.from_token_map_file(cfg, directory / "engram_token_map.json")
+        elif (directory / "tokenizer.json").exists():
+            hasher = EngramHasher.from_tokenizer_file(cfg, directory / "tokenizer.json")
+        else:
+            raise ValueError(f"{directory}: Engram layers need tokenizer.json or engram_token_map.json")
+    tok = directory / "tokenizer.json"
+    return Model(
+        cfg,
+        flat,
+        hasher=hasher,
+        tokenizer_path=tok if tok.exists() else None,
+        impl=impl,
+        prefill_chunk=prefill_chunk,
+    )
+
+
+def load_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def save_json(obj: Any, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2))

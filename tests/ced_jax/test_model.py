@@ -1,0 +1,85 @@
+"""Model-level properties: chunked prefill, greedy decode consistency, no retrace, full-size shapes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ced_jax.api import load
+from ced_jax.config import preset
+from ced_jax.model import Transformer
+from tests.conftest import GOLDEN_TINY_A
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(str(GOLDEN_TINY_A))
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return [0] + np.random.default_rng(7).integers(3, 512, 40).tolist()
+
+
+def test_chunked_prefill_equals_one_shot(model, prompt):
+    one = model.logits(prompt, [5, 9, 11], capture=True)
+    chunked = model.logits(prompt, [5, 9, 11], capture=True, prefill_chunk=13)
+    for layer in model.cfg.index_source_layer_ids:
+        np.testing.assert_array_equal(
+            one[f"prefill_topk_layer{layer}"], chunked[f"prefill_topk_layer{layer}"]
+        )
+    np.testing.assert_array_equal(one["prefill_gate_indices"], chunked["prefill_gate_indices"])
+    np.testing.assert_allclose(one["prefill_logits_full"], chunked["prefill_logits_full"], atol=2e-3, rtol=0)
+    np.testing.assert_allclose(one["decode_logits"], chunked["decode_logits"], atol=2e-3, rtol=0)
+
+
+def test_greedy_generation_equals_teacher_forced_argmax(model, prompt):
+    out = model.generate(prompt, 6, temperature=0.0, stop_at_eos=False)["token_ids"]
+    forced = model.logits(prompt, out[:-1])
+    teacher = [int(forced["prefill_logits_full"][-1].argmax())] + forced["decode_logits"].argmax(-1).tolist()
+    assert out == teacher
+
+
+def test_no_retrace_over_50_decode_steps(model, prompt):
+    session = model.new_session(1, 128)
+    session.step(np.asarray(prompt)[None])
+    session.step(np.asarray([[5]]))  # first decode step compiles
+    tokens = [np.asarray([[int(t)]]) for t in np.random.default_rng(0).integers(3, 512, 50)]
+    with jax.no_tracing():
+        for tok in tokens:
+            session.step(tok)
+    assert session.positions[0] == len(prompt) + 51
+
+
+def test_sampling_is_reproducible_for_a_seed(model, prompt):
+    a = model.generate(prompt, 5, temperature=1.0, seed=3, stop_at_eos=False)["token_ids"]
+    b = model.generate(prompt, 5, temperature=1.0, seed=3, stop_at_eos=False)["token_ids"]
+    assert a == b
+
+
+def test_full_size_eval_shape_counts():
+    """The whole v41-flash parameter tree, abstractly: no memory is allocated."""
+    cfg = preset("v41-flash")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg))
+    leaves = jax.tree.leaves(nnx.state(abstract))
+    flat = nnx.to_flat_state(nnx.state(abstract))
+    params = 0
+    for path, var in flat:
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        name = ".".join(str(p) for p in path)
+        if (
+            name.endswith("scale")
+            and not name.endswith("hc_attn_scale")
+            and not name.endswith("hc_ffn_scale")
+        ):
+            continue
+        n = int(np.prod(value.shape))
+        params += 2 * n if ".experts." in name and name.endswith("weight") else n
+    # backbone + Engram tables; the scale bytes are not parameters, wo_a is stored dequantised
+    assert params == 551_880_835_184 + 196_613_849_600
+    assert len(leaves) > 0
+    shapes = {".".join(str(p) for p in path): var.get_value().shape for path, var in flat}
+    assert shapes["params.layers.2.attn.wq_b.weight"] == (64 * 512, 1280)
+    assert shapes["params.layers.20.ffn.experts.w1.weight"] == (384, 2304, 5120 // 2)
