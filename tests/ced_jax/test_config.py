@@ -1,0 +1,65 @@
+"""ModelConfig: the released nested config.json, presets, and clear errors for bad configs."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from ced_jax.config import ConfigError, ModelConfig, preset
+from tests.conftest import GOLDEN_TINY_A
+
+
+def _raw():
+    return json.loads((GOLDEN_TINY_A / "config.json").read_text())
+
+
+def test_reads_the_released_layout():
+    cfg = ModelConfig.from_pretrained(GOLDEN_TINY_A)
+    assert cfg.layer_kinds == ("swa", "swa", "full", "reuse", "full", "reuse", "reindex", "reuse")
+    assert cfg.kv_source_of(7) == 4 and cfg.index_source_of(7) == 6 and cfg.index_source_of(3) == 2
+    assert cfg.uses_candidates(6) and not cfg.uses_candidates(4)
+    assert cfg.rms_norm_eps == 1e-20 and cfg.weight_block_size == 32
+
+
+def test_round_trip_and_presets():
+    for name in ("tiny", "v41-flash"):
+        cfg = preset(name)
+        assert ModelConfig.from_hf_config(cfg.to_hf_dict()) == cfg
+    flash = preset("v41-flash")
+    assert flash.layer_kinds.count("full") == 4 and flash.layer_kinds.count("reindex") == 4
+    assert flash.layer_kinds.count("reuse") == 30 and flash.layer_kinds.count("swa") == 2
+    tiny = preset("tiny")
+    assert set(tiny.layer_kinds) == {"swa", "full", "reuse", "reindex"} and tiny.engram_layer_ids
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r["text_config"].__setitem__("brand_new_key", 1), "brand_new_key"),
+        (lambda r: r.__setitem__("mystery", 1), "mystery"),
+        (lambda r: r["text_config"].pop("hidden_size"), "hidden_size"),
+        (lambda r: r["text_config"].__setitem__("hidden_size", "wide"), "hidden_size"),
+        (lambda r: r["text_config"].__setitem__("num_key_value_heads", 8), "num_key_value_heads"),
+        (lambda r: r["text_config"].__setitem__("kv_source_layer_ids", [2, 5]), "kv_source_layer_ids"),
+        (lambda r: r["quantization_config"].__setitem__("weight_block_size", [128, 64]), "weight_block_size"),
+        (lambda r: r["text_config"]["rope_scaling"].__setitem__("rope_type", "linear"), "rope_type"),
+        (lambda r: r.pop("text_config"), "text_config"),
+    ],
+)
+def test_bad_configs_name_the_key(mutate, message):
+    raw = copy.deepcopy(_raw())
+    mutate(raw)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_unknown_preset_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("v9")
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_pretrained(tmp_path)
