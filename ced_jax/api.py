@@ -298,9 +298,8 @@ def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: 
         "decode_block_input": (n, L, M, D),
         "decode_pre_mix_input": (n, L, M),
     }
-    for layer in cfg.index_source_layer_ids:
-        width = min(cfg.index_topk, 10**12)
-        expected[f"prefill_topk_layer{layer}"] = (t, None if width else 0)
+    for layer in cfg.index_source_layer_ids:  # any width up to index_topk: -1 marks unused slots
+        expected[f"prefill_topk_layer{layer}"] = (t, None)
         expected[f"decode_topk_layer{layer}"] = (n, None)
     for source, what in ((replay, "replay"), (patch, "patch")):
         for name, arr in source.items():
