@@ -84,15 +84,19 @@ def bench(model_name: str, prefill_lens, batches, decode_steps: int, repeats: in
             session.step(prompt)
             if i:  # the first run compiles
                 times.append(time.perf_counter() - t0)
-        result["prefill"][str(length)] = {"seconds": float(np.median(times)),
-                                          "tokens_per_s": length / float(np.median(times))}
+        result["prefill"][str(length)] = {
+            "seconds": float(np.median(times)),
+            "tokens_per_s": length / float(np.median(times)),
+        }
     bandwidth = measure_bandwidth()
     result["machine_read_bandwidth_gb_s"] = bandwidth / 1e9
     for batch in batches:
         prompt_len = 64
         session = model.new_session(batch, prompt_len + decode_steps + 8)
-        prompts = np.concatenate([np.full((batch, 1), cfg.bos_token_id),
-                                  rng.integers(8, cfg.vocab_size, (batch, prompt_len - 1))], axis=1)
+        prompts = np.concatenate(
+            [np.full((batch, 1), cfg.bos_token_id), rng.integers(8, cfg.vocab_size, (batch, prompt_len - 1))],
+            axis=1,
+        )
         logits, _ = session.step(prompts)
         tok = logits[:, -1].argmax(-1)[:, None]
         logits, aux = session.step(tok)  # compiles the decode program
@@ -106,12 +110,19 @@ def bench(model_name: str, prefill_lens, batches, decode_steps: int, repeats: in
         t = float(np.median(step_times))
         read = float(np.median(step_bytes))
         result["decode"][str(batch)] = {
-            "seconds_per_step": t, "tokens_per_s": batch / t, "weight_bytes_per_step": read,
-            "implied_read_gb_s": read / t / 1e9, "ratio_to_measured_bandwidth": read / t / bandwidth,
+            "seconds_per_step": t,
+            "tokens_per_s": batch / t,
+            "weight_bytes_per_step": read,
+            "implied_read_gb_s": read / t / 1e9,
+            "ratio_to_measured_bandwidth": read / t / bandwidth,
         }
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["machine"] = {"cpus": jax.device_count(), "platform": platform.platform(),
-                         "processor": platform.processor() or platform.machine(), "backend": jax.default_backend()}
+    result["machine"] = {
+        "cpus": jax.device_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "backend": jax.default_backend(),
+    }
     return result
 
 
