@@ -4,6 +4,12 @@ A `Model` holds the parameters on device and two jitted programs over the same `
 `prefill` (a chunk of up to `prefill_chunk` tokens) and `decode` (one token per sequence). The
 cache pytree is donated to both. Engram hash rows are computed on the host from the token history.
 
+With `mesh=` (a `ced_jax.sharding.make_mesh` mesh, possibly spanning several processes after
+`jax.distributed.initialize`) the parameters are placed by `sharding.param_shardings`, the caches
+by `sharding.cache_shardings`, and both programs are traced and run under the mesh and the rules
+(`sharding.activate`); logits and decisions come back replicated so that every process can read
+them.
+
 Loading a checkpoint directory needs the converter's declarative name table, so this module
 imports `conversion` lazily: it is the one place where ced_jax reaches above itself, and only to
 read weights.
@@ -11,6 +17,7 @@ read weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from functools import partial
@@ -22,16 +29,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ced_jax import sharding
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engram_hash import EngramHasher
-from ced_jax.model import forward, init_cache
+from ced_jax.model import flatten_specs, forward, init_cache, param_specs
 
 TINY_SEED = 1234  # the embedded tiny model's random weights
 
 
-def _to_device(flat: dict[str, np.ndarray], bf16_as_f32: bool) -> dict:
+def _to_device(
+    flat: dict[str, np.ndarray], bf16_as_f32: bool, shardings: dict[str, Any] | None = None
+) -> dict:
     """Flat {dotted name: array} -> nested dict of device arrays. bf16 is widened to f32 (exact)
-    where XLA:CPU would otherwise run pathologically slow bf16 GEMVs."""
+    where XLA:CPU would otherwise run pathologically slow bf16 GEMVs. With `shardings` (flat name
+    -> NamedSharding) each device receives only its own block, also across processes."""
     root: dict = {}
     for name, arr in flat.items():
         if bf16_as_f32 and arr.dtype == ml_dtypes.bfloat16:
@@ -40,8 +51,31 @@ def _to_device(flat: dict[str, np.ndarray], bf16_as_f32: bool) -> dict:
         parts = name.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = jnp.asarray(arr)
+        node[parts[-1]] = jnp.asarray(arr) if shardings is None else _put_global(arr, shardings[name])
     return root
+
+
+def _put_global(arr, target) -> jax.Array:
+    """A host array (identical on every process) -> a global array laid out by `target`."""
+    arr = np.asarray(arr)
+    return jax.make_array_from_callback(arr.shape, target, lambda index: arr[index])
+
+
+def _flat_param_shardings(cfg: ModelConfig, names, mesh, rules) -> dict[str, Any]:
+    """flat name -> NamedSharding from the parameter specs' logical axes (sharding.param_shardings)."""
+    specs = param_specs(cfg)
+    flat_specs = flatten_specs(specs)
+    unknown = sorted(set(names) - set(flat_specs))
+    if unknown:
+        raise ValueError(f"parameters without a spec (cannot be placed on the mesh): {unknown[:5]}")
+    nested = sharding.param_shardings(specs, mesh, rules)
+    out = {}
+    for name in names:
+        node = nested
+        for part in name.split("."):
+            node = node[part]
+        out[name] = node
+    return out
 
 
 class Model:
@@ -55,17 +89,22 @@ class Model:
         impl: str = "reference",
         bf16_as_f32: bool | None = None,
         prefill_chunk: int = 512,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: str | dict = sharding.DEFAULT_RULES,
     ):
         self.cfg = cfg
         if bf16_as_f32 is None:
             bf16_as_f32 = jax.default_backend() == "cpu"
-        self.params = _to_device(flat_params, bf16_as_f32)
+        self.mesh = mesh
+        self.rules = sharding.get_rules(rules)
+        shardings = None if mesh is None else _flat_param_shardings(cfg, flat_params, mesh, self.rules)
+        self.params = _to_device(flat_params, bf16_as_f32, shardings)
         self.hasher = hasher
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
         self.impl = impl
         self.prefill_chunk = prefill_chunk
-        step = partial(_step, cfg=cfg)
+        step = partial(_step, cfg=cfg, mesh=mesh, rules=self.rules)
         # Two programs over the same forward: shapes differ (T = chunk vs T = 1), code does not.
         self.prefill_program = jax.jit(
             step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
@@ -73,6 +112,12 @@ class Model:
         self.decode_program = jax.jit(
             step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
         )
+
+    def _put_input(self, arr) -> jax.Array:
+        """A host input of a step: on one device as is, on a mesh replicated (global array)."""
+        if self.mesh is None:
+            return jnp.asarray(arr)
+        return _put_global(arr, sharding.replicated(self.mesh))
 
     # ------------------------------------------------------------------ tokenizer
     @property
@@ -196,7 +241,14 @@ class Session:
 
     def __init__(self, model: Model, batch: int, max_len: int):
         self.model, self.batch, self.max_len = model, batch, max_len
-        self.cache = init_cache(model.cfg, batch, max_len)
+        if model.mesh is None:
+            self.cache = init_cache(model.cfg, batch, max_len)
+        else:  # built in place, already laid out: no host copy, and global across processes
+            make = partial(init_cache, model.cfg, batch, max_len)
+            shapes = jax.eval_shape(make)
+            self.cache = jax.jit(
+                make, out_shardings=sharding.cache_shardings(shapes, model.mesh, model.rules)
+            )()
         self.positions = np.zeros(batch, np.int32)
         self.history = model.hasher.empty_history(batch) if model.hasher is not None else None
 
@@ -217,41 +269,65 @@ class Session:
             raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
         rows = None
         if self.model.hasher is not None:
-            rows = jnp.asarray(self.model.hasher.hash_ids(self.history, tokens))
+            rows = self.model.hasher.hash_ids(self.history, tokens)
             self.history = self.model.hasher.next_history(self.history, tokens, lens)
         program = self.model.decode_program if t == 1 else self.model.prefill_program
-        logits, self.cache, aux = program(
-            self.model.params,
-            jnp.asarray(tokens),
-            self.cache,
-            jnp.asarray(self.positions),
-            jnp.asarray(lens),
-            rows,
-            _to_jnp(forced),
-            capture_blocks=capture_blocks,
-            index_k_mode=index_k_mode,
-            impl=self.model.impl,
-        )
+        put = self.model._put_input
+        with _mesh_context(self.model.mesh):
+            logits, self.cache, aux = program(
+                self.model.params,
+                put(tokens),
+                self.cache,
+                put(self.positions),
+                put(lens),
+                None if rows is None else put(rows),
+                None if forced is None else jax.tree.map(put, forced),
+                capture_blocks=capture_blocks,
+                index_k_mode=index_k_mode,
+                impl=self.model.impl,
+            )
         self.positions = self.positions + lens
         return np.asarray(logits), jax.tree.map(np.asarray, aux)
 
 
 def _step(
-    params, tokens, cache, start, lens, engram_rows, forced, *, cfg, capture_blocks, index_k_mode, impl
+    params,
+    tokens,
+    cache,
+    start,
+    lens,
+    engram_rows,
+    forced,
+    *,
+    cfg,
+    capture_blocks,
+    index_k_mode,
+    impl,
+    mesh=None,
+    rules=None,
 ):
-    return forward(
-        params,
-        cfg,
-        tokens,
-        cache,
-        start,
-        lens,
-        engram_rows,
-        forced,
-        capture_blocks=capture_blocks,
-        index_k_mode=index_k_mode,
-        impl=impl,
-    )
+    with sharding.activate(mesh, rules or sharding.DEFAULT_RULES):
+        logits, cache, aux = forward(
+            params,
+            cfg,
+            tokens,
+            cache,
+            start,
+            lens,
+            engram_rows,
+            forced,
+            capture_blocks=capture_blocks,
+            index_k_mode=index_k_mode,
+            impl=impl,
+        )
+    if mesh is not None:
+        # Caches keep their layout from step to step (donated in place); what the host reads is
+        # replicated, so every process of a multi-host run holds all of it.
+        cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh, rules))
+        whole = sharding.replicated(mesh)
+        logits = jax.lax.with_sharding_constraint(logits, whole)
+        aux = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), aux)
+    return logits, cache, aux
 
 
 # ---------------------------------------------------------------------- helpers
@@ -259,8 +335,8 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _to_jnp(tree):
-    return None if tree is None else jax.tree.map(jnp.asarray, tree)
+def _mesh_context(mesh):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _check_ids(ids, field: str, vocab: int, allow_empty: bool = False) -> list[int]:
@@ -438,8 +514,18 @@ def describe(cfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------- load
-def load(path_or_preset: str | Path, *, impl: str = "reference", prefill_chunk: int = 512) -> Model:
-    """A preset name ('tiny'), or a Hugging Face checkpoint directory in the released format."""
+def load(
+    path_or_preset: str | Path,
+    *,
+    impl: str = "reference",
+    prefill_chunk: int = 512,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: str | dict = sharding.DEFAULT_RULES,
+) -> Model:
+    """A preset name ('tiny'), or a Hugging Face checkpoint directory in the released format.
+
+    mesh: place and run the model on this (data, expert, tensor) mesh under `rules` (see
+    ced_jax.sharding); None runs on the default device."""
     name = str(path_or_preset)
     if name in PRESETS:
         cfg = preset(name)
@@ -459,6 +545,8 @@ def load(path_or_preset: str | Path, *, impl: str = "reference", prefill_chunk: 
             tokenizer_path=ASSETS / "tiny" / "tokenizer.json",
             impl=impl,
             prefill_chunk=prefill_chunk,
+            mesh=mesh,
+            rules=rules,
         )
     directory = Path(name)
     if not directory.is_dir():
@@ -483,6 +571,8 @@ def load(path_or_preset: str | Path, *, impl: str = "reference", prefill_chunk: 
         tokenizer_path=tok if tok.exists() else None,
         impl=impl,
         prefill_chunk=prefill_chunk,
+        mesh=mesh,
+        rules=rules,
     )
 
 

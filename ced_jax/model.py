@@ -89,8 +89,8 @@ def param_specs(cfg: ModelConfig) -> dict:
                 idx["k_norm"] = norm(idim)
             attn["indexer"] = idx
         expert = lambda out_dim, in_dim: {
-            "weight": ParamSpec((E, out_dim, in_dim // 2), FP4X2, ("experts", "expert_mlp", None)),
-            "scale": ParamSpec((E, out_dim, in_dim // 32), E8M0, ("experts", "expert_mlp", None)),
+            "weight": ParamSpec((E, out_dim, in_dim // 2), FP4X2, moe_lib.EXPERT_AXES),
+            "scale": ParamSpec((E, out_dim, in_dim // 32), E8M0, moe_lib.EXPERT_AXES),
         }
         ffn = {
             "gate": {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ced_jax import ops
+from ced_jax import ops, sharding
 from ced_jax.layers.common import f32_linear, fp8_linear
 from ced_jax.quant import exact_div, fp8_fake_quant, round_bf16
 
@@ -48,6 +48,34 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+# Logical axes of every stacked routed-expert tensor ([E, out, in/2] weights and [E, out, in/32]
+# scales); ced_jax.model.param_specs uses them too, so the shard_map specs and the parameter
+# placement cannot disagree.
+EXPERT_AXES = ("experts", "expert_mlp", None)
+
+
+def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: str, f_axis=None):
+    """Per (token, expert) entry: w2(weight * swiglu(w1 row, w3 row)), bf16-rounded f32 [R, out].
+
+    rows [R, D] FP8-dequantised, eids [R] expert ids into `experts`, weights [R]. Under shard_map
+    with w1/w3 split along F over `f_axis`, the hidden activation is all-gathered before its FP8
+    quantisation, so the quantisation blocks and the w2 contraction are the unsplit ones."""
+    gate = round_bf16(ops.expert_matmul(rows, eids, experts["w1"], impl=impl))
+    up = round_bf16(ops.expert_matmul(rows, eids, experts["w3"], impl=impl))
+    hidden = round_bf16(weights[:, None] * swiglu(gate, up, limit))
+    if f_axis is not None:
+        hidden = jax.lax.all_gather(hidden, f_axis, axis=1, tiled=True)
+    return round_bf16(ops.expert_matmul(fp8_fake_quant(hidden), eids, experts["w2"], impl=impl))
+
+
+def _sum_in_order(out: jax.Array) -> jax.Array:
+    """[N, X, D] -> [N, D]: f32 sum over the entries in their (ascending expert) order."""
+    total = jnp.zeros(out.shape[::2], jnp.float32)
+    for k in range(out.shape[1]):
+        total = total + out[:, k]
+    return total
+
+
 def routed_experts(
     x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, limit: float, impl: str
 ) -> jax.Array:
@@ -59,18 +87,72 @@ def routed_experts(
     order = jnp.argsort(ids, axis=-1)
     ids = jnp.take_along_axis(ids, order, axis=-1)
     weights = jnp.take_along_axis(weights, order, axis=-1)
+    layout = sharding.current()
+    if layout is not None:
+        return _routed_experts_sharded(x, ids, weights, experts, layout, limit=limit, impl=impl)
     xq = fp8_fake_quant(x)  # one activation quantisation serves every expert of the token
-    flat_ids = ids.reshape(-1)
     rows = jnp.repeat(xq, top_k, axis=0)
-    gate = round_bf16(ops.expert_matmul(rows, flat_ids, experts["w1"], impl=impl))
-    up = round_bf16(ops.expert_matmul(rows, flat_ids, experts["w3"], impl=impl))
-    hidden = round_bf16(weights.reshape(-1, 1) * swiglu(gate, up, limit))
-    out = round_bf16(ops.expert_matmul(fp8_fake_quant(hidden), flat_ids, experts["w2"], impl=impl))
-    out = out.reshape(n, top_k, -1)
-    total = jnp.zeros(out.shape[::2], jnp.float32)
-    for k in range(top_k):
-        total = total + out[:, k]
-    return total
+    out = _expert_rows(rows, ids.reshape(-1), weights.reshape(-1), experts, limit=limit, impl=impl)
+    return _sum_in_order(out.reshape(n, top_k, -1))
+
+
+def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, impl: str) -> jax.Array:
+    """`routed_experts` under shard_map: dropless padded all_to_all dispatch and combine."""
+    ml = sharding.moe_layout(layout, EXPERT_AXES, experts)
+    n, top_k = ids.shape
+    num_experts = experts["w1"]["weight"].shape[0]
+    ep = ml.sizes[ml.ep_axis] if ml.ep_axis is not None else 1
+    local_experts = num_experts // ep
+    # Pad the tokens to a multiple of the token shards; padding entries are never dispatched.
+    pad = -n % ml.token_shards
+    valid = jnp.arange(n + pad) < n
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    ids = jnp.pad(ids, ((0, pad), (0, 0)))
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+
+    def body(x, ids, weights, valid, ex):
+        n_loc = ids.shape[0]
+        xq = fp8_fake_quant(x)
+        flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+        flat_valid = jnp.repeat(valid, top_k)
+        token = jnp.repeat(jnp.arange(n_loc), top_k)
+        if ml.ep_axis is None:
+            out = _expert_rows(xq[token], flat_ids, flat_w, ex, limit=limit, impl=impl, f_axis=ml.f_axis)
+        else:
+            # Every local entry may go to one device, so capacity n_loc * X per destination is
+            # dropless; each entry's slot is (destination, rank among the entries sent there).
+            cap = n_loc * top_k
+            dest = flat_ids // local_experts
+            hit = (dest[:, None] == jnp.arange(ep)[None, :]) & flat_valid[:, None]
+            rank = jnp.take_along_axis(jnp.cumsum(hit, axis=0), dest[:, None], axis=1)[:, 0] - 1
+            slot = jnp.where(flat_valid, dest * cap + rank, ep * cap)  # out of range: not sent
+
+            def dispatch(values):
+                buf = jnp.zeros((ep * cap, *values.shape[1:]), values.dtype)
+                buf = buf.at[slot].set(values, mode="drop")
+                return jax.lax.all_to_all(buf, ml.ep_axis, 0, 0, tiled=True)
+
+            rows = dispatch(xq[token])
+            local_ids = dispatch(flat_ids % local_experts)
+            row_w = dispatch(flat_w)  # unused slots carry weight 0 and expert 0: computed, discarded
+            res = _expert_rows(rows, local_ids, row_w, ex, limit=limit, impl=impl, f_axis=ml.f_axis)
+            back = jax.lax.all_to_all(res, ml.ep_axis, 0, 0, tiled=True)
+            out = back[jnp.minimum(slot, ep * cap - 1)]
+        total = _sum_in_order(out.reshape(n_loc, top_k, -1))
+        if ml.d_axis is not None:
+            total = jax.lax.all_gather(total, ml.d_axis, axis=1, tiled=True)
+        return total
+
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(ml.token_spec(2), ml.token_spec(2), ml.token_spec(2), ml.token_spec(1), ml.expert_specs),
+        out_specs=ml.token_spec(2),
+        # The all-gathers over the width axes leave values equal across that axis, which the
+        # varying-axes check cannot see.
+        check_vma=False,
+    )
+    return fn(x, ids, weights, valid, experts)[:n]
 
 
 def shared_expert(x: jax.Array, p: dict, *, limit: float) -> jax.Array:
