@@ -1,0 +1,974 @@
+"""`convert_weights`: a released-layout DeepSeek-V4.1 HF checkpoint -> an Orbax checkpoint, streaming.
+
+    convert_weights --hf-dir DIR --out DIR [--include text] [--engram separate|inline|skip]
+                    [--weights-dtype native|bf16] [--overwrite]
+
+Output layout (OUT/)
+- `params/`: an Orbax v1 checkpoint of our parameter tree (`ced_jax.model.param_specs`), nested dicts
+  keyed by the dotted path ('layers' -> '3' -> 'attn' -> 'wq_a' -> 'weight'), numpy leaves, so it
+  restores onto any mesh (`restore`) or into host memory.
+- `engram/` (with `--engram separate`, the default): the Engram hash tables
+  (`layers.{i}.engram.embed.{weight,scale}`, same nesting) as their own Orbax checkpoint, so that a
+  server can keep them in host memory (they are looked up by row, ~98 GB each in the release)
+  while `params/` goes to the accelerators. `--engram inline` puts them in `params/`; `--engram
+  skip` leaves them out (such a checkpoint cannot run the model; it is for inspecting the rest).
+- `config.json`, `tokenizer.json`, `tokenizer_config.json`, `engram_token_map.json`: copied byte for
+  byte when present, so `ced-jax describe OUT` reports what it reports on the source.
+- `ced_manifest.json`: converter version, options, every source file (name, bytes, SHA-256), every
+  leaf (item, shape, dtype), every ignored source tensor with the reason.
+
+Formats (`--weights-dtype`)
+- native (default): the stored bytes unchanged in our storage dtypes (`mapping.STORAGE_DTYPES`):
+  FP8 e4m3 weights with their ue8m0 scale bytes, FP4 experts packed two per byte and stacked
+  [E, ...], bf16 / f32 as stored. `attn.wo_a` is dequantised to bf16 as DeepSeek's converter does
+  (its scale is consumed). This is what `ced_jax` runs.
+- bf16: every quantised weight dequantised (exactly: e4m3 / e2m1 values times a power of two fit in
+  bf16) into a bf16 leaf with no `.scale`, for backends without FP8/FP4 kernels. `ced_jax`'s model
+  itself runs the native formats and refuses such a checkpoint.
+- `--include` accepts only `text`: DSpark (`mtp.*`) and vision are not implemented by the model, so
+  asking for them is an error; by default their tensors are ignored and listed in the manifest.
+
+Streaming and memory
+- Everything is validated before any tensor data is read: the index against the inventory of the
+  config (`mapping.hf_inventory`), every shard's header against the index and the inventory, stray
+  shards the index does not mention. Every failure is a `ConversionError` naming the tensor / file.
+- Data: shard by shard, each read front to back with plain `read` calls (not mmap, so the page
+  cache does not count towards our RSS; safetensors' numpy reader cannot produce F8 anyway), each
+  byte hashed once for the manifest. Tensors are read straight into their destination (an expert
+  into its slot of the stacked array). A tensor group (one layer, one Engram table, the embedding,
+  the final norm + head) is saved with `ocp.v1.partial.save` as soon as its last tensor has been
+  read, then freed (gc + malloc_trim), so the peak is about the largest group (in output bytes) plus
+  the interpreter, JAX and Orbax. An Engram table is one group: with `--engram skip` or a smaller
+  table the bound is a layer.
+- Atomicity: everything is written into a temporary directory beside OUT and renamed onto OUT at
+  the end; on any failure (or Ctrl-C) the temporary directory is removed and OUT is untouched.
+- Orbax chunks: one per routed expert in the stacked arrays (a restore with experts sharded over
+  devices reads only its own experts), otherwise at most `CHUNK_BYTES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import ml_dtypes
+import numpy as np
+
+from ced_jax.config import ConfigError, ModelConfig
+from ced_jax.model import BF16, FP4X2, ParamSpec, flatten_specs, param_specs
+from ced_jax.quant import FP4_TABLE
+from conversion.hf_loader import (
+    INDEX_NAME,
+    CheckpointError,
+    LoadReport,
+    _check_shard,
+    _classify,
+    _read_index_json,
+    _Shard,
+    dequantize_fp8_blocks,
+)
+from conversion.mapping import (
+    FP4_GROUP,
+    STORAGE_DTYPES,
+    TEXT_GROUPS,
+    TensorSpec,
+    hf_inventory,
+    our_param_specs,
+    our_target,
+)
+
+CONVERTER_VERSION = "1.0"
+FORMAT = "ced-jax/orbax"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "ced_manifest.json"
+PARAMS_ITEM = "params"
+ENGRAM_ITEM = "engram"
+# Copied beside the checkpoint when the source has them (config.json is required).
+COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "engram_token_map.json")
+CHUNK_BYTES = 64 << 20  # Orbax chunk size: restore granularity along axis 0
+READ_PIECE = 64 << 20  # bytes per read call: progress granularity and hashing in step with reads
+
+EngramMode = Literal["separate", "inline", "skip"]
+WeightsDtype = Literal["native", "bf16"]
+INCLUDE_CHOICES = ("text", "dspark", "vision")
+_NOT_IMPLEMENTED = {
+    "dspark": "DSpark draft stages (mtp.*) are not implemented in the ced_jax model, so there is nothing "
+    "to convert them into",
+    "vision": "the vision tower, aligner and image delimiters are not implemented in the ced_jax model, "
+    "so there is nothing to convert them into",
+}
+
+
+class ConversionError(CheckpointError):
+    """A conversion that cannot be done as asked; the message names the file / tensor / option."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    include: tuple[str, ...] = ("text",)
+    engram: EngramMode = "separate"
+    weights_dtype: WeightsDtype = "native"
+    overwrite: bool = False
+    progress: bool = True
+    compression: bool = True  # Orbax's zstd; off trades disk for speed on incompressible weights
+
+
+# ---------------------------------------------------------------------- target tree
+def is_engram_table(path: str) -> bool:
+    return ".engram.embed." in path
+
+
+def target_specs(
+    cfg: ModelConfig, *, weights_dtype: WeightsDtype = "native", engram: EngramMode = "separate"
+) -> dict[str, ParamSpec]:
+    """The leaves a conversion produces: dotted path -> ParamSpec (shape, numpy dtype, logical axes).
+
+    native: `ced_jax.model.param_specs` as is. bf16: each quantised weight (one with a `.scale`
+    sibling) becomes a bf16 leaf of its logical shape (packed FP4 unpacked), and its scale goes."""
+    flat = flatten_specs(param_specs(cfg))
+    out: dict[str, ParamSpec] = {}
+    for path, spec in flat.items():
+        if engram == "skip" and is_engram_table(path):
+            continue
+        if weights_dtype == "bf16":
+            stem = path.rsplit(".", 1)[0]
+            if path.endswith(".scale") and f"{stem}.weight" in flat:
+                continue
+            if path.endswith(".weight") and f"{stem}.scale" in flat:
+                shape = spec.shape
+                if np.dtype(spec.dtype) == np.dtype(FP4X2):
+                    shape = (*shape[:-1], shape[-1] * 2)
+                spec = ParamSpec(shape, BF16, spec.axes)
+        out[path] = spec
+    return out
+
+
+def item_of(path: str, engram: EngramMode) -> str:
+    return ENGRAM_ITEM if engram == "separate" and is_engram_table(path) else PARAMS_ITEM
+
+
+def nest(flat: dict[str, Any]) -> dict:
+    """{'a.b.c': x} -> {'a': {'b': {'c': x}}} (the Orbax tree layout)."""
+    root: dict = {}
+    for path, value in flat.items():
+        node = root
+        parts = path.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return root
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# ---------------------------------------------------------------------- plan (validation pass)
+@dataclass
+class _Group:
+    key: str
+    item: str
+    names: list[str] = field(default_factory=list)  # HF tensors consumed
+    targets: set[str] = field(default_factory=set)  # leaves produced
+    out_bytes: int = 0
+
+
+@dataclass
+class _Plan:
+    cfg: ModelConfig
+    inventory: dict[str, TensorSpec]
+    weight_map: dict[str, str]
+    files: list[str]
+    file_sizes: dict[str, int]
+    targets: dict[str, ParamSpec]
+    groups: dict[str, _Group]
+    group_of: dict[str, str]  # consumed HF name -> group key
+    ignored: dict[str, str]  # HF name -> why
+    folded: list[str]  # scales consumed by a dequantisation (no leaf of their own)
+
+
+def _group_key(name: str, spec: TensorSpec) -> str:
+    if spec.group == "engram_table":
+        return name.rsplit(".", 1)[0]  # layers.{i}.engram.embed: the table is a group of its own
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return f"layers.{parts[1]}"
+    return "embed" if parts[0] == "embed" else "final"
+
+
+def _target_path(name: str, spec: TensorSpec, weights_dtype: WeightsDtype) -> str | None:
+    """The leaf an HF tensor ends up in, or None for a scale folded into its weight's leaf."""
+    t = our_target(name)
+    if t.kind == "wo_a_scale" or (weights_dtype == "bf16" and spec.is_scale):
+        return None
+    return t.path
+
+
+def _check_include(include: Iterable[str]) -> tuple[str, ...]:
+    items = tuple(dict.fromkeys(i.strip() for i in include if i.strip()))
+    for item in items:
+        if item not in INCLUDE_CHOICES:
+            raise ConversionError(f"--include: unknown part {item!r}; known: {list(INCLUDE_CHOICES)}")
+        if item in _NOT_IMPLEMENTED:
+            raise ConversionError(
+                f"--include {item}: {_NOT_IMPLEMENTED[item]}. Leave it out: its tensors are then "
+                f"ignored and listed in {MANIFEST_NAME}."
+            )
+    if "text" not in items:
+        raise ConversionError("--include must contain 'text'")
+    return items
+
+
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")
+
+
+def _check_shard_set(hf_dir: Path, files: list[str]) -> None:
+    """Shards follow `<stem>-<i>-of-<n>.safetensors`: every i in 1..n must be named by the index, and
+    no such file on disk may be left out of it (its tensors would be neither converted nor listed).
+    Other .safetensors files (e.g. a fixture's expected outputs) are not shards and are left alone."""
+    series: dict[tuple[str, int], set[int]] = {}
+    for file in files:
+        m = _SHARD_NAME.match(file)
+        if m:
+            series.setdefault((m["stem"], int(m["n"])), set()).add(int(m["i"]))
+    on_disk = {p.name for p in hf_dir.glob("*.safetensors") if _SHARD_NAME.match(p.name)}
+    unindexed = sorted(on_disk - set(files))
+    for (stem, n), seen in sorted(series.items()):
+        width = len(next(f for f in files if f.startswith(f"{stem}-")).rsplit("-of-", 1)[1]) - len(
+            ".safetensors"
+        )
+        for i in range(1, n + 1):
+            name = f"{stem}-{i:0{width}d}-of-{n:0{width}d}.safetensors"
+            if i not in seen and name not in unindexed:
+                unindexed.append(name)
+    if unindexed:
+        first = unindexed[0]
+        state = "present on disk" if (hf_dir / first).exists() else "also absent from the directory"
+        raise ConversionError(
+            f"{hf_dir / first}: shard missing from {INDEX_NAME} ({state}); none of its tensors would be "
+            f"converted or listed. Shards the index does not name: {unindexed[:5]}"
+        )
+
+
+def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions) -> _Plan:
+    inventory = hf_inventory(cfg)
+    weight_map = _read_index_json(hf_dir)["weight_map"]
+    groups_wanted = tuple(g for g in TEXT_GROUPS if not (g == "engram_table" and options.engram == "skip"))
+    report = LoadReport(str(hf_dir))
+    by_shard = _classify(weight_map, inventory, groups_wanted, report)  # unknown / missing tensors
+    ignored: dict[str, str] = {}
+    for name, why in report.skipped:
+        if inventory.get(name) is not None and inventory[name].group == "engram_table":
+            why = "Engram table left out (--engram skip)"
+        ignored[name] = why
+
+    files = sorted(set(weight_map.values()))
+    _check_shard_set(hf_dir, files)
+    # Headers only, so that a bad file is reported before any data is read.
+    file_sizes: dict[str, int] = {}
+    for file in files:
+        with _Shard(hf_dir, file) as shard:
+            names = by_shard.get(file, [])
+            _check_shard(shard, names, inventory)
+            extra = sorted(set(shard.keys()) - set(names))
+            if extra:
+                where = [weight_map.get(n) for n in extra[:5]]
+                raise ConversionError(
+                    f"{shard.path}: {len(extra)} tensor(s) in the file that {INDEX_NAME} does not assign to "
+                    f"it: {extra[:5]} (index says: {where})"
+                )
+        file_sizes[file] = (hf_dir / file).stat().st_size
+
+    targets = target_specs(cfg, weights_dtype=options.weights_dtype, engram=options.engram)
+    if options.weights_dtype == "native":
+        # The model's tree and the HF table are written independently; they must agree leaf for leaf.
+        mapped = our_param_specs(cfg, groups_wanted)
+        ours = {p: (s.shape, np.dtype(s.dtype)) for p, s in targets.items()}
+        diff = sorted(p for p in set(mapped) | set(ours) if mapped.get(p) != ours.get(p))
+        if diff:
+            p = diff[0]
+            raise ConversionError(
+                f"internal: ced_jax.model.param_specs and conversion.mapping disagree on {len(diff)} leaves, "
+                f"e.g. {p}: model {ours.get(p)}, mapping {mapped.get(p)}"
+            )
+    groups: dict[str, _Group] = {}
+    group_of: dict[str, str] = {}
+    folded: list[str] = []
+    for name in weight_map:
+        if name in ignored:
+            continue
+        spec = inventory[name]
+        key = _group_key(name, spec)
+        path = _target_path(name, spec, options.weights_dtype)
+        item = item_of(path or our_target(spec.weight_name).path, options.engram)
+        group = groups.setdefault(key, _Group(key, item))
+        group.names.append(name)
+        group_of[name] = key
+        if path is None:
+            folded.append(name)
+            continue
+        if path not in targets:
+            raise ConversionError(
+                f"tensor '{name}' (in {weight_map[name]}) maps to {path}, not a leaf of the model"
+            )
+        if path not in group.targets:
+            group.targets.add(path)
+            spec_t = targets[path]
+            group.out_bytes += int(np.prod(spec_t.shape)) * np.dtype(spec_t.dtype).itemsize
+    produced = {p for g in groups.values() for p in g.targets}
+    missing = sorted(set(targets) - produced)
+    if missing:
+        raise ConversionError(f"{len(missing)} leaves of the model would not be produced, e.g. {missing[:5]}")
+    return _Plan(
+        cfg, inventory, weight_map, files, file_sizes, targets, groups, group_of, ignored, sorted(folded)
+    )
+
+
+# ---------------------------------------------------------------------- reading
+class _StreamReader:
+    """One shard read front to back: header, then tensors in file order, every byte hashed once."""
+
+    def __init__(self, path: Path, progress) -> None:
+        self.path = path
+        self.progress = progress
+        self.sha = hashlib.sha256()
+        self.fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        self.pos = 0
+        (n,) = struct.unpack("<Q", self._read(8))
+        header = json.loads(self._read(n))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        # (name, begin, end), absolute offsets, in file order
+        self.entries = sorted(
+            (
+                (k, self.data_start + v["data_offsets"][0], self.data_start + v["data_offsets"][1])
+                for k, v in header.items()
+            ),
+            key=lambda e: e[1],
+        )
+
+    def close(self) -> None:
+        self.fh.close()
+
+    def _readinto(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            got = self.fh.readinto(view[done : done + READ_PIECE])
+            if not got:
+                raise ConversionError(
+                    f"{self.path}: file ends at byte {self.pos + done}, expected at least "
+                    f"{self.pos + len(view)} (truncated?)"
+                )
+            self.sha.update(view[done : done + got])
+            done += got
+            self.progress.update(got)
+        self.pos += len(view)
+
+    def _read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self._readinto(memoryview(buf))
+        return bytes(buf)
+
+    def skip_to(self, offset: int) -> None:
+        """Read (and hash) up to `offset`: ignored tensors, gaps."""
+        if offset < self.pos:
+            raise ConversionError(f"{self.path}: overlapping tensor data at byte {offset}")
+        scratch = np.empty(min(READ_PIECE, max(offset - self.pos, 1)), np.uint8)
+        while self.pos < offset:
+            n = min(len(scratch), offset - self.pos)
+            self._readinto(memoryview(scratch)[:n])
+
+    def read_into(self, name: str, begin: int, end: int, dest: np.ndarray) -> None:
+        self.skip_to(begin)
+        view = memoryview(dest.reshape(-1).view(np.uint8))
+        if len(view) != end - begin:
+            raise ConversionError(
+                f"{self.path}: tensor '{name}' holds {end - begin} bytes, expected {len(view)}"
+            )
+        self._readinto(view)
+
+    def finish(self) -> str:
+        size = os.fstat(self.fh.fileno()).st_size
+        self.skip_to(size)
+        return self.sha.hexdigest()
+
+
+# ---------------------------------------------------------------------- dequantisation (bf16 mode)
+def _pow2(scale: np.ndarray) -> np.ndarray:
+    f = np.ldexp(np.float32(1.0), scale.astype(np.int32) - 127).astype(np.float32)
+    f[scale == 255] = np.nan  # the format's NaN byte
+    return f
+
+
+def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Packed e2m1 uint8 [out, in/2] (even index in the low nibble) with ue8m0 [out, in/32] -> f32."""
+    out, half = packed.shape
+    values = np.empty((out, half, 2), np.float32)
+    values[..., 0] = FP4_TABLE[packed & 0x0F]
+    values[..., 1] = FP4_TABLE[packed >> 4]
+    values = values.reshape(out, half * 2)
+    return values * np.repeat(_pow2(scale), FP4_GROUP, axis=1)
+
+
+def _dequantize_rows_into(weight: np.ndarray, scale: np.ndarray, block: int, out: np.ndarray) -> None:
+    """FP8 rows with one ue8m0 per `block` columns (Engram tables) -> bf16 `out`, a slab at a time
+    so the f32 temporary stays small."""
+    rows, cols = weight.shape
+    step = max(1, (64 << 20) // (4 * cols))
+    for r in range(0, rows, step):
+        f = np.repeat(_pow2(scale[r : r + step]), block, axis=1)[:, :cols]
+        out[r : r + step] = (weight[r : r + step].astype(np.float32) * f).astype(ml_dtypes.bfloat16)
+
+
+# ---------------------------------------------------------------------- groups
+class _GroupBuilder:
+    """Collects one group's tensors into its leaves. `destination` says where a tensor's stored
+    bytes go (straight into the leaf when no conversion is needed), `filled` finishes it."""
+
+    def __init__(self, group: _Group, plan: _Plan, weights_dtype: WeightsDtype) -> None:
+        self.group = group
+        self.plan = plan
+        self.bf16 = weights_dtype == "bf16"
+        self.remaining = set(group.names)
+        self.leaves: dict[str, np.ndarray] = {}
+        self.slots: dict[str, set[int]] = {}
+        self.pending: dict[str, dict[str, np.ndarray]] = {}  # HF weight name -> {"weight", "scale"}
+
+    def _leaf(self, path: str) -> np.ndarray:
+        arr = self.leaves.get(path)
+        if arr is None:
+            spec = self.plan.targets[path]
+            arr = self.leaves[path] = np.empty(spec.shape, spec.dtype)
+        return arr
+
+    def _needs_pairing(self, name: str) -> bool:
+        spec = self.plan.inventory[name]
+        return our_target(name).kind in ("wo_a", "wo_a_scale") or (self.bf16 and spec.quant is not None)
+
+    def destination(self, name: str) -> np.ndarray:
+        spec = self.plan.inventory[name]
+        storage = STORAGE_DTYPES[spec.dtype]
+        if self._needs_pairing(name):
+            return np.empty(spec.shape, storage)
+        t = our_target(name)
+        leaf = self._leaf(t.path)
+        if t.kind == "stack":
+            return leaf[t.expert]
+        if leaf.dtype != storage or leaf.shape != spec.shape:
+            raise ConversionError(
+                f"tensor '{name}': stored {spec.dtype} {list(spec.shape)} but the model's leaf {t.path} is "
+                f"{leaf.dtype} {list(leaf.shape)}"
+            )
+        return leaf
+
+    def filled(self, name: str, arr: np.ndarray) -> bool:
+        """Record `name` as read into `arr`; True when the group is complete."""
+        self.remaining.discard(name)
+        spec = self.plan.inventory[name]
+        t = our_target(name)
+        if t.kind == "stack":
+            self.slots.setdefault(t.path, set()).add(t.expert)
+        if self._needs_pairing(name):
+            pair = self.pending.setdefault(spec.weight_name, {})
+            pair["scale" if spec.is_scale else "weight"] = arr
+            if len(pair) == 2:
+                del self.pending[spec.weight_name]
+                self._dequantize(spec.weight_name, pair["weight"], pair["scale"])
+        return not self.remaining
+
+    def _dequantize(self, weight_name: str, weight: np.ndarray, scale: np.ndarray) -> None:
+        spec = self.plan.inventory[weight_name]
+        t = our_target(weight_name)
+        block = self.plan.cfg.weight_block_size
+        leaf = self._leaf(t.path)
+        dest = leaf[t.expert] if t.kind == "stack" else leaf
+        if spec.quant == "fp4":
+            dest[...] = dequantize_fp4(weight, scale).astype(ml_dtypes.bfloat16)
+        elif spec.quant == "fp8_rows":
+            _dequantize_rows_into(weight, scale, block, dest)
+        else:
+            dest[...] = dequantize_fp8_blocks(weight, scale, block).astype(ml_dtypes.bfloat16)
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The group's leaves, each checked against the model's spec."""
+        if self.pending or self.remaining:
+            raise ConversionError(
+                f"group {self.group.key}: incomplete (unpaired {sorted(self.pending)[:5]}, "
+                f"unread {sorted(self.remaining)[:5]})"
+            )
+        if set(self.leaves) != self.group.targets:
+            raise ConversionError(
+                f"group {self.group.key}: produced {sorted(set(self.leaves) ^ self.group.targets)[:5]} "
+                "differently from the plan"
+            )
+        for path, arr in self.leaves.items():
+            spec = self.plan.targets[path]
+            if tuple(arr.shape) != tuple(spec.shape) or arr.dtype != np.dtype(spec.dtype):
+                raise ConversionError(
+                    f"leaf {path}: got {arr.dtype} {list(arr.shape)}, the config needs "
+                    f"{np.dtype(spec.dtype)} {list(spec.shape)}"
+                )
+            if path in self.slots and len(self.slots[path]) != spec.shape[0]:
+                raise ConversionError(f"leaf {path}: {len(self.slots[path])} of {spec.shape[0]} experts read")
+        return self.leaves
+
+
+# ---------------------------------------------------------------------- helpers
+def _release_memory() -> None:
+    """Return freed group buffers to the OS: without this glibc keeps them and RSS creeps up."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM of this process (bytes): the peak resident set, anonymous + file-backed."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _orbax_context(compression: bool):
+    import orbax.checkpoint as ocp
+
+    ctx = ocp.v1.Context()
+    ctx.array.saving.use_compression = compression
+    # Chunks of at most CHUNK_BYTES, split along the largest axes (Orbax's greedy rule): a table or
+    # the embedding is read a slab at a time. Routed experts [E, out, in] are chunked one expert each
+    # instead, so a restore with experts sharded over devices reads only the experts it keeps.
+    ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
+    per_expert = ocp.v1.options.ArrayOptions.Saving.StorageOptions(shard_axes=(0,))
+
+    def storage_options(keypath, _value):
+        keys = [getattr(k, "key", None) for k in keypath]
+        return per_expert if "experts" in keys else None
+
+    ctx.array.saving.scoped_storage_options_creator = storage_options
+    return ctx
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        desc="convert",
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
+
+
+# ---------------------------------------------------------------------- entry point
+def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | None = None) -> dict:
+    """Convert `hf_dir` into `out_dir` (see the module docstring). Returns a summary dict; raises
+    ConversionError (a ValueError) with the offending file / tensor named, leaving nothing behind."""
+    options = options or ConvertOptions()
+    start = time.perf_counter()
+    if options.engram not in ("separate", "inline", "skip"):
+        raise ConversionError(f"--engram: expected separate, inline or skip, got {options.engram!r}")
+    if options.weights_dtype not in ("native", "bf16"):
+        raise ConversionError(f"--weights-dtype: expected native or bf16, got {options.weights_dtype!r}")
+    include = _check_include(options.include)
+    hf = Path(hf_dir).resolve()  # Orbax wants absolute paths
+    out = Path(out_dir).resolve()
+    if not hf.is_dir():
+        raise ConversionError(f"--hf-dir {hf}: not a directory")
+    if out == hf or out in hf.parents or hf in out.parents:
+        raise ConversionError(f"--out {out} must be outside the source {hf} (and not contain it)")
+    if out.exists() and not options.overwrite:
+        raise ConversionError(f"--out {out}: already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"--out {out}: exists and is not a directory")
+    try:
+        cfg = ModelConfig.from_pretrained(hf)
+    except ConfigError as e:
+        raise ConversionError(f"{hf / 'config.json'}: {e}") from None
+    except FileNotFoundError:
+        raise ConversionError(f"{hf}: no config.json") from None
+    plan = _plan(hf, cfg, options)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.converting-", dir=out.parent))
+    try:
+        summary = _write(plan, hf, tmp, options, include)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    source_bytes = sum(plan.file_sizes.values())
+    summary.update(
+        out=str(out),
+        seconds=round(seconds, 3),
+        source_gb_per_s=round(source_bytes / seconds / 1e9, 4),
+        peak_rss_bytes=peak_rss_bytes(),
+    )
+    return summary
+
+
+def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: tuple[str, ...]) -> dict:
+    import orbax.checkpoint as ocp
+
+    total_bytes = sum(plan.file_sizes.values())
+    n_tensors = len(plan.weight_map)
+    bar = _progress_bar(total_bytes, options.progress)
+    builders: dict[str, _GroupBuilder] = {}
+    produced: dict[str, dict] = {}
+    items_used: dict[str, dict] = {}
+    sources: list[dict] = []
+    done_tensors = 0
+    consumed = 0
+    try:
+        with _orbax_context(options.compression):
+            for file in plan.files:
+                reader = _StreamReader(hf / file, bar)
+                try:
+                    for name, begin, end in reader.entries:
+                        key = plan.group_of.get(name)
+                        if key is None:  # ignored: read only to hash it
+                            reader.skip_to(end)
+                        else:
+                            builder = builders.get(key)
+                            if builder is None:
+                                builder = builders[key] = _GroupBuilder(
+                                    plan.groups[key], plan, options.weights_dtype
+                                )
+                            dest = builder.destination(name)
+                            reader.read_into(name, begin, end, dest)
+                            consumed += 1
+                            if builder.filled(name, dest):
+                                del dest
+                                bar.set_postfix_str(f"tensors {done_tensors + 1}/{n_tensors}, saving {key}")
+                                leaves = builders.pop(key).finish()
+                                group = plan.groups[key]
+                                ocp.v1.partial.save(tmp / group.item, nest(leaves))
+                                info = items_used.setdefault(group.item, {"leaves": 0, "bytes": 0})
+                                for path, arr in leaves.items():
+                                    produced[path] = {
+                                        "item": group.item,
+                                        "shape": list(arr.shape),
+                                        "dtype": str(arr.dtype),
+                                    }
+                                    info["leaves"] += 1
+                                    info["bytes"] += arr.nbytes
+                                del leaves, builder
+                                _release_memory()
+                        done_tensors += 1
+                        bar.set_postfix_str(f"tensors {done_tensors}/{n_tensors}", refresh=False)
+                    digest = reader.finish()
+                finally:
+                    reader.close()
+                sources.append({"file": file, "bytes": plan.file_sizes[file], "sha256": digest})
+            if builders:
+                raise ConversionError(f"groups never completed: {sorted(builders)[:5]}")
+            missing = sorted(set(plan.targets) - set(produced))
+            if missing:
+                raise ConversionError(f"{len(missing)} model leaves were not produced, e.g. {missing[:5]}")
+            for item in items_used:
+                bar.set_postfix_str(f"finalizing {item}")
+                ocp.v1.partial.finalize(tmp / item)
+    finally:
+        bar.close()
+
+    for name in (INDEX_NAME, *COPIED_FILES):
+        src = hf / name
+        if not src.is_file():
+            continue
+        if name != INDEX_NAME:
+            shutil.copyfile(src, tmp / name)
+        sources.append({"file": name, "bytes": src.stat().st_size, "sha256": _file_sha256(src)})
+    largest = max(plan.groups.values(), key=lambda g: g.out_bytes)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "converter": {"name": "convert_weights", "version": CONVERTER_VERSION, "package": _package_version()},
+        "options": {
+            "include": list(include),
+            "engram": options.engram,
+            "weights_dtype": options.weights_dtype,
+            "compression": options.compression,
+        },
+        "model": plan.cfg.name,
+        "items": {k: {"path": k, **v} for k, v in sorted(items_used.items())},
+        "sources": sources,
+        "tensors": {
+            "source": n_tensors,
+            "consumed": consumed,
+            "folded_scales": plan.folded,
+            "ignored": [{"name": n, "reason": r} for n, r in sorted(plan.ignored.items())],
+        },
+        "leaves": dict(sorted(produced.items())),
+    }
+    if consumed + len(plan.ignored) != n_tensors:
+        raise ConversionError(
+            f"coverage: {consumed} tensors consumed + {len(plan.ignored)} ignored != {n_tensors} in the index"
+        )
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    return {
+        "tensors": n_tensors,
+        "consumed": consumed,
+        "ignored": len(plan.ignored),
+        "leaves": len(produced),
+        "items": sorted(items_used),
+        "source_bytes": total_bytes,
+        "written_bytes": sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()),
+        "largest_group": largest.key,
+        "largest_group_bytes": largest.out_bytes,
+    }
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory onto `out`; a replaced `out` is removed only after
+    the new one is in place."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+    os.rename(out, old / "old")
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old / "old", out)
+        raise
+    finally:
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ced-jax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------- reading a converted checkpoint
+def is_converted_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / MANIFEST_NAME).is_file()
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path}: cannot read the manifest ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ConversionError(
+            f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')}, "
+            f"this build reads {FORMAT!r} v{FORMAT_VERSION}"
+        )
+    return manifest
+
+
+@dataclass
+class Restored:
+    """A converted checkpoint in memory: `params` (nested; device arrays when a mesh was given, else
+    numpy) and `engram` (nested numpy tables in host memory when written as a separate item, else
+    None: inline tables are in `params`)."""
+
+    cfg: ModelConfig
+    manifest: dict
+    params: dict
+    engram: dict | None
+
+
+def restore(
+    directory: str | Path,
+    *,
+    mesh=None,
+    rules=None,
+    engram_on_host: bool = True,
+) -> Restored:
+    """Restore a converted checkpoint. With `mesh`, `params` become jax Arrays sharded by
+    `ced_jax.sharding.param_shardings(specs, mesh, rules)` (default rules EP_TP_RULES), whatever mesh
+    it was written on; the separate Engram item stays in host memory unless `engram_on_host=False`.
+    Leaves are checked against the config's specs before any data is read."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).resolve()
+    manifest = read_manifest(directory)
+    opts = manifest["options"]
+    try:
+        cfg = ModelConfig.from_pretrained(directory)
+    except ConfigError as e:
+        raise ConversionError(f"{directory / 'config.json'}: {e}") from None
+    targets = target_specs(cfg, weights_dtype=opts["weights_dtype"], engram=opts["engram"])
+    by_item: dict[str, dict[str, ParamSpec]] = {}
+    for path, spec in targets.items():
+        by_item.setdefault(item_of(path, opts["engram"]), {})[path] = spec
+
+    loaded: dict[str, dict] = {}
+    for item, specs in by_item.items():
+        path = directory / item
+        if not path.is_dir():
+            raise ConversionError(f"{path}: Orbax item missing (named by {MANIFEST_NAME})")
+        meta = flatten(ocp.v1.metadata(path).metadata)
+        for leaf, spec in specs.items():
+            m = meta.get(leaf)
+            if m is None:
+                raise ConversionError(f"{path}: leaf {leaf} missing")
+            if tuple(m.shape) != tuple(spec.shape) or np.dtype(m.dtype) != np.dtype(spec.dtype):
+                raise ConversionError(
+                    f"{path}: leaf {leaf} is {np.dtype(m.dtype)} {list(m.shape)}, config.json needs "
+                    f"{np.dtype(spec.dtype)} {list(spec.shape)}"
+                )
+        extra = sorted(set(meta) - set(specs))
+        if extra:
+            raise ConversionError(f"{path}: leaves the config does not describe: {extra[:5]}")
+        on_device = mesh is not None and not (item == ENGRAM_ITEM and engram_on_host)
+        if on_device:
+            from ced_jax.sharding import EP_TP_RULES, param_shardings
+
+            shardings = flatten(param_shardings(nest(specs), mesh, EP_TP_RULES if rules is None else rules))
+            abstract = nest(
+                {
+                    leaf: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[leaf])
+                    for leaf, spec in specs.items()
+                }
+            )
+            loaded[item] = ocp.v1.load(path, abstract)
+        else:
+            loaded[item] = ocp.v1.load(path)  # saved as numpy: comes back as numpy, in host memory
+    return Restored(cfg, manifest, loaded.get(PARAMS_ITEM, {}), loaded.get(ENGRAM_ITEM))
+
+
+def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, {dotted path: numpy array}) of a native converted checkpoint, all in host memory:
+    the same dict `hf_loader.load_hf_checkpoint` returns for the source."""
+    manifest = read_manifest(directory)
+    opts = manifest["options"]
+    if opts["weights_dtype"] != "native":
+        raise ConversionError(
+            f"{directory}: converted with --weights-dtype {opts['weights_dtype']}; the ced_jax model runs "
+            "the native FP8/FP4 formats; convert again with --weights-dtype native"
+        )
+    if opts["engram"] == "skip":
+        cfg = ModelConfig.from_pretrained(directory)
+        if cfg.engram_layer_ids:
+            raise ConversionError(
+                f"{directory}: converted with --engram skip, but the model's layers "
+                f"{list(cfg.engram_layer_ids)} need their Engram tables; convert with --engram separate"
+            )
+    r = restore(directory)
+    flat = flatten(r.params)
+    if r.engram is not None:
+        flat.update(flatten(r.engram))
+    return r.cfg, {k: np.asarray(v) for k, v in flat.items()}
+
+
+# ---------------------------------------------------------------------- command line
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-dir", required=True, help="released-layout checkpoint (index + safetensors shards)")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    p.add_argument(
+        "--include",
+        default="text",
+        help="comma-separated parts: text (default; dspark and vision are not implemented by the model)",
+    )
+    p.add_argument(
+        "--engram",
+        choices=("separate", "inline", "skip"),
+        default="separate",
+        help="Engram hash tables: a separate Orbax item for host memory (default), in params, or left out",
+    )
+    p.add_argument(
+        "--weights-dtype",
+        choices=("native", "bf16"),
+        default="native",
+        help="native: FP8/FP4 packed with their scales (what ced_jax runs); bf16: everything dequantised",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-compression", action="store_true", help="store chunks uncompressed (faster)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a conversion from parsed arguments; prints a JSON summary on stdout."""
+    options = ConvertOptions(
+        include=tuple(args.include.split(",")),
+        engram=args.engram,
+        weights_dtype=args.weights_dtype,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        compression=not args.no_compression,
+    )
+    try:
+        summary = convert(args.hf_dir, args.out, options)
+    except OSError as e:  # disk full, permissions: one line, like every other user-facing error
+        raise ConversionError(f"{e.filename or args.out}: {e.strerror or e}") from None
+    print(json.dumps(summary))
+    return 0
+
+
+__all__ = [
+    "CONVERTER_VERSION",
+    "MANIFEST_NAME",
+    "ConversionError",
+    "ConvertOptions",
+    "Restored",
+    "add_arguments",
+    "convert",
+    "is_converted_checkpoint",
+    "load_flat",
+    "read_manifest",
+    "restore",
+    "run",
+    "target_specs",
+]
