@@ -522,7 +522,8 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
     rules: str | dict = sharding.DEFAULT_RULES,
 ) -> Model:
-    """A preset name ('tiny'), or a Hugging Face checkpoint directory in the released format.
+    """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
+    directory written by `convert_weights` (conversion.convert).
 
     mesh: place and run the model on this (data, expert, tensor) mesh under `rules` (see
     ced_jax.sharding); None runs on the default device."""
@@ -552,9 +553,13 @@ def load(
     if not directory.is_dir():
         raise ValueError(f"{name!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
     cfg = ModelConfig.from_pretrained(directory)
+    from conversion.convert import is_converted_checkpoint, load_flat
     from conversion.hf_loader import load_hf_checkpoint
 
-    flat, _report = load_hf_checkpoint(directory, cfg)
+    if is_converted_checkpoint(directory):  # convert_weights output: Orbax items + ced_manifest.json
+        cfg, flat = load_flat(directory)
+    else:
+        flat, _report = load_hf_checkpoint(directory, cfg)
     hasher = None
     if cfg.engram_layer_ids:
         if (directory / "engram_token_map.json").exists():
