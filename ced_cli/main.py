@@ -113,6 +113,40 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from conversion.convert import run
+
+    return run(args)
+
+
+def _add_convert_options(p: argparse.ArgumentParser) -> None:
+    """`ced-jax convert` and `convert_weights` (here, not in conversion.convert, so that building
+    the parser stays free of JAX imports)."""
+    p.add_argument("--hf-dir", required=True, help="released-layout checkpoint (index + safetensors shards)")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    p.add_argument(
+        "--include",
+        default="text",
+        help="comma-separated parts: text (default); dspark and vision are not implemented by the model",
+    )
+    p.add_argument(
+        "--engram",
+        choices=("separate", "inline", "skip"),
+        default="separate",
+        help="Engram hash tables: a separate Orbax item for host memory (default), in params, or left out",
+    )
+    p.add_argument(
+        "--weights-dtype",
+        choices=("native", "bf16"),
+        default="native",
+        help="native: FP8/FP4 packed with their scales (what ced_jax runs); bf16: everything dequantised",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-compression", action="store_true", help="store chunks uncompressed (faster)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert, command="convert")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ced-jax", description="DeepSeek-V4.1-Flash in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,21 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", choices=("reference",), default="reference")
     p.add_argument("--json", action="store_true", help="print ids and text as JSON")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("convert", help="released HF checkpoint -> Orbax checkpoint (as convert_weights)")
+    _add_convert_options(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return _run(args, f"ced-jax {args.command}")
+
+
+def _run(args, prog: str) -> int:
     try:
         return args.func(args)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
-        print(f"ced-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 
 def convert_main(argv: list[str] | None = None) -> int:
-    print("convert_weights: the Orbax converter is not implemented yet (issue 3)", file=sys.stderr)
-    return 2
+    """The `convert_weights` console script: the same as `ced-jax convert`."""
+    parser = argparse.ArgumentParser(
+        prog="convert_weights", description="released HF checkpoint -> Orbax checkpoint (streaming)"
+    )
+    _add_convert_options(parser)
+    return _run(parser.parse_args(argv), prog="convert_weights")
 
 
 if __name__ == "__main__":
