@@ -914,33 +914,9 @@ def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]
 
 
 # ---------------------------------------------------------------------- command line
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hf-dir", required=True, help="released-layout checkpoint (index + safetensors shards)")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument(
-        "--include",
-        default="text",
-        help="comma-separated parts: text (default; dspark and vision are not implemented by the model)",
-    )
-    p.add_argument(
-        "--engram",
-        choices=("separate", "inline", "skip"),
-        default="separate",
-        help="Engram hash tables: a separate Orbax item for host memory (default), in params, or left out",
-    )
-    p.add_argument(
-        "--weights-dtype",
-        choices=("native", "bf16"),
-        default="native",
-        help="native: FP8/FP4 packed with their scales (what ced_jax runs); bf16: everything dequantised",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--no-compression", action="store_true", help="store chunks uncompressed (faster)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run a conversion from parsed arguments; prints a JSON summary on stdout."""
+    """Run a conversion from the parsed `ced-jax convert` / `convert_weights` arguments (defined in
+    ced_cli.main); prints a JSON summary on stdout."""
     options = ConvertOptions(
         include=tuple(args.include.split(",")),
         engram=args.engram,
@@ -963,7 +939,6 @@ __all__ = [
     "ConversionError",
     "ConvertOptions",
     "Restored",
-    "add_arguments",
     "convert",
     "is_converted_checkpoint",
     "load_flat",
