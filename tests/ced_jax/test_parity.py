@@ -69,16 +69,22 @@ def _rows_equal_up_to_ties(own: np.ndarray, rec: np.ndarray, scores: np.ndarray)
     return equal
 
 
-def mode_a_metrics(model, g, mode: str) -> dict:
-    cfg = model.cfg
-    res = model.logits(
+def mode_a_run(model, g, mode: str) -> dict:
+    """The mode-A run: recorded decisions replayed, every block input patched, decisions captured."""
+    return model.logits(
         g["prompt_ids"],
         g["decode_ids"],
         index_k_mode=mode,
-        replay=_replay(g, cfg, mode),
+        replay=_replay(g, model.cfg, mode),
         patch=_patch(g, mode),
         capture=True,
     )
+
+
+def mode_a_metrics(model, g, mode: str, res: dict | None = None) -> dict:
+    """PARITY.md's mode-A metrics of `res` (by default a fresh `mode_a_run`)."""
+    cfg = model.cfg
+    res = mode_a_run(model, g, mode) if res is None else res
     L = cfg.num_layers
     # Block entries: each prefill block (all tokens) and each decode block with a recorded successor.
     ref_prefill = np.concatenate([g["prefill_block_input"][1:], g["prefill_last_block_output"][None]])
