@@ -1,4 +1,8 @@
-"""`ced-jax` command line: describe, logits, generate (and the converter entry point).
+"""`ced-jax` command line: describe, logits, generate, plan (and the converter entry point).
+
+`logits` and `generate` run on one device, or with `--mesh data=D,expert=E,tensor=T` on a device
+mesh; `--coordinator/--num-processes/--process-id` join a multi-host run (jax.distributed), where
+every process runs the same command and process 0 writes the outputs.
 
 Errors a user can cause (bad paths, malformed configs or checkpoints, bad ids) print one line
 naming the problem and exit with status 2; nothing is half-written (outputs are written to a
@@ -56,6 +60,51 @@ def _write_atomic_safetensors(arrays: dict, out: str) -> None:
             os.unlink(tmp)
 
 
+def _setup_distributed(args) -> None:
+    """Join a multi-process JAX run (jax.distributed) before anything touches a device."""
+    if args.coordinator is None:
+        if args.num_processes is not None or args.process_id is not None:
+            raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT")
+        return
+    if args.num_processes is None or args.process_id is None:
+        raise ValueError("--coordinator needs --num-processes and --process-id")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.init_timeout,
+    )
+
+
+def _mesh(args):
+    """The --mesh device mesh over every device of every process (None: one device)."""
+    if args.mesh is None:
+        if args.coordinator is not None and args.num_processes > 1:
+            raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
+        return None
+    from ced_jax import sharding
+
+    return sharding.make_mesh(sharding.parse_mesh(args.mesh))
+
+
+def _is_writer() -> bool:
+    """In a multi-process run every process holds the (replicated) outputs; process 0 writes them."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _load_sharded(args):
+    from ced_jax.api import load
+
+    _setup_distributed(args)
+    return load(args.model, impl=args.impl, mesh=_mesh(args), rules=args.rules)
+
+
 def cmd_describe(args) -> int:
     from ced_jax.api import describe
     from ced_jax.config import PRESETS, ModelConfig, preset
@@ -68,13 +117,11 @@ def cmd_describe(args) -> int:
 def cmd_logits(args) -> int:
     import numpy as np
 
-    from ced_jax.api import load
-
     prompt = _read_ids(args.prompt_ids, "--prompt-ids")
     decode = _read_ids(args.decode_ids, "--decode-ids") if args.decode_ids else []
     replay = _read_arrays(args.replay, "--replay")
     patch = _read_arrays(args.patch, "--patch")
-    model = load(args.model, impl=args.impl)
+    model = _load_sharded(args)
     result = model.logits(
         prompt,
         decode,
@@ -89,6 +136,8 @@ def cmd_logits(args) -> int:
         for key in ("prefill_block_output", "decode_block_output"):
             if key in result:
                 outputs[key] = result[key]
+    if not _is_writer():
+        return 0
     _write_atomic_safetensors({k: np.ascontiguousarray(v) for k, v in outputs.items()}, args.out)
     if args.capture:
         captured = {
@@ -102,15 +151,57 @@ def cmd_logits(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from ced_jax.api import load
-
-    model = load(args.model, impl=args.impl)
+    model = _load_sharded(args)
     result = model.generate(args.prompt, args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if not _is_writer():
+        return 0
     if args.json:
         print(json.dumps(result))
     else:
         print(result.get("text", result["token_ids"]))
     return 0
+
+
+def _add_mesh_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("devices and hosts")
+    g.add_argument(
+        "--mesh",
+        help="run on a device mesh, e.g. data=1,expert=4,tensor=2 (missing axes are 1; the sizes "
+        "must multiply to the number of devices of all processes)",
+    )
+    g.add_argument(
+        "--rules",
+        choices=("ep_tp", "tp", "replicated"),
+        default="ep_tp",
+        help="sharding rules (ced_jax.sharding): expert + tensor parallel, pure tensor parallel, or none",
+    )
+    g.add_argument("--coordinator", help="multi-host: jax.distributed coordinator address HOST:PORT")
+    g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
+    g.add_argument("--process-id", type=int, help="multi-host: this process's index")
+    g.add_argument(
+        "--init-timeout", type=int, default=300, help="multi-host: seconds to wait for every process"
+    )
+
+
+def cmd_plan(args) -> int:
+    from ced_jax import sharding
+    from ced_jax.config import PRESETS, ModelConfig, preset
+    from conversion.plan import Hardware, format_plan, plan
+    from serving.config import ServeConfig
+
+    cfg = preset(args.model) if args.model in PRESETS else ModelConfig.from_pretrained(args.model)
+    serve = ServeConfig()  # the shapes a server starts with, unless given here
+    result = plan(
+        cfg,
+        Hardware(args.devices, args.device_memory, args.host_memory),
+        mesh=None if args.mesh is None else sharding.parse_mesh(args.mesh),
+        rules=args.rules,
+        max_seqs=args.max_seqs or serve.max_slots,
+        context=args.context or serve.max_context,
+        prefill_bucket=args.prefill_bucket or max(serve.prefill_buckets),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0 if result["fits"] else 1
 
 
 def cmd_convert(args) -> int:
@@ -168,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
     p.add_argument("--impl", choices=("reference",), default="reference")
     p.add_argument("--out", required=True)
+    _add_mesh_options(p)
     p.set_defaults(func=cmd_logits)
 
     p = sub.add_parser("generate", help="text in, text out")
@@ -178,10 +270,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impl", choices=("reference",), default="reference")
     p.add_argument("--json", action="store_true", help="print ids and text as JSON")
+    _add_mesh_options(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="released HF checkpoint -> Orbax checkpoint (as convert_weights)")
     _add_convert_options(p)
+
+    p = sub.add_parser(
+        "plan",
+        help="memory plan: weights, activations, KV and overhead per device; fits or not; a mesh "
+        "(exit 0 fits, 1 does not fit)",
+    )
+    p.add_argument("--model", required=True, help="preset name (v41-flash, tiny) or checkpoint directory")
+    p.add_argument("--devices", type=int, required=True, help="number of accelerators (all hosts)")
+    p.add_argument("--device-memory", type=float, required=True, metavar="GIB", help="memory per device")
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        metavar="GIB",
+        help="host memory per host that may hold the Engram tables (default: none, tables on device)",
+    )
+    p.add_argument("--mesh", help="evaluate this mesh (data=D,expert=E,tensor=T) instead of recommending one")
+    p.add_argument("--rules", choices=("ep_tp", "tp", "replicated"), default="ep_tp")
+    p.add_argument("--max-seqs", type=int, help="concurrent sequences (default: the server's max_slots)")
+    p.add_argument("--context", type=int, help="tokens per sequence (default: the server's max_context)")
+    p.add_argument(
+        "--prefill-bucket", type=int, help="prefill chunk length (default: the server's largest bucket)"
+    )
+    p.add_argument("--json", action="store_true", help="the full plan as JSON")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

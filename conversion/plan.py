@@ -1,0 +1,458 @@
+"""Memory planner: will DeepSeek-V4.1-Flash fit on N devices of G GiB, and on which mesh?
+
+Four ledgers per device, each from the real layout rather than a bytes-per-parameter guess:
+
+- weights: every tensor of the released checkpoint in the dtype it is actually stored in
+  (`conversion.mapping.hf_inventory`: FP4 experts packed two per byte, FP8 with ue8m0 scales,
+  BF16 / F32 for the rest), mapped to our parameter tree (`our_param_specs`: experts stacked,
+  `wo_a` dequantised to BF16 as the model keeps it) and divided over the mesh by the very rules
+  the runtime places them with (`ced_jax.sharding.logical_to_spec` over the parameters' logical
+  axes). The two Engram hash tables either live in host memory (their rows are gathered per
+  token, spec 5.5) or on every device (the rules do not split them);
+- activations: the live set of the reference path (impl="reference") at the configured buckets,
+  one prefill chunk and one decode batch, from the shapes the model materialises (see
+  `activation_ledger` for the terms);
+- KV: 890 bytes per token (the deployment formats of spec 2.4, computed from the config) times
+  the context, plus each sequence's sliding-window rings and compressor states, over the
+  sequences a device holds (`batch` is split over `data`);
+- framework overhead: max(1 GiB, 5 % of device memory) for the runtime, compiled programs,
+  collective scratch and allocator slack (an assumption, stated as such).
+
+`plan()` evaluates one mesh, or every (data, expert, tensor) factorisation of the device count,
+and recommends a fitting mesh: one that leaves 10 % of each device free if any does, then the
+most data-parallel replicas, Engram tables on device rather than host, the widest expert axis.
+It also restates the naive estimate of the deployment article (every parameter in BF16).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ced_jax import sharding
+from ced_jax.config import ModelConfig
+from ced_jax.model import flatten_specs, param_specs
+from conversion.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
+
+GIB = 1024**3
+GB = 1000**3
+OVERHEAD_MIN_BYTES = GIB
+OVERHEAD_FRACTION = 0.05
+HEADROOM = 0.10  # a recommended mesh should leave this share of each device free
+F32 = 4
+
+
+# ---------------------------------------------------------------------- weights
+_inventory = functools.lru_cache(maxsize=4)(hf_inventory)
+
+
+def _stored_dtype(path: str, dtype: np.dtype) -> str:
+    """Our storage dtype -> the checkpoint's dtype name (uint8 is packed FP4 or ue8m0 scales)."""
+    if dtype == np.uint8:
+        return "I8" if ".ffn.experts." in path and path.endswith(".weight") else "F8_E8M0"
+    return {
+        np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+        np.dtype(ml_dtypes.bfloat16): "BF16",
+        np.dtype(np.float32): "F32",
+    }[np.dtype(dtype)]
+
+
+def _category(path: str) -> str:
+    if ".engram.embed." in path:
+        return "engram_tables"
+    if ".ffn.experts." in path:
+        return "routed_experts"
+    if ".ffn.shared_experts." in path:
+        return "shared_experts"
+    if path.startswith(("embed.", "head.")):
+        return "embed_head"
+    if ".attn." in path:
+        return "attention"
+    return "other"
+
+
+@functools.lru_cache(maxsize=4)
+def checkpoint_bytes(cfg: ModelConfig) -> dict:
+    """Bytes of the released checkpoint by group and dtype, exactly as stored."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for spec in _inventory(cfg).values():
+        out[spec.group][spec.dtype] += spec.nbytes
+    return {g: dict(v) for g, v in out.items()}
+
+
+@functools.lru_cache(maxsize=4)
+def _resident_tensors(cfg: ModelConfig) -> tuple:
+    """(path, shape, itemsize, stored dtype, part, logical axes) of every parameter we hold
+    (the inventory walk is the slow part; a plan evaluates many meshes)."""
+    axes = {name: spec.axes for name, spec in flatten_specs(param_specs(cfg)).items()}
+    return tuple(
+        (path, shape, np.dtype(dtype).itemsize, _stored_dtype(path, dtype), _category(path), axes[path])
+        for path, (shape, dtype) in our_param_specs(cfg, TEXT_GROUPS).items()
+    )
+
+
+def weight_ledger(
+    cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules, engram_on_host: bool
+) -> dict:
+    """Per-device and total resident weight bytes (by dtype and by part) under `rules` on `mesh`."""
+    per_device_dtype: dict[str, int] = defaultdict(int)
+    per_device_part: dict[str, int] = defaultdict(int)
+    total_dtype: dict[str, int] = defaultdict(int)
+    host = 0
+    for _path, shape, itemsize, stored, part, axes in _resident_tensors(cfg):
+        nbytes = math.prod(shape) * itemsize
+        total_dtype[stored] += nbytes
+        if part == "engram_tables" and engram_on_host:
+            host += nbytes
+            continue
+        spec = sharding.logical_to_spec(axes, rules, shape, mesh)
+        shard = math.prod(sharding.shard_shape(shape, spec, mesh)) * itemsize
+        per_device_dtype[stored] += shard
+        per_device_part[part] += shard
+    return {
+        "resident_total_by_dtype": dict(total_dtype),
+        "resident_total": sum(total_dtype.values()),
+        "per_device_by_dtype": dict(per_device_dtype),
+        "per_device_by_part": dict(per_device_part),
+        "per_device": sum(per_device_dtype.values()),
+        "host": host,
+        "engram_tables": "host" if engram_on_host else "device",
+    }
+
+
+# ---------------------------------------------------------------------- activations
+def _local(size: int, axis: str, rules: sharding.Rules, mesh: dict[str, int]) -> int:
+    """Per-device extent of a dimension of `size` carrying logical `axis`, by the rules."""
+    spec = sharding.logical_to_spec((axis,), rules, (size,), mesh)
+    return sharding.shard_shape((size,), spec, mesh)[0]
+
+
+def _step_activations(
+    cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules, n: int, chunk: int, context: int
+) -> dict:
+    """Live f32 bytes of one step with n tokens on a device (chunk = tokens per sequence).
+
+    The sublayers run one after another, so the peak is the residual streams plus the largest of
+    attention, indexer, MoE and head."""
+    D, M, hd, W = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.sliding_window
+    heads = _local(cfg.num_heads, "q_heads", rules, mesh)
+    index_heads = _local(cfg.index_n_heads, "index_heads", rules, mesh)
+    streams = 3 * n * M * D * F32  # input, residual, output of an mHC site
+    # q and o; logits over window ring + chunk keys and over the selected compressed entries.
+    attention = n * (2 * heads * hd + heads * (W + chunk + cfg.index_topk) + cfg.index_topk * hd) * F32
+    # Per-head indexer scores before the head reduction, over every compressed entry so far.
+    ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids] or [1]
+    entries = -(-context // min(ratios))
+    indexer = n * index_heads * (entries + cfg.index_head_dim) * F32
+    # MoE: padded all_to_all buffers, hidden activations, and the reference expert_matmul's
+    # dequantised f32 expert stack (one matrix at a time; a grouped-matmul kernel would not need it).
+    ml = _moe_split(cfg, mesh, rules)
+    n_loc = -(-n // ml["token_shards"])
+    rows = ml["ep"] * n_loc * cfg.num_experts_per_tok
+    F, f_loc, d_loc, e_loc = cfg.moe_intermediate_size, ml["f_local"], ml["d_local"], ml["e_local"]
+    buffers = rows * (2 * D + 3 * f_loc + F + 2 * d_loc) * F32
+    if rows >= e_loc:
+        dequant = e_loc * max(f_loc * D, d_loc * F) * F32
+    else:
+        dequant = rows * max(f_loc * D, d_loc * F) * F32
+    vocab = _local(cfg.vocab_size, "vocab", rules, mesh)
+    head = n * (vocab + cfg.vocab_size) * F32  # sharded logits, then replicated for the host
+    parts = {"attention": attention, "indexer": indexer, "moe": buffers + dequant, "head": head}
+    return {
+        "tokens": n,
+        "streams": streams,
+        **parts,
+        "moe_expert_dequant": dequant,
+        "peak": streams + max(parts.values()),
+    }
+
+
+def _moe_split(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) -> dict:
+    """How the routed experts split on `mesh` (the same derivation as ced_jax.sharding.moe_layout)."""
+    from ced_jax.layers.moe import EXPERT_AXES
+
+    E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    w1 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, F, D // 2), mesh)
+    w2 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, D, F // 2), mesh)
+    ep = mesh.get(w1[0], 1) if w1[0] else 1
+    width_axes = {a for a in (w1[1], w2[1]) if a}
+    token_shards = math.prod(s for a, s in mesh.items() if a not in width_axes)
+    return {
+        "ep": ep,
+        "e_local": E // ep,
+        "f_local": F // (mesh[w1[1]] if w1[1] else 1),
+        "d_local": D // (mesh[w2[1]] if w2[1] else 1),
+        "token_shards": token_shards,
+    }
+
+
+def activation_ledger(
+    cfg: ModelConfig,
+    mesh: dict[str, int],
+    rules: sharding.Rules,
+    *,
+    prefill_bucket: int,
+    max_seqs: int,
+    context: int,
+) -> dict:
+    """Per-device activation peak of a prefill chunk (one sequence, `prefill_bucket` tokens) and of
+    a decode step (`max_seqs` sequences split over the batch axis, one token each)."""
+    seqs = _sequences_per_device(mesh, rules, max_seqs)
+    prefill = _step_activations(cfg, mesh, rules, prefill_bucket, prefill_bucket, context)
+    decode = _step_activations(cfg, mesh, rules, seqs, 1, context)
+    return {"prefill": prefill, "decode": decode, "per_device": max(prefill["peak"], decode["peak"])}
+
+
+def _sequences_per_device(mesh: dict[str, int], rules: sharding.Rules, max_seqs: int) -> int:
+    """Sequences one device holds: the batch split over its mesh axis (a server pads the batch to
+    a multiple of it, hence the ceiling)."""
+    axis = rules["batch"]
+    return -(-max_seqs // (mesh.get(axis, 1) if axis else 1))
+
+
+# ---------------------------------------------------------------------- KV
+def kv_bytes_per_token(cfg: ModelConfig) -> float:
+    """Compressed main KV (FP4 + e4m3 per 16) and index keys (FP4 + ue8m0 per 32) of every KV
+    source, per token (spec 2.4: 890 for V4.1-Flash)."""
+    main = cfg.head_dim // 2 + cfg.head_dim // 16
+    index = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    return sum((main + index) / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
+
+
+def kv_ledger(
+    cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules, *, max_seqs: int, context: int
+) -> dict:
+    """KV of `max_seqs` sequences of `context` tokens in the deployment formats."""
+    main = cfg.head_dim // 2 + cfg.head_dim // 16
+    index = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    compressed = sum(-(-context // cfg.compress_ratios[s]) * (main + index) for s in cfg.kv_source_layer_ids)
+    swa_entry = cfg.head_dim + cfg.head_dim // 32  # FP8 + ue8m0 per 32 (528 B)
+    rings = cfg.num_layers * cfg.sliding_window * swa_entry
+    states = sum(
+        2 * cfg.compress_ratios[s] * cfg.head_dim * F32
+        for s in cfg.kv_source_layer_ids
+        if cfg.compress_ratios[s] > 1
+    )
+    per_seq = compressed + rings + states
+    seqs_per_device = _sequences_per_device(mesh, rules, max_seqs)
+    return {
+        "bytes_per_token": kv_bytes_per_token(cfg),
+        "per_sequence": {"compressed": compressed, "swa_rings": rings, "compressor_states": states},
+        "per_sequence_total": per_seq,
+        "sequences_per_device": seqs_per_device,
+        "total": per_seq * max_seqs,
+        "per_device": per_seq * seqs_per_device,
+    }
+
+
+# ---------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class Hardware:
+    devices: int
+    device_memory_gib: float
+    host_memory_gib: float | None = None  # per host; None: nothing may be offloaded
+
+    @property
+    def device_bytes(self) -> int:
+        return int(self.device_memory_gib * GIB)
+
+
+def overhead_bytes(device_bytes: int) -> int:
+    return max(OVERHEAD_MIN_BYTES, int(OVERHEAD_FRACTION * device_bytes))
+
+
+def evaluate(
+    cfg: ModelConfig,
+    hw: Hardware,
+    mesh: dict[str, int],
+    *,
+    rules: str = sharding.DEFAULT_RULES,
+    engram_on_host: bool,
+    max_seqs: int,
+    context: int,
+    prefill_bucket: int,
+) -> dict:
+    """The four ledgers of one mesh and placement, and whether they fit."""
+    table = sharding.get_rules(rules)
+    weights = weight_ledger(cfg, mesh, table, engram_on_host)
+    acts = activation_ledger(
+        cfg, mesh, table, prefill_bucket=prefill_bucket, max_seqs=max_seqs, context=context
+    )
+    kv = kv_ledger(cfg, mesh, table, max_seqs=max_seqs, context=context)
+    overhead = overhead_bytes(hw.device_bytes)
+    per_device = weights["per_device"] + acts["per_device"] + kv["per_device"] + overhead
+    host_need = weights["host"]
+    host_ok = host_need == 0 or (hw.host_memory_gib is not None and host_need <= hw.host_memory_gib * GIB)
+    return {
+        "mesh": dict(mesh),
+        "rules": rules,
+        "engram_tables": weights["engram_tables"],
+        "ledgers": {"weights": weights, "activations": acts, "kv": kv, "overhead": {"per_device": overhead}},
+        "per_device_total": per_device,
+        "device_free": hw.device_bytes - per_device,
+        "host_total": host_need,
+        "fits": per_device <= hw.device_bytes and host_ok,
+    }
+
+
+def mesh_candidates(devices: int) -> list[dict[str, int]]:
+    """Every (data, expert, tensor) factorisation of the device count."""
+    out = []
+    for d in range(1, devices + 1):
+        if devices % d:
+            continue
+        for e in range(1, devices // d + 1):
+            if (devices // d) % e:
+                continue
+            out.append({"data": d, "expert": e, "tensor": devices // d // e})
+    return out
+
+
+def article_estimate(cfg: ModelConfig, hw: Hardware) -> dict:
+    """The deployment article's weight estimate (every backbone parameter in BF16) next to the
+    bytes actually stored."""
+    params = sum(spec.params for spec in _inventory(cfg).values() if spec.group == "backbone")
+    stored = checkpoint_bytes(cfg)
+    backbone = sum(stored.get("backbone", {}).values())
+    tables = sum(stored.get("engram_table", {}).values())
+    capacity = hw.devices * hw.device_bytes
+    return {
+        "backbone_parameters": params,
+        "bf16_bytes": 2 * params,
+        "bf16_fits_devices": 2 * params <= capacity,
+        "stored_backbone_bytes": backbone,
+        "stored_engram_table_bytes": tables,
+        "stored_backbone_fits_devices": backbone <= capacity,
+        "device_capacity_bytes": capacity,
+    }
+
+
+def plan(
+    cfg: ModelConfig,
+    hw: Hardware,
+    *,
+    mesh: dict[str, int] | None = None,
+    rules: str = sharding.DEFAULT_RULES,
+    max_seqs: int = 32,
+    context: int = 8192,
+    prefill_bucket: int = 512,
+) -> dict:
+    """Evaluate `mesh` (or every candidate), recommend a mesh and Engram placement, and correct
+    the naive BF16 estimate. Engram tables are tried on device first, then (given host memory)
+    in host memory."""
+    if hw.devices < 1 or hw.device_memory_gib <= 0:
+        raise ValueError("--devices must be >= 1 and --device-memory > 0")
+    if max_seqs < 1 or context < 1 or prefill_bucket < 1:
+        raise ValueError("--max-seqs, --context and the prefill bucket must be >= 1")
+    if mesh is not None and math.prod(mesh.values()) != hw.devices:
+        raise ValueError(f"mesh {mesh} has {math.prod(mesh.values())} devices, --devices is {hw.devices}")
+    placements = [False] + ([True] if hw.host_memory_gib is not None else [])
+    kw = dict(rules=rules, max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket)
+    candidates = [
+        evaluate(cfg, hw, m, engram_on_host=host, **kw)
+        for m in (mesh_candidates(hw.devices) if mesh is None else [mesh])
+        for host in placements
+    ]
+    fitting = [c for c in candidates if c["fits"]]
+    # Layouts that leave HEADROOM of the device free come first (KV growth beyond the planned
+    # workload, fragmentation); then the most replicas (throughput), tables on device (no host
+    # gathers), the widest expert axis (EP moves activations, TP all-gathers in every layer), and
+    # the most free memory.
+    floor = HEADROOM * hw.device_bytes
+    fitting.sort(
+        key=lambda c: (
+            c["device_free"] < floor,
+            -c["mesh"]["data"],
+            c["engram_tables"] == "host",
+            -c["mesh"]["expert"],
+            -c["device_free"],
+        )
+    )
+    best = fitting[0] if fitting else min(candidates, key=lambda c: c["per_device_total"])
+    advice = []
+    if not fitting and hw.host_memory_gib is None and cfg.engram_layer_ids:
+        tables = sum(checkpoint_bytes(cfg).get("engram_table", {}).values())
+        advice.append(
+            f"the Engram tables ({tables / GB:.1f} GB) are replicated on every device by the rules; "
+            "pass --host-memory to keep them in host memory"
+        )
+    if not fitting and hw.host_memory_gib is not None and best["host_total"] > hw.host_memory_gib * GIB:
+        advice.append(f"the Engram tables need {best['host_total'] / GIB:.1f} GiB of host memory")
+    return {
+        "model": cfg.name,
+        "hardware": {
+            "devices": hw.devices,
+            "device_memory_bytes": hw.device_bytes,
+            "host_memory_bytes": None if hw.host_memory_gib is None else int(hw.host_memory_gib * GIB),
+        },
+        "workload": {"max_seqs": max_seqs, "context": context, "prefill_bucket": prefill_bucket},
+        "checkpoint_bytes": checkpoint_bytes(cfg),
+        "article_estimate": article_estimate(cfg, hw),
+        "fits": bool(fitting),
+        "advice": advice,
+        "recommended" if fitting else "closest": best,
+        "candidates": [
+            {
+                "mesh": c["mesh"],
+                "engram_tables": c["engram_tables"],
+                "per_device_total": c["per_device_total"],
+                "fits": c["fits"],
+            }
+            for c in candidates
+        ],
+    }
+
+
+# ---------------------------------------------------------------------- text report
+def _g(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB ({n / GB:7.1f} GB)"
+
+
+def format_plan(p: dict) -> str:
+    hw, a = p["hardware"], p["article_estimate"]
+    lines = [
+        f"{p['model']}: {hw['devices']} devices x {hw['device_memory_bytes'] / GIB:g} GiB"
+        + (f", host {hw['host_memory_bytes'] / GIB:g} GiB" if hw["host_memory_bytes"] else ""),
+        f"workload: {p['workload']['max_seqs']} sequences x {p['workload']['context']} tokens, "
+        f"prefill chunk {p['workload']['prefill_bucket']}",
+        "",
+        "naive estimate (every parameter BF16): "
+        f"{a['backbone_parameters'] / 1e9:.1f}B x 2 B = {a['bf16_bytes'] / GB:.0f} GB -> "
+        + ("fits" if a["bf16_fits_devices"] else "does NOT fit")
+        + f" in {a['device_capacity_bytes'] / GB:.0f} GB of devices",
+        "as stored (FP4 experts, FP8 + ue8m0, BF16/F32 rest): "
+        f"backbone {a['stored_backbone_bytes'] / GB:.1f} GB"
+        f" + Engram tables {a['stored_engram_table_bytes'] / GB:.1f} GB",
+        "",
+    ]
+    c = p.get("recommended") or p["closest"]
+    led = c["ledgers"]
+    mesh = ",".join(f"{k}={v}" for k, v in c["mesh"].items())
+    head = "recommended" if p["fits"] else "nothing fits; closest"
+    lines += [
+        f"{head}: --mesh {mesh} (rules {c['rules']}), Engram tables on {c['engram_tables']}",
+        f"  weights      {_g(led['weights']['per_device'])} per device",
+    ]
+    for dtype, n in sorted(led["weights"]["per_device_by_dtype"].items()):
+        lines.append(f"    {dtype:9s}  {_g(n)}")
+    lines += [
+        f"  activations  {_g(led['activations']['per_device'])} per device "
+        f"(prefill {led['activations']['prefill']['peak'] / GIB:.2f} GiB, "
+        f"decode {led['activations']['decode']['peak'] / GIB:.2f} GiB)",
+        f"  KV           {_g(led['kv']['per_device'])} per device "
+        f"({led['kv']['bytes_per_token']:g} B/token + "
+        f"{led['kv']['per_sequence']['swa_rings'] / 2**20:.2f} MiB "
+        f"SWA rings per sequence, {led['kv']['sequences_per_device']} sequences per device)",
+        f"  overhead     {_g(led['overhead']['per_device'])} per device",
+        f"  total        {_g(c['per_device_total'])} of {_g(hw['device_memory_bytes'])} per device"
+        f" -> {'fits' if c['fits'] else 'does NOT fit'}",
+    ]
+    if c["host_total"]:
+        lines.append(f"  host         {_g(c['host_total'])} (Engram tables)")
+    lines += [f"advice: {a}" for a in p["advice"]]
+    return "\n".join(lines)

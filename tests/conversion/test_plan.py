@@ -1,0 +1,153 @@
+"""The memory planner's byte counts, pinned to the released tensor inventory (spec 4.3 / 5.2 / 2.4),
+and its verdicts on the deployment article's example (8 x 80 GiB)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ced_cli.main import main
+from ced_jax import sharding
+from ced_jax.config import preset
+from conversion.plan import (
+    GIB,
+    Hardware,
+    activation_ledger,
+    checkpoint_bytes,
+    kv_bytes_per_token,
+    kv_ledger,
+    mesh_candidates,
+    plan,
+    weight_ledger,
+)
+
+EP = sharding.EP_TP_RULES
+# Backbone and Engram-table bytes of the release, by stored dtype (hf_inventory; the spec's
+# storage table adds DSpark and vision on top, see test_checkpoint_bytes_match_spec_storage_table).
+BACKBONE = {
+    "BF16": 2_845_928_448,
+    "F32": 157_428_160,
+    "F8_E4M3": 6_836_715_520,
+    "F8_E8M0": 16_993_607_680,
+    "I8": 271_790_899_200,
+}
+ENGRAM_TABLES = {"F8_E4M3": 196_613_849_600, "F8_E8M0": 6_144_182_800}
+# wo_a: FP8 [8192, 4096] + ue8m0 [256, 128] in the release, dequantised to BF16 by the model.
+WO_A_FP8, WO_A_SCALE, WO_A_BF16 = 8192 * 4096, 256 * 128, 8192 * 4096 * 2
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return preset("v41-flash")
+
+
+def test_checkpoint_bytes_pinned(flash):
+    stored = checkpoint_bytes(flash)
+    assert stored["backbone"] == BACKBONE
+    assert stored["engram_table"] == ENGRAM_TABLES
+    assert sum(BACKBONE.values()) == 298_624_579_008  # the "about 300 GB" of FP8/FP4 backbone
+
+
+def test_checkpoint_bytes_match_spec_storage_table(flash):
+    """Spec 5.2 'Storage by dtype' (all groups, rounded to 3-4 digits)."""
+    stored = checkpoint_bytes(flash)
+    total = {d: sum(g.get(d, 0) for g in stored.values()) for d in BACKBONE}
+    spec = {"BF16": 3.95e9, "F32": 1.69e8, "F8_E4M3": 2.040e11, "F8_E8M0": 2.356e10, "I8": 2.786e11}
+    for dtype, want in spec.items():
+        assert total[dtype] == pytest.approx(want, rel=2e-3), dtype
+
+
+def test_resident_weights_are_the_stored_bytes_with_wo_a_in_bf16(flash):
+    led = weight_ledger(flash, {"data": 1, "expert": 1, "tensor": 1}, EP, engram_on_host=False)
+    layers = flash.num_layers
+    want = {d: BACKBONE.get(d, 0) + ENGRAM_TABLES.get(d, 0) for d in BACKBONE}
+    want["F8_E4M3"] -= layers * WO_A_FP8
+    want["F8_E8M0"] -= layers * WO_A_SCALE
+    want["BF16"] += layers * WO_A_BF16
+    assert led["resident_total_by_dtype"] == want
+    assert led["per_device_by_dtype"] == want  # one device holds everything
+    assert led["host"] == 0
+
+
+def test_per_device_weights_follow_the_rules(flash):
+    # Expert parallelism over 8: each device holds 48 of the 384 experts, and their scales.
+    ep8 = weight_ledger(flash, {"data": 1, "expert": 8, "tensor": 1}, EP, engram_on_host=True)
+    assert ep8["per_device_by_dtype"]["I8"] == BACKBONE["I8"] // 8
+    assert ep8["host"] == sum(ENGRAM_TABLES.values())
+    # Pure tensor parallelism over 8 splits the expert width instead: the same bytes per device.
+    tp8 = weight_ledger(flash, {"data": 1, "expert": 1, "tensor": 8}, sharding.TP_RULES, engram_on_host=True)
+    assert tp8["per_device_by_dtype"]["I8"] == BACKBONE["I8"] // 8
+    # embed and head [129280, 5120] BF16 are vocabulary-parallel under tensor parallelism.
+    assert tp8["per_device_by_part"]["embed_head"] == 2 * 129280 * 5120 * 2 // 8
+    assert ep8["per_device_by_part"]["embed_head"] == 2 * 129280 * 5120 * 2
+    # Data parallelism replicates: 2 x (expert 4) holds twice what expert 8 holds.
+    dp = weight_ledger(flash, {"data": 2, "expert": 4, "tensor": 1}, EP, engram_on_host=True)
+    assert dp["per_device_by_dtype"]["I8"] == 2 * ep8["per_device_by_dtype"]["I8"]
+
+
+def test_kv_ledger_890_bytes_per_token_plus_rings(flash):
+    assert kv_bytes_per_token(flash) == 890
+    mesh = {"data": 2, "expert": 4, "tensor": 1}
+    kv = kv_ledger(flash, mesh, EP, max_seqs=32, context=1 << 20)
+    per_seq = kv["per_sequence"]
+    assert per_seq["compressed"] == 890 * (1 << 20)
+    assert per_seq["swa_rings"] == 40 * 128 * 528  # 512 FP8 + 16 ue8m0 per entry, every layer
+    assert per_seq["compressor_states"] == 3 * 2 * 2 * 512 * 4  # ratio-2 sources, f32 kv + score
+    assert kv["sequences_per_device"] == 16  # batch split over data
+    assert kv["per_device"] == 16 * kv["per_sequence_total"]
+
+
+def test_activations_grow_with_the_buckets(flash):
+    mesh = {"data": 1, "expert": 8, "tensor": 1}
+    small = activation_ledger(flash, mesh, EP, prefill_bucket=64, max_seqs=8, context=8192)
+    big = activation_ledger(flash, mesh, EP, prefill_bucket=512, max_seqs=64, context=1 << 20)
+    for phase in ("prefill", "decode"):
+        assert big[phase]["peak"] > small[phase]["peak"] > 0
+    # The indexer's per-head scores over every compressed entry dominate a long-context prefill.
+    assert big["prefill"]["indexer"] == 512 * 32 * ((1 << 20) + 128) * 4
+
+
+def test_mesh_candidates():
+    got = mesh_candidates(8)
+    assert len(got) == 10 and all(math.prod(m.values()) == 8 for m in got)
+    assert {"data": 1, "expert": 4, "tensor": 2} in got
+
+
+def test_article_example_8x80(flash):
+    """8 x 80 GiB: not in BF16 (~1104 GB), yes in the native formats with Engram in host memory."""
+    with_host = plan(flash, Hardware(8, 80, 512))
+    art = with_host["article_estimate"]
+    assert art["backbone_parameters"] == 551_880_835_184
+    assert art["bf16_bytes"] == 1_103_761_670_368
+    assert not art["bf16_fits_devices"] and art["stored_backbone_fits_devices"]
+    assert with_host["fits"]
+    best = with_host["recommended"]
+    assert best["engram_tables"] == "host"
+    assert best["mesh"] == {"data": 1, "expert": 8, "tensor": 1}
+    assert best["per_device_total"] <= 0.9 * 80 * GIB
+    assert best["host_total"] == sum(ENGRAM_TABLES.values())
+    # Without host memory the tables sit on every device and nothing fits.
+    alone = plan(flash, Hardware(8, 80))
+    assert not alone["fits"] and "host-memory" in alone["advice"][0]
+
+
+def test_plan_checks_its_inputs(flash):
+    with pytest.raises(ValueError, match="has 4 devices"):
+        plan(flash, Hardware(8, 80), mesh={"data": 1, "expert": 4, "tensor": 1})
+    with pytest.raises(ValueError, match="--devices"):
+        plan(flash, Hardware(0, 80))
+
+
+def test_cli_plan(capsys):
+    argv = ["plan", "--model", "v41-flash", "--devices", "8", "--device-memory", "80"]
+    assert main([*argv, "--host-memory", "512", "--mesh", "expert=4,tensor=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"]["mesh"] == {"data": 1, "expert": 4, "tensor": 2}
+    assert set(out["recommended"]["ledgers"]) == {"weights", "activations", "kv", "overhead"}
+    assert main(argv) == 1  # does not fit: exit 1, with the reason
+    text = capsys.readouterr().out
+    assert "does NOT fit" in text and "1104 GB" in text
+    assert main([*argv, "--mesh", "expert=3"]) == 2
+    assert "has 3 devices" in capsys.readouterr().err
