@@ -274,6 +274,8 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions) -> _Plan:
     inventory = hf_inventory(cfg)
     weight_map = _read_index_json(hf_dir)["weight_map"]
     groups_wanted = tuple(g for g in TEXT_GROUPS if not (g == "engram_table" and options.engram == "skip"))
+    files = sorted(set(weight_map.values()))
+    _check_shard_set(hf_dir, files)  # first: a shard left out of the index explains missing tensors
     report = LoadReport(str(hf_dir))
     by_shard = _classify(weight_map, inventory, groups_wanted, report)  # unknown / missing tensors
     ignored: dict[str, str] = {}
@@ -282,15 +284,23 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions) -> _Plan:
             why = "Engram table left out (--engram skip)"
         ignored[name] = why
 
-    files = sorted(set(weight_map.values()))
-    _check_shard_set(hf_dir, files)
     # Headers only, so that a bad file is reported before any data is read.
     file_sizes: dict[str, int] = {}
+    indexed: dict[str, set[str]] = {}
+    for name, file in weight_map.items():
+        indexed.setdefault(file, set()).add(name)
     for file in files:
         with _Shard(hf_dir, file) as shard:
-            names = by_shard.get(file, [])
-            _check_shard(shard, names, inventory)
-            extra = sorted(set(shard.keys()) - set(names))
+            # Tensors of this config are checked against the inventory; every indexed one (optional
+            # groups the config does not describe included) must be present.
+            _check_shard(shard, by_shard.get(file, []), inventory)
+            present = set(shard.keys())
+            absent = sorted(indexed[file] - present)
+            if absent:
+                raise ConversionError(
+                    f"{shard.path}: tensor '{absent[0]}' is in {INDEX_NAME} for this file but absent from it"
+                )
+            extra = sorted(present - indexed[file])
             if extra:
                 where = [weight_map.get(n) for n in extra[:5]]
                 raise ConversionError(

@@ -1,0 +1,373 @@
+"""convert_weights on the golden tiny-a checkpoint: the good path (layouts, manifest, describe, restore
+on another mesh, logits bit for bit) and every failure mode on corrupted copies, each of which must
+exit non-zero naming the tensor or file and leave no output (nor temporary) directory behind.
+
+The converter writes host numpy arrays from one process (no device placement), i.e. "written on one
+device"; the restore tests read it back onto a (expert=4, tensor=2) mesh of the 8 fake CPU devices."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from ced_cli.main import convert_main, main
+from ced_jax.config import ModelConfig
+from ced_jax.model import flatten_specs, param_specs
+from ced_jax.quant import FP4_TABLE
+from conversion.convert import (
+    MANIFEST_NAME,
+    ConversionError,
+    ConvertOptions,
+    convert,
+    load_flat,
+    restore,
+    target_specs,
+)
+from conversion.hf_loader import load_hf_checkpoint
+from tests.conftest import GOLDEN_TINY_A
+
+SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+INDEX = "model.safetensors.index.json"
+SIDE_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "engram_token_map.json"]
+NP_OF = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "I8": np.int8,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+}
+QUIET = ConvertOptions(progress=False)
+
+
+# ---------------------------------------------------------------------- helpers
+def raw_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, bytes), straight from the safetensors layout."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return {
+        k: (v["dtype"], v["shape"], data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]])
+        for k, v in header.items()
+    }
+
+
+def rewrite_shard(path: Path, change) -> None:
+    arrays = {k: np.frombuffer(b, NP_OF[d]).reshape(s) for k, (d, s, b) in raw_tensors(path).items()}
+    change(arrays)
+    save_file(arrays, str(path), metadata={"format": "pt"})
+
+
+def edit_index(ckpt: Path, change) -> None:
+    index = json.loads((ckpt / INDEX).read_text())
+    change(index["weight_map"])
+    (ckpt / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    src = tmp_path / "hf"
+    src.mkdir()
+    for name in [*SHARDS, INDEX, *SIDE_FILES]:
+        shutil.copyfile(GOLDEN_TINY_A / name, src / name)
+    return src
+
+
+def run_cli(src: Path, out: Path, *extra: str) -> int:
+    return convert_main(["--hf-dir", str(src), "--out", str(out), "--quiet", *extra])
+
+
+def assert_fails(src: Path, out: Path, capsys, *needles: str, extra=()) -> str:
+    """convert_weights exits 2 with one error line naming all `needles`, and leaves nothing behind."""
+    before = sorted(p.name for p in out.parent.iterdir())
+    assert run_cli(src, out, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convert_weights: error: "), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not out.exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == before  # no temporary directory either
+    return err
+
+
+# ---------------------------------------------------------------------- the good path
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("conv") / "tiny-a"
+    summary = convert(GOLDEN_TINY_A, out, QUIET)
+    return out, summary
+
+
+@pytest.fixture(scope="module")
+def cfg() -> ModelConfig:
+    return ModelConfig.from_pretrained(GOLDEN_TINY_A)
+
+
+@pytest.fixture(scope="module")
+def hf_params(cfg):
+    return load_hf_checkpoint(GOLDEN_TINY_A, cfg)[0]
+
+
+def test_layout_manifest_and_coverage(converted, cfg):
+    out, summary = converted
+    assert sorted(p.name for p in out.iterdir()) == sorted(["params", "engram", MANIFEST_NAME, *SIDE_FILES])
+    for name in SIDE_FILES:
+        assert (out / name).read_bytes() == (GOLDEN_TINY_A / name).read_bytes()
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    assert m["options"] == {
+        "include": ["text"],
+        "engram": "separate",
+        "weights_dtype": "native",
+        "compression": True,
+    }
+    assert m["converter"]["version"] and m["format_version"] == 1
+    sources = {s["file"]: s for s in m["sources"]}
+    assert set(sources) == {*SHARDS, INDEX, *SIDE_FILES}
+    for name, s in sources.items():
+        assert (
+            s["sha256"] == sha256(GOLDEN_TINY_A / name)
+            and s["bytes"] == (GOLDEN_TINY_A / name).stat().st_size
+        )
+    # Every source tensor consumed (none ignored here), every leaf of the model produced, as specified.
+    assert m["tensors"]["source"] == m["tensors"]["consumed"] == 657 and m["tensors"]["ignored"] == []
+    assert sorted(m["tensors"]["folded_scales"]) == sorted(f"layers.{i}.attn.wo_a.scale" for i in range(8))
+    specs = flatten_specs(param_specs(cfg))
+    assert set(m["leaves"]) == set(specs)
+    for path, leaf in m["leaves"].items():
+        assert leaf["shape"] == list(specs[path].shape) and leaf["dtype"] == str(np.dtype(specs[path].dtype))
+        assert leaf["item"] == ("engram" if ".engram.embed." in path else "params")
+    assert summary["leaves"] == len(specs) and summary["consumed"] == 657
+
+
+def test_describe_matches_source(converted, capsys):
+    out, _ = converted
+    assert main(["describe", str(GOLDEN_TINY_A)]) == 0
+    source = json.loads(capsys.readouterr().out)
+    assert main(["describe", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out) == source
+
+
+def test_load_flat_is_bit_identical_to_the_hf_loader(converted, hf_params):
+    out, _ = converted
+    _, flat = load_flat(out)
+    assert set(flat) == set(hf_params)
+    for name, ref in hf_params.items():
+        assert flat[name].dtype == ref.dtype and flat[name].shape == ref.shape, name
+        assert flat[name].tobytes() == ref.tobytes(), name
+
+
+def test_restore_onto_another_mesh(converted, cfg, hf_params):
+    import jax
+
+    from ced_jax.sharding import EP_TP_RULES, make_mesh, param_shardings
+
+    out, _ = converted
+    mesh = make_mesh({"expert": 4, "tensor": 2})
+    r = restore(out, mesh=mesh, rules=EP_TP_RULES)
+    want = param_shardings(param_specs(cfg), mesh, EP_TP_RULES)
+    got = r.params
+    experts = got["layers"]["3"]["ffn"]["experts"]["w2"]["weight"]
+    assert experts.sharding.spec == want["layers"]["3"]["ffn"]["experts"]["w2"]["weight"].spec
+    assert tuple(experts.sharding.spec)[:2] == ("expert", "tensor")
+    assert {s.data.shape for s in experts.addressable_shards} == {(2, 128, 64)}  # 8 experts / 4, 256 / 2
+    flat = {}
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk(got)
+    want_flat = flatten_specs(want)
+    assert set(flat) == {p for p in hf_params if ".engram.embed." not in p}
+    for name, arr in flat.items():
+        assert isinstance(arr, jax.Array) and arr.sharding == want_flat[name], name
+        assert np.asarray(arr).tobytes() == hf_params[name].tobytes(), name
+    # The separate Engram item stays in host memory.
+    table = r.engram["layers"]["1"]["engram"]["embed"]["weight"]
+    assert (
+        isinstance(table, np.ndarray)
+        and table.tobytes() == hf_params["layers.1.engram.embed.weight"].tobytes()
+    )
+
+
+def test_logits_on_converted_equal_hf_bit_for_bit(converted, tmp_path):
+    out, _ = converted
+    g = load_file(str(GOLDEN_TINY_A / "expected.safetensors"))
+    (tmp_path / "prompt.json").write_text(json.dumps(g["prompt_ids"][:24].tolist()))
+    (tmp_path / "decode.json").write_text(json.dumps(g["decode_ids"][:2].tolist()))
+    results = []
+    for model in (GOLDEN_TINY_A, out):
+        dest = tmp_path / f"{len(results)}.safetensors"
+        args = [
+            "logits",
+            str(model),
+            "--prompt-ids",
+            str(tmp_path / "prompt.json"),
+            "--decode-ids",
+            str(tmp_path / "decode.json"),
+            "--out",
+            str(dest),
+        ]
+        assert main(args) == 0
+        results.append(load_file(str(dest)))
+    for key in ("prefill_logits_full", "decode_logits"):
+        assert results[0][key].shape == results[1][key].shape
+        assert results[0][key].tobytes() == results[1][key].tobytes(), key
+
+
+def test_engram_inline_and_skip(tmp_path, hf_params):
+    inline = tmp_path / "inline"
+    convert(GOLDEN_TINY_A, inline, ConvertOptions(progress=False, engram="inline"))
+    assert not (inline / "engram").exists()
+    _, flat = load_flat(inline)
+    assert flat["layers.2.engram.embed.scale"].tobytes() == hf_params["layers.2.engram.embed.scale"].tobytes()
+    skip = tmp_path / "skip"
+    summary = convert(GOLDEN_TINY_A, skip, ConvertOptions(progress=False, engram="skip"))
+    m = json.loads((skip / MANIFEST_NAME).read_text())
+    assert [i["name"] for i in m["tensors"]["ignored"]] == sorted(
+        f"layers.{i}.engram.embed.{p}" for i in (1, 2) for p in ("scale", "weight")
+    )
+    assert all("--engram skip" in i["reason"] for i in m["tensors"]["ignored"])
+    assert summary["leaves"] == len(hf_params) - 4
+    with pytest.raises(ConversionError, match="--engram skip"):
+        load_flat(skip)
+
+
+def test_bf16_dequantises_everything_exactly(tmp_path, cfg, hf_params):
+    out = tmp_path / "bf16"
+    convert(GOLDEN_TINY_A, out, ConvertOptions(progress=False, weights_dtype="bf16"))
+    r = restore(out)
+    specs = target_specs(cfg, weights_dtype="bf16", engram="separate")
+    assert not any(p.endswith(".scale") for p in specs)
+    w = r.params["layers"]["3"]["ffn"]["experts"]["w2"]["weight"]
+    assert w.dtype == ml_dtypes.bfloat16 and w.shape == (8, 256, 128)
+    # Independent decode: e2m1 code table times 2^(e-127) per 32 inputs.
+    packed = hf_params["layers.3.ffn.experts.w2.weight"]
+    scale = hf_params["layers.3.ffn.experts.w2.scale"].astype(np.float64)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(8, 256, 128)
+    expected = FP4_TABLE[codes].astype(np.float64) * np.repeat(2.0 ** (scale - 127), 32, axis=-1)
+    np.testing.assert_array_equal(w.astype(np.float64), expected)
+    q = r.params["layers"]["0"]["attn"]["wq_a"]["weight"]
+    ref_w = hf_params["layers.0.attn.wq_a.weight"].astype(np.float64)
+    ref_s = hf_params["layers.0.attn.wq_a.scale"].astype(np.float64)
+    np.testing.assert_array_equal(
+        q.astype(np.float64), ref_w * np.kron(2.0 ** (ref_s - 127), np.ones((32, 32)))
+    )
+    table = r.engram["layers"]["2"]["engram"]["embed"]["weight"]
+    t_w = hf_params["layers.2.engram.embed.weight"].astype(np.float64)
+    t_s = hf_params["layers.2.engram.embed.scale"].astype(np.float64)
+    np.testing.assert_array_equal(table.astype(np.float64), t_w * np.repeat(2.0 ** (t_s - 127), 32, axis=1))
+    with pytest.raises(ConversionError, match="weights-dtype bf16"):
+        load_flat(out)
+
+
+def test_ignored_optional_tensors_are_listed_and_hashed(ckpt, tmp_path):
+    extra = "model-extra.safetensors"
+    save_file(
+        {
+            "mtp.0.attn.wq_a.weight": np.zeros((4, 4), ml_dtypes.float8_e4m3fn),
+            "vision.norm.weight": np.ones(8, ml_dtypes.bfloat16),
+        },
+        str(ckpt / extra),
+    )
+    edit_index(ckpt, lambda wm: wm.update({"mtp.0.attn.wq_a.weight": extra, "vision.norm.weight": extra}))
+    out = tmp_path / "out"
+    assert run_cli(ckpt, out) == 0
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    reasons = {i["name"]: i["reason"] for i in m["tensors"]["ignored"]}
+    assert set(reasons) == {"mtp.0.attn.wq_a.weight", "vision.norm.weight"}
+    assert "DSpark" in reasons["mtp.0.attn.wq_a.weight"] and "vision" in reasons["vision.norm.weight"]
+    assert m["tensors"]["consumed"] + len(reasons) == m["tensors"]["source"] == 659
+    assert {s["file"]: s["sha256"] for s in m["sources"]}[extra] == sha256(ckpt / extra)
+
+
+def test_existing_output_needs_overwrite(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    assert run_cli(ckpt, out) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+    assert run_cli(ckpt, out, "--overwrite") == 0
+    assert not (out / "keep.txt").exists() and (out / MANIFEST_NAME).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # the replaced copy is gone
+
+
+def test_unimplemented_parts_are_clear_errors(ckpt, tmp_path, capsys):
+    for part in ("vision", "dspark"):
+        assert_fails(
+            ckpt,
+            tmp_path / "out",
+            capsys,
+            f"--include {part}",
+            "not implemented",
+            extra=("--include", f"text,{part}"),
+        )
+
+
+# ---------------------------------------------------------------------- failures
+def test_truncated_shard(ckpt, tmp_path, capsys):
+    path = ckpt / SHARDS[1]
+    path.write_bytes(path.read_bytes()[:-1000])
+    assert_fails(ckpt, tmp_path / "out", capsys, SHARDS[1], "truncated")
+
+
+def test_shard_missing_from_index(ckpt, tmp_path, capsys):
+    edit_index(ckpt, lambda wm: [wm.pop(k) for k in [k for k, v in wm.items() if v == SHARDS[2]]])
+    assert_fails(ckpt, tmp_path / "out", capsys, SHARDS[2], "shard missing from", "present on disk")
+
+
+def test_shard_named_by_index_but_missing_on_disk(ckpt, tmp_path, capsys):
+    (ckpt / SHARDS[2]).unlink()
+    assert_fails(ckpt, tmp_path / "out", capsys, SHARDS[2], "missing")
+
+
+def test_tensor_in_index_but_absent_from_shard(ckpt, tmp_path, capsys):
+    rewrite_shard(ckpt / SHARDS[0], lambda a: a.pop("layers.0.attn.wq_b.scale"))
+    assert_fails(ckpt, tmp_path / "out", capsys, "layers.0.attn.wq_b.scale", SHARDS[0], "absent")
+
+
+def test_wrong_dtype(ckpt, tmp_path, capsys):
+    def to_f32(a):
+        a["layers.0.attn.q_norm.weight"] = a["layers.0.attn.q_norm.weight"].astype(np.float32)
+
+    rewrite_shard(ckpt / SHARDS[0], to_f32)
+    assert_fails(ckpt, tmp_path / "out", capsys, "layers.0.attn.q_norm.weight", "expected BF16, got F32")
+
+
+def test_config_not_matching_the_weights(ckpt, tmp_path, capsys):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 256
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert_fails(ckpt, tmp_path / "out", capsys, "wrong shape", "ffn.")
+
+
+def test_failure_midway_leaves_nothing(ckpt, tmp_path, monkeypatch, capsys):
+    """A failure after several groups were already saved (here: the third shard turns out
+    unreadable in the data pass) still leaves no output and no temporary directory."""
+    import conversion.convert as conv
+
+    real = conv._StreamReader.__init__
+
+    def failing(self, path, progress):
+        if path.name == SHARDS[2]:
+            raise ConversionError(f"{path}: simulated read failure")
+        real(self, path, progress)
+
+    monkeypatch.setattr(conv._StreamReader, "__init__", failing)
+    assert_fails(ckpt, tmp_path / "out", capsys, SHARDS[2], "simulated")
