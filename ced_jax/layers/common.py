@@ -52,7 +52,10 @@ def rope_inv_freq(dim: int, base: float, yarn: tuple[float, float, float, int] |
     SWA-only layers). Dimensions whose wavelength fits the original context keep their frequency,
     those beyond it are divided by `factor`, with a linear ramp between."""
     f32 = np.float32
-    freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    # torch's f32 `base ** t` matches the f64 power rounded to f32; numpy's f32 power is off by
+    # an ulp in a few entries (6 of 32 at theta 160000), enough to move a bf16 rounding of RoPE.
+    exponent = (np.arange(0, dim, 2, dtype=f32) / f32(dim)).astype(np.float64)
+    freqs = f32(1.0) / (np.float64(base) ** exponent).astype(f32)
     if yarn is not None:
         factor, beta_fast, beta_slow, original = yarn
 

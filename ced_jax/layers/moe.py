@@ -45,7 +45,8 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
-    return jax.nn.silu(gate) * up
+    # torch's CPU silu is x / (1 + exp(-x)); jax.nn.silu (x * sigmoid(x)) differs in the last ulp.
+    return exact_div(gate, 1 + jnp.exp(-gate)) * up
 
 
 # Logical axes of every stacked routed-expert tensor ([E, out, in/2] weights and [E, out, in/32]
