@@ -18,6 +18,11 @@ import numpy as np
 from pallas_kernels import formats
 
 POISON = 0xFF
+_pack_fp8 = jax.jit(formats.pack_fp8_entries)
+_pack_fp4 = jax.jit(formats.quantize_fp4_entries)
+_pack_keys = jax.jit(formats.pack_index_keys)
+_unpack_keys = jax.jit(formats.unpack_index_keys)
+_pack_weight = jax.jit(formats.pack_fp4_weight)
 
 
 def fp8_activations(rng: np.random.Generator, shape) -> np.ndarray:
@@ -61,7 +66,7 @@ def gmm_case(seed: int, m: int, k: int, n: int, e: int, fill: float = 1.0) -> Gm
     lhs = fp8_activations(rng, (m, k))
     lhs[sizes.sum() :] = np.nan  # rows past the groups
     w = rng.standard_normal((e, n, k)).astype(np.float32) * np.exp2(rng.integers(-4, 4, (e, n, 1)))
-    packed, scale = (np.array(a) for a in formats.pack_fp4_weight(jnp.asarray(w)))
+    packed, scale = (np.array(a) for a in _pack_weight(w))
     empty = sizes == 0
     packed[empty], scale[empty] = POISON, POISON  # empty experts: never read
     return GmmCase(lhs, packed, scale, sizes)
@@ -91,8 +96,8 @@ def _paged_segment(rng, b, t, d, fmt, per_page, pages_per_seq, n_sel, capacity):
     values = rng.standard_normal((num_pages, per_page, d)).astype(np.float32) * np.exp2(
         rng.integers(-3, 3, (num_pages, per_page, 1))
     )
-    pack = formats.pack_fp8_entries if fmt == "fp8" else formats.quantize_fp4_entries
-    pages = np.array(pack(jnp.asarray(values)))
+    pack = _pack_fp8 if fmt == "fp8" else _pack_fp4
+    pages = np.array(pack(values))
     perm = rng.permutation(num_pages)
     table = np.full((b, pages_per_seq), -1, np.int32)
     table[:, :used] = perm[: b * used].reshape(b, used)
@@ -119,7 +124,7 @@ def attention_case(seed, b, t, h, d, window=(8, 8, 16), main=(4, 6, 24), empty_r
             segments.append(_paged_segment(rng, b, t, d, fmt, per_page, pps, n_sel, capacity))
     if empty_row:  # a query with no valid entry must give zeros
         for _, _, idx in segments:
-            idx[0, -1] = -1
+            idx[0, 0] = -1
     q = bf16_values(rng, (b, t, h, d))
     sink = rng.standard_normal(h).astype(np.float32)
     return AttentionCase(q, segments, sink, d**-0.5)
@@ -145,7 +150,7 @@ def indexer_case(seed, b, t, heads, dk, per_page, pages_per_seq) -> IndexerCase:
     n_vis[0, 0] = 0  # nothing visible yet
     num_pages = b * pages_per_seq + 1
     keys = rng.standard_normal((num_pages, per_page, dk)).astype(np.float32)
-    pages = np.array(formats.pack_index_keys(jnp.asarray(keys)))
+    pages = np.array(_pack_keys(keys))
     table = rng.permutation(num_pages)[: b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
     for bi in range(b):  # keys no query of the sequence can see: poisoned; table slots past: -1
         top = n_vis[bi].max()
@@ -158,11 +163,8 @@ def indexer_case(seed, b, t, heads, dk, per_page, pages_per_seq) -> IndexerCase:
                 pages[table[bi, p], max(0, top - lo) :] = POISON
     spare = np.setdiff1d(np.arange(num_pages), table[table >= 0])
     pages[spare] = POISON
-    q = np.array(
-        formats.unpack_index_keys(
-            formats.pack_index_keys(jnp.asarray(rng.standard_normal((b, t, heads, dk)).astype(np.float32)))
-        )
-    )
+    # FP4-fake-quantised queries, as the model's are.
+    q = np.array(_unpack_keys(_pack_keys(rng.standard_normal((b, t, heads, dk)).astype(np.float32))))
     weights = bf16_values(rng, (b, t, heads), 0.1)
     return IndexerCase(q, weights, pages, table, n_vis)
 
