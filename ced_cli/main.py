@@ -101,7 +101,6 @@ def _is_writer() -> bool:
 def _load_sharded(args):
     from ced_jax.api import load
 
-    _setup_distributed(args)
     return load(args.model, impl=args.impl, mesh=_mesh(args), rules=args.rules)
 
 
@@ -117,6 +116,7 @@ def cmd_describe(args) -> int:
 def cmd_logits(args) -> int:
     import numpy as np
 
+    _setup_distributed(args)
     prompt = _read_ids(args.prompt_ids, "--prompt-ids")
     decode = _read_ids(args.decode_ids, "--decode-ids") if args.decode_ids else []
     replay = _read_arrays(args.replay, "--replay")
@@ -151,6 +151,7 @@ def cmd_logits(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    _setup_distributed(args)
     model = _load_sharded(args)
     result = model.generate(args.prompt, args.max_tokens, temperature=args.temperature, seed=args.seed)
     if not _is_writer():

@@ -15,7 +15,8 @@ Logical axes:
 - o_groups     output-projection groups (wo_a rows, wo_b columns)
 - index_heads  indexer heads
 - experts      routed experts
-- expert_mlp   routed-expert hidden width (F)
+- expert_mlp   routed-expert output rows: the hidden width F of w1/w3, the width D of w2 (both
+               split without partial sums, see ced_jax.layers.moe)
 - mlp          shared-expert hidden width
 - engram_rows  Engram hash-table rows
 - batch        sequences (cache and activations)
@@ -63,6 +64,8 @@ EP_TP_RULES: Rules = {
     "experts": "expert",
     "expert_mlp": "tensor",
     "mlp": "tensor",
+    # The Engram tables are not split: at full size they belong in host memory, where their rows
+    # are gathered per token (spec 5.5); conversion.plan accounts for both placements.
     "engram_rows": None,
     "batch": "data",
 }
