@@ -579,6 +579,9 @@ def _orbax_context(compression: bool):
 
     ctx = ocp.v1.Context()
     ctx.array.saving.use_compression = compression
+    # Orbax copies numpy leaves before writing unless told not to: that would double every group.
+    # Safe here, because a group's arrays are not touched until its save has returned.
+    ctx.memory.deepcopy_host_arrays = False
     # Chunks of at most CHUNK_BYTES, split along the largest axes (Orbax's greedy rule): a table or
     # the embedding is read a slab at a time. Routed experts [E, out, in] are chunked one expert each
     # instead, so a restore with experts sharded over devices reads only the experts it keeps.

@@ -5,7 +5,8 @@ ratio, S compressed-cache capacity (max_len / R), I indexer heads, Dk indexer he
 
 Phases differ only in metadata: every call gets `start` [B] (position of the chunk's first token)
 and `lens` [B] (valid tokens in the chunk; the rest is padding). Prefill, chunked prefill and
-decode (T = 1) are the same code. Caches are explicit arrays passed in and returned:
+decode (T = 1) are the same code. Caches are explicit arrays passed in and returned, read and
+written only through the accessors of `ced_jax.cache` (dense dict or paged layout, same values):
 - window ring [B, W, Dh]: slot = position % W, FP8-fake-quantised K after RoPE;
 - compressed KV [B, S, Dh] and index keys [B, S, Dk] of each KV-source layer, entry j standing
   for tokens [j R, (j+1) R), rotated at position j R and FP4-fake-quantised;
@@ -17,7 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ced_jax import cache as cache_lib
 from ced_jax import ops
+from ced_jax.cache import ring_update
 from ced_jax.config import ModelConfig
 from ced_jax.layers.common import apply_rope, bf16_linear, f32_linear, fp8_linear, rms_norm, rope_inv_freq
 from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
@@ -29,21 +32,6 @@ def layer_inv_freq(cfg: ModelConfig, layer: int):
         yarn = (cfg.rope_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_original_max_position)
         return rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, yarn)
     return rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, None)
-
-
-def ring_update(ring: jax.Array, new: jax.Array, start: jax.Array, lens: jax.Array) -> jax.Array:
-    """Write the valid tokens of a chunk into a ring of period P = ring.shape[1] (slot = pos % P).
-
-    ring [B, P, ...], new [B, T, ...]. Each slot takes the newest chunk token that maps to it."""
-    period = ring.shape[1]
-    slots = jnp.arange(period)[None, :]
-    last = (start + lens - 1)[:, None]
-    newest = last - jnp.mod(last - slots, period)  # newest position <= last with pos % P == slot
-    take = newest >= start[:, None]
-    idx = jnp.clip(newest - start[:, None], 0, new.shape[1] - 1)
-    gathered = jnp.take_along_axis(new, idx.reshape(idx.shape + (1,) * (new.ndim - 2)), axis=1)
-    take = take.reshape(take.shape + (1,) * (new.ndim - 2))
-    return jnp.where(take, gathered, ring)
 
 
 def ring_positions(start: jax.Array, period: int) -> jax.Array:
@@ -101,14 +89,6 @@ def compress(
     new_state_kv = ring_update(state_kv, kv, start, lens)
     new_state_score = ring_update(state_score, score, start, lens)
     return latent, entry, complete, new_state_kv, new_state_score
-
-
-def write_entries(cache: jax.Array, values: jax.Array, entry: jax.Array, complete: jax.Array) -> jax.Array:
-    """cache [B, S, ...] <- values [B, G, ...] at entry [B, G] where complete (others dropped)."""
-    capacity = cache.shape[1]
-    idx = jnp.where(complete, entry, capacity)  # out of bounds -> dropped
-    batch = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], idx.shape)
-    return cache.at[batch, idx].set(values.astype(cache.dtype), mode="drop")
 
 
 def index_keys(latent: jax.Array, p: dict, entry_pos: jax.Array, inv_freq, eps: float) -> jax.Array:
@@ -185,10 +165,10 @@ def attention(
 ):
     """One attention sublayer. x: attn_norm output [B, T, D]. Returns (out [B, T, D], own top-k or None).
 
-    `cache` and `shared` are dicts updated in place (this function is traced, not run eagerly):
-    shared carries what layers hand down: 'topk' [B, T, X], 'candidates' [B, T, S], and for the
-    reference index-K mode 'index_k_ptr' (the cache the released code's global pointer names)."""
-    key = str(layer)
+    `cache` (a dense dict or a `ced_jax.cache.PagedCache`, touched only through its accessors) and
+    `shared` are updated in place (this function is traced, not run eagerly): shared carries what
+    layers hand down: 'topk' [B, T, X], 'candidates' [B, T, S], and for the reference index-K mode
+    'index_k_ptr' (the cache the released code's global pointer names)."""
     eps = cfg.rms_norm_eps
     inv_freq = layer_inv_freq(cfg, layer)
     ratio = cfg.compress_ratios[layer]
@@ -200,49 +180,46 @@ def attention(
 
     kv = rms_norm(fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"]), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
-    ring = cache["window"][key]
+    ring = cache_lib.window(cache, layer)
     segments = window_segments(kv, ring, positions, start, lens, cfg.sliding_window)
-    cache["window"][key] = ring_update(ring, kv, start, lens)
+    cache_lib.write_window(cache, layer, kv, start, lens)
 
     own_topk = None
     if ratio > 0:
-        src = str(cfg.kv_source_of(layer))
+        src = cfg.kv_source_of(layer)
         if layer in cfg.kv_source_layer_ids:
             comp = p["compressor"]
+            state_kv, state_score = cache_lib.compressor_state(cache, layer)
             latent, entry, complete, skv, ssc = compress(
-                x, comp, cache["state_kv"].get(key), cache["state_score"].get(key), start, lens, ratio, eps
+                x, comp, state_kv, state_score, start, lens, ratio, eps
             )
             if ratio > 1:
-                cache["state_kv"][key], cache["state_score"][key] = skv, ssc
+                cache_lib.write_compressor_state(cache, layer, skv, ssc)
             entry_pos = entry * ratio
             # Index keys come from the latent before it is rotated and quantised for the main cache.
-            cache["index_k"][key] = write_entries(
-                cache["index_k"][key],
-                index_keys(latent, p["indexer"], entry_pos, inv_freq, eps),
-                entry,
-                complete,
-            )
-            cache["kv"][key] = write_entries(
-                cache["kv"][key], main_entries(latent, entry_pos, inv_freq), entry, complete
+            keys = index_keys(latent, p["indexer"], entry_pos, inv_freq, eps)
+            cache_lib.write_entries(cache, "index_k", layer, keys, entry, complete)
+            cache_lib.write_entries(
+                cache, "kv", layer, main_entries(latent, entry_pos, inv_freq), entry, complete
             )
             published = jnp.any(complete, axis=1)  # [B]: did this owner produce an entry in this call
             if index_k_mode == "reference":
                 # The released code moves its global index-K pointer only when an owner publishes.
                 ptr = shared["index_k_ptr"]
-                own = cache["index_k"][key]
+                own = cache_lib.entries(cache, "index_k", layer)
                 own = jnp.pad(own, ((0, 0), (0, ptr.shape[1] - own.shape[1]), (0, 0)))
                 shared["index_k_ptr"] = jnp.where(published[:, None, None], own, ptr)
         if layer in cfg.index_source_layer_ids:
             if index_k_mode == "reference":
                 keys = shared["index_k_ptr"]
-                cap = cache["index_k"][src].shape[1]
+                cap = cache_lib.capacity(cache, "index_k", src)
                 keys = (
                     keys[:, :cap]
                     if keys.shape[1] >= cap
                     else jnp.pad(keys, ((0, 0), (0, cap - keys.shape[1]), (0, 0)))
                 )
             else:
-                keys = cache["index_k"][src]
+                keys = cache_lib.entries(cache, "index_k", src)
             scores = index_scores(x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio)
             if layer == cfg.candidate_source_layer_id:
                 shared["candidates"] = candidate_pool(
@@ -253,8 +230,7 @@ def attention(
             own_topk = select_topk(scores, positions, ratio, cfg.index_topk)
             shared["topk"] = own_topk if forced_topk is None else forced_topk
         topk = shared["topk"]
-        entries = cache["kv"][src]
-        gathered = jnp.take_along_axis(entries[:, None, :, :], jnp.maximum(topk, 0)[..., None], axis=2)
+        gathered = cache_lib.gather_entries(cache, "kv", src, jnp.maximum(topk, 0))
         segments.append((gathered, topk >= 0, "per_query"))
 
     o = ops.sparse_attention(q, segments, p["attn_sink"], head_dim**-0.5, impl=impl)

@@ -1,0 +1,418 @@
+"""KV-cache layouts and the packed deployment formats, behind the accessors the attention layer uses.
+
+Two layouts hold the same values; the layer code never knows which one it has:
+- the dense dict of `ced_jax.model.init_cache` (tests, `ced_jax.api`): one row per sequence, values
+  stored unpacked (f32 holding fake-quantised values);
+- `PagedCache` (the serving engine): compressed entries in static-shape page buffers addressed by
+  per-row page tables, everything except the compressor's f32 partial groups packed in the formats
+  below.
+The accessors at the bottom (`window`, `write_window`, `compressor_state`, `write_compressor_state`,
+`write_entries`, `entries`, `gather_entries`) dispatch on the type (a dict or a `PagedCache`); that is
+the only place the layout is looked at.
+
+Packed formats (spec 2.4), sizes derived from the config's head dims:
+- FP4 main entry, `main_entry_bytes(D)` = D/2 + D/16 (288 B for D = 512): D e2m1 codes two per byte
+  (even index in the low nibble), then D/16 e4m3 scales (one per 16 values).
+- FP4 index key, `index_key_bytes(Dk)` = Dk/2 + Dk/32 (68 B for Dk = 128): e2m1 codes as above, then
+  Dk/32 ue8m0 scale bytes (one per 32).
+- FP8 SWA entry, `swa_entry_bytes(D)` = D + D/32 (528 B for D = 512): D e4m3 bytes, then D/32 ue8m0.
+`pack_*` takes values produced by the matching fake quantiser (`ced_jax.quant`) and `unpack_*` gives
+them back bit for bit; other values are rounded. The scale `pack_*` stores need not be the one the
+quantiser used (a block whose largest code is below the maximum admits several), only one that
+represents every value of the block exactly; the tests check the round trip, not the bytes.
+
+Paged layout (`init_paged_cache`). A page holds `page_size` tokens; a ratio-r KV source stores
+`page_size / r` entries per page (so page_size must be a multiple of every ratio), and entry j of a
+row lives at `(page_tables[row, j // E], j % E)` with E entries per page. Per layer there is one
+packed FP8 SWA ring per slot, and per ratio>1 source the f32 partial group (kv and score) per slot.
+`slots` maps the rows of the current call to slots (`arange(max_slots)` for decode, one slot for a
+prefill page), so `forward` runs unchanged on a batch of any size. Reads never go past what a row's
+positions make visible (the attention masks do that), so pages past a sequence may hold anything.
+Global bytes per token (`kv_bytes_per_token`) count only the page buffers: 890 for v41-flash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ced_jax.config import ModelConfig
+from ced_jax.quant import FP4_TABLE, e2m1_codes_scaled, exact_div, round_e4m3
+
+# ------------------------------------------------------------------------------------ sizes
+
+
+def main_entry_bytes(head_dim: int) -> int:
+    return head_dim // 2 + head_dim // 16
+
+
+def index_key_bytes(index_head_dim: int) -> int:
+    return index_head_dim // 2 + index_head_dim // 32
+
+
+def swa_entry_bytes(head_dim: int) -> int:
+    return head_dim + head_dim // 32
+
+
+# ----------------------------------------------------------------------------- bit helpers
+# e4m3fn byte -> value, built once on the host (ml_dtypes is the authority on the encoding).
+_E4M3_DECODE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+_E4M3_DECODE[np.isnan(_E4M3_DECODE)] = 0.0  # 0x7f/0xff are NaN; never produced by pack
+
+
+def _e4m3_bytes(x: jax.Array) -> jax.Array:
+    """f32 values exactly representable in e4m3fn -> their bytes (the convert is exact)."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
+
+
+def _e4m3_values(b: jax.Array) -> jax.Array:
+    return jnp.asarray(_E4M3_DECODE)[b.astype(jnp.int32)]
+
+
+def _pack_nibbles(codes: jax.Array) -> jax.Array:
+    """uint8 codes [..., K] -> [..., K/2], even index in the low nibble."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack_fp4_values(packed: jax.Array) -> jax.Array:
+    table = jnp.asarray(FP4_TABLE)
+    lo = table[(packed & 0x0F).astype(jnp.int32)]
+    hi = table[(packed >> 4).astype(jnp.int32)]
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _smallest_pow2_exponent(amax: jax.Array, max_mantissa_bits: int, max_exp: int) -> jax.Array:
+    """Smallest integer e with amax <= M * 2^e, M = (1 + m/2^23) * 2^max_exp the format's largest
+    value, by exponent/mantissa bits (exact: a float product could round across a power of two).
+
+    amax is f32 >= 0; returns int32 (0 for amax == 0)."""
+    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa = bits & 0x7FFFFF
+    e = exponent - max_exp + (mantissa > max_mantissa_bits).astype(jnp.int32)
+    return jnp.where(amax > 0, e, 0)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+# ------------------------------------------------------------------------------- FP4 main
+
+
+def pack_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
+    """Fake-quantised FP4 values (`fp4_fake_quant_e4m3`) [..., D] -> uint8 [..., D/2 + D/block].
+
+    A block's values are c_i * s with e2m1 codes c_i and an e4m3 scale s; the largest |c_i| is one
+    of the e2m1 magnitudes, so s is amax / c for some c. Try c from 6 down and keep the first scale
+    that is e4m3 and reproduces every value (the quantiser's own scale is always among them)."""
+    xb = _blocks(x.astype(jnp.float32), block)  # [..., n, block]
+    amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., n]
+    table = jnp.asarray(FP4_TABLE)
+    chosen = jnp.ones_like(amax)  # all-zero blocks: any scale, codes 0
+    found = amax == 0
+    for c in (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5):
+        s = exact_div(amax, c)
+        codes = e2m1_codes_scaled(xb, s)
+        exact = jnp.all(table[codes.astype(jnp.int32)] * s[..., None] == xb, axis=-1)
+        ok = (round_e4m3(s) == s) & (s > 0) & exact & ~found
+        chosen = jnp.where(ok, s, chosen)
+        found = found | ok
+    codes = e2m1_codes_scaled(xb, chosen).reshape(x.shape)
+    return jnp.concatenate([_pack_nibbles(codes), _e4m3_bytes(chosen)], axis=-1)
+
+
+def unpack_fp4_e4m3(packed: jax.Array, dim: int, block: int = 16) -> jax.Array:
+    """uint8 [..., D/2 + D/block] -> f32 [..., D]."""
+    values = _blocks(_unpack_fp4_values(packed[..., : dim // 2]), block)
+    scale = _e4m3_values(packed[..., dim // 2 :])
+    return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
+
+
+# ------------------------------------------------------------------------ FP4 index keys
+
+
+def pack_fp4_ue8m0(x: jax.Array, block: int = 32) -> jax.Array:
+    """Fake-quantised FP4 values with power-of-two scales (`fp4_fake_quant_ue8m0`) [..., D] ->
+    uint8 [..., D/2 + D/block].
+
+    The stored scale is the smallest power of two with amax / s <= 6: the quantiser's scale is a
+    power of two at least that large, and an e2m1 value times 2^k stays e2m1 while it is <= 6."""
+    xb = _blocks(x.astype(jnp.float32), block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    e = _smallest_pow2_exponent(amax, 0x400000, 2)  # 6 = 1.5 * 2^2
+    codes = e2m1_codes_scaled(xb, _pow2(e)).reshape(x.shape)
+    return jnp.concatenate([_pack_nibbles(codes), (e + 127).astype(jnp.uint8)], axis=-1)
+
+
+def unpack_fp4_ue8m0(packed: jax.Array, dim: int, block: int = 32) -> jax.Array:
+    values = _blocks(_unpack_fp4_values(packed[..., : dim // 2]), block)
+    scale = _pow2(packed[..., dim // 2 :].astype(jnp.int32) - 127)
+    return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
+
+
+# ------------------------------------------------------------------------------- FP8 SWA
+
+
+def pack_fp8_ue8m0(x: jax.Array, block: int = 32) -> jax.Array:
+    """Fake-quantised FP8 values (`fp8_fake_quant`) [..., D] -> uint8 [..., D + D/block].
+
+    Scale: the smallest power of two with amax / s <= 448 (as for FP4 above, scaling an e4m3 value
+    up by 2^k keeps it e4m3, subnormals included, while it stays <= 448). Signed zeros survive."""
+    xb = _blocks(x.astype(jnp.float32), block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    e = _smallest_pow2_exponent(amax, 0x600000, 8)  # 448 = 1.75 * 2^8
+    q = xb * _pow2(-e)[..., None]  # exact: a power of two
+    return jnp.concatenate([_e4m3_bytes(q).reshape(x.shape), (e + 127).astype(jnp.uint8)], axis=-1)
+
+
+def unpack_fp8_ue8m0(packed: jax.Array, dim: int, block: int = 32) -> jax.Array:
+    values = _blocks(_e4m3_values(packed[..., :dim]), block)
+    scale = _pow2(packed[..., dim:].astype(jnp.int32) - 127)
+    return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
+
+
+# ------------------------------------------------------------------- dense-layout helpers
+
+
+def ring_update(ring: jax.Array, new: jax.Array, start: jax.Array, lens: jax.Array) -> jax.Array:
+    """Write the valid tokens of a chunk into a ring of period P = ring.shape[1] (slot = pos % P).
+
+    ring [B, P, ...], new [B, T, ...]. Each slot takes the newest chunk token that maps to it."""
+    period = ring.shape[1]
+    slots = jnp.arange(period)[None, :]
+    last = (start + lens - 1)[:, None]
+    newest = last - jnp.mod(last - slots, period)  # newest position <= last with pos % P == slot
+    take = newest >= start[:, None]
+    idx = jnp.clip(newest - start[:, None], 0, new.shape[1] - 1)
+    gathered = jnp.take_along_axis(new, idx.reshape(idx.shape + (1,) * (new.ndim - 2)), axis=1)
+    take = take.reshape(take.shape + (1,) * (new.ndim - 2))
+    return jnp.where(take, gathered, ring)
+
+
+def write_dense_entries(
+    cache: jax.Array, values: jax.Array, entry: jax.Array, complete: jax.Array
+) -> jax.Array:
+    """cache [B, S, ...] <- values [B, G, ...] at entry [B, G] where complete (others dropped)."""
+    capacity = cache.shape[1]
+    idx = jnp.where(complete, entry, capacity)  # out of bounds -> dropped
+    batch = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], idx.shape)
+    return cache.at[batch, idx].set(values.astype(cache.dtype), mode="drop")
+
+
+# ---------------------------------------------------------------------------- paged layout
+
+
+@dataclasses.dataclass
+class PagedCache:
+    """The serving cache (see the module docstring). A pytree: the buffers and the view are leaves,
+    `page_size` (tokens per page) and the entry widths are static.
+
+    window      {layer: u8 [max_slots, W, swa_entry_bytes]}        packed FP8 SWA ring per slot
+    kv          {source: u8 [num_pages, page_size / r, main_entry_bytes]}   FP4 main entries
+    index_k     {source: u8 [num_pages, page_size / r, index_key_bytes]}    FP4 index keys
+    state_kv    {source (r > 1): f32 [max_slots, r, D]}             compressor partial group
+    state_score {source (r > 1): f32 [max_slots, r, D]}
+    slots       i32 [B]: the slot of each row of the current call
+    page_tables i32 [B, pages_per_slot]: the pages of each row of the current call
+    """
+
+    window: dict
+    kv: dict
+    index_k: dict
+    state_kv: dict
+    state_score: dict
+    slots: jax.Array
+    page_tables: jax.Array
+    page_size: int
+    head_dim: int
+    index_head_dim: int
+
+    def view(self, slots: jax.Array, page_tables: jax.Array) -> PagedCache:
+        """The same buffers, addressed for a call whose rows are `slots` with these page tables."""
+        return dataclasses.replace(self, slots=slots, page_tables=page_tables)
+
+    def entry_dim(self, kind: str) -> int:
+        return self.head_dim if kind == "kv" else self.index_head_dim
+
+
+jax.tree_util.register_dataclass(
+    PagedCache,
+    data_fields=["window", "kv", "index_k", "state_kv", "state_score", "slots", "page_tables"],
+    meta_fields=["page_size", "head_dim", "index_head_dim"],
+)
+
+# kind -> (pack, unpack) of the compressed entries
+_ENTRY_FORMATS = {"kv": (pack_fp4_e4m3, unpack_fp4_e4m3), "index_k": (pack_fp4_ue8m0, unpack_fp4_ue8m0)}
+
+
+def init_paged_cache(
+    cfg: ModelConfig, *, max_slots: int, page_size: int, num_pages: int, max_context: int
+) -> PagedCache:
+    """Zeroed paged buffers (under `jax.eval_shape` this sizes them without allocating)."""
+    if max_context % page_size:
+        raise ValueError(f"max_context {max_context} is not a multiple of page_size {page_size}")
+    hd, dk, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+    swa = swa_entry_bytes(hd)
+    window = {str(i): jnp.zeros((max_slots, W, swa), jnp.uint8) for i in range(cfg.num_layers)}
+    kv, index_k, state_kv, state_score = {}, {}, {}, {}
+    for s in cfg.kv_source_layer_ids:
+        r = cfg.compress_ratios[s]
+        if page_size % r:
+            raise ValueError(f"page_size {page_size} is not a multiple of layer {s}'s compress ratio {r}")
+        kv[str(s)] = jnp.zeros((num_pages, page_size // r, main_entry_bytes(hd)), jnp.uint8)
+        index_k[str(s)] = jnp.zeros((num_pages, page_size // r, index_key_bytes(dk)), jnp.uint8)
+        if r > 1:
+            state_kv[str(s)] = jnp.zeros((max_slots, r, hd), jnp.float32)
+            state_score[str(s)] = jnp.zeros((max_slots, r, hd), jnp.float32)
+    return PagedCache(
+        window=window,
+        kv=kv,
+        index_k=index_k,
+        state_kv=state_kv,
+        state_score=state_score,
+        slots=jnp.arange(max_slots, dtype=jnp.int32),
+        page_tables=jnp.zeros((max_slots, max_context // page_size), jnp.int32),
+        page_size=page_size,
+        head_dim=hd,
+        index_head_dim=dk,
+    )
+
+
+def _nbytes(a) -> int:
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
+def kv_bytes_per_token(cache: PagedCache) -> float:
+    """Global compressed-KV bytes per token held by the page buffers (arrays or ShapeDtypeStructs):
+    main entries plus index keys of every KV source, divided by the tokens the pages hold."""
+    buffers = (*cache.kv.values(), *cache.index_k.values())
+    if not buffers:
+        return 0.0
+    num_pages = buffers[0].shape[0]
+    return sum(_nbytes(a) for a in buffers) / (num_pages * cache.page_size)
+
+
+def slot_state(cache: PagedCache, slot: jax.Array) -> dict:
+    """What a slot keeps outside the pages (SWA rings, partial groups): the device part of a snapshot."""
+    return {
+        "window": {k: v[slot] for k, v in cache.window.items()},
+        "state_kv": {k: v[slot] for k, v in cache.state_kv.items()},
+        "state_score": {k: v[slot] for k, v in cache.state_score.items()},
+    }
+
+
+def restore_slot_state(cache: PagedCache, slot: jax.Array, state: dict) -> PagedCache:
+    """`cache` with the slot's SWA rings and partial groups replaced by a `slot_state` result."""
+
+    def put(buffers: dict, values: dict) -> dict:
+        return {k: buf.at[slot].set(values[k].astype(buf.dtype)) for k, buf in buffers.items()}
+
+    return dataclasses.replace(
+        cache,
+        window=put(cache.window, state["window"]),
+        state_kv=put(cache.state_kv, state["state_kv"]),
+        state_score=put(cache.state_score, state["state_score"]),
+    )
+
+
+# -------------------------------------------------------------------------------- accessors
+# `cache` is the dense dict or a PagedCache; the attention layer updates it in place (it works on a
+# fresh copy of the tree that `forward` returns). Layers are addressed by int, kinds are the
+# compressed stores "kv" (main entries) and "index_k" (index keys).
+
+
+def window(cache, layer: int) -> jax.Array:
+    """The SWA ring of `layer` before this call's tokens: f32 [B, W, D] (slot = position % W)."""
+    if isinstance(cache, PagedCache):
+        ring = cache.window[str(layer)][cache.slots]
+        return unpack_fp8_ue8m0(ring, cache.head_dim)
+    return cache["window"][str(layer)]
+
+
+def write_window(cache, layer: int, kv: jax.Array, start: jax.Array, lens: jax.Array) -> None:
+    """Write the chunk's valid SWA entries kv [B, T, D] (FP8-fake-quantised) into the ring."""
+    key = str(layer)
+    if isinstance(cache, PagedCache):
+        rings = cache.window[key]
+        new = ring_update(rings[cache.slots], pack_fp8_ue8m0(kv), start, lens)
+        cache.window[key] = rings.at[cache.slots].set(new)
+    else:
+        cache["window"][key] = ring_update(cache["window"][key], kv, start, lens)
+
+
+def compressor_state(cache, layer: int) -> tuple[jax.Array | None, jax.Array | None]:
+    """The partial group (kv, score) f32 [B, r, D] of a ratio>1 source; (None, None) otherwise."""
+    key = str(layer)
+    if isinstance(cache, PagedCache):
+        if key not in cache.state_kv:
+            return None, None
+        return cache.state_kv[key][cache.slots], cache.state_score[key][cache.slots]
+    return cache["state_kv"].get(key), cache["state_score"].get(key)
+
+
+def write_compressor_state(cache, layer: int, state_kv: jax.Array, state_score: jax.Array) -> None:
+    key = str(layer)
+    if isinstance(cache, PagedCache):
+        cache.state_kv[key] = cache.state_kv[key].at[cache.slots].set(state_kv)
+        cache.state_score[key] = cache.state_score[key].at[cache.slots].set(state_score)
+    else:
+        cache["state_kv"][key], cache["state_score"][key] = state_kv, state_score
+
+
+def capacity(cache, kind: str, layer: int) -> int:
+    """Entries a row can hold (max_len / r)."""
+    if isinstance(cache, PagedCache):
+        return cache.page_tables.shape[1] * getattr(cache, kind)[str(layer)].shape[1]
+    return cache[kind][str(layer)].shape[1]
+
+
+def write_entries(cache, kind: str, layer: int, values: jax.Array, entry: jax.Array, complete: jax.Array):
+    """Store values [B, G, d] (fake-quantised) as entries entry [B, G] of `layer` where complete."""
+    key = str(layer)
+    if not isinstance(cache, PagedCache):
+        cache[kind][key] = write_dense_entries(cache[kind][key], values, entry, complete)
+        return
+    buf = getattr(cache, kind)[key]  # [N, E, bytes]
+    num_pages, per_page = buf.shape[:2]
+    table = cache.page_tables
+    ok = complete & (entry >= 0) & (entry < table.shape[1] * per_page)
+    page = jnp.take_along_axis(table, jnp.clip(entry // per_page, 0, table.shape[1] - 1), axis=1)
+    page = jnp.where(ok, page, num_pages)  # out of bounds -> dropped
+    packed = _ENTRY_FORMATS[kind][0](values)
+    getattr(cache, kind)[key] = buf.at[page, entry % per_page].set(packed, mode="drop")
+
+
+def entries(cache, kind: str, layer: int) -> jax.Array:
+    """Every entry slot of each row, f32 [B, S, d] (slots past what a row wrote hold anything)."""
+    key = str(layer)
+    if not isinstance(cache, PagedCache):
+        return cache[kind][key]
+    buf = getattr(cache, kind)[key]
+    rows = buf[cache.page_tables]  # [B, P, E, bytes]
+    rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
+    return _ENTRY_FORMATS[kind][1](rows, cache.entry_dim(kind))
+
+
+def gather_entries(cache, kind: str, layer: int, idx: jax.Array) -> jax.Array:
+    """Entries idx [B, T, X] (each in [0, S)) of each row -> f32 [B, T, X, d]."""
+    key = str(layer)
+    if not isinstance(cache, PagedCache):
+        table = cache[kind][key]
+        return jnp.take_along_axis(table[:, None, :, :], idx[..., None], axis=2)
+    buf = getattr(cache, kind)[key]
+    per_page = buf.shape[1]
+    b = idx.shape[0]
+    page = jnp.take_along_axis(cache.page_tables, (idx // per_page).reshape(b, -1), axis=1)
+    rows = buf[page.reshape(idx.shape), idx % per_page]  # [B, T, X, bytes]
+    return _ENTRY_FORMATS[kind][1](rows, cache.entry_dim(kind))

@@ -1,0 +1,344 @@
+"""The device engine over ced_jax: `JaxEngine` implements `serving.engine_api.Engine` for a loaded model.
+
+Device state is one `ced_jax.cache.PagedCache` (packed FP4 compressed KV in page buffers, packed FP8 SWA
+rings and f32 compressor partial groups per slot), donated to every program. Host state per slot is
+the next position and the Engram n-gram history (`EngramHasher.next_history`); the hash rows a step
+needs are computed on the host and sent with the tokens, as `ced_jax.api.Session` does.
+
+Programs, all compiled ahead of time in `warmup()` (`jit(...).lower(...).compile()`), and called as
+compiled executables afterwards, so a call with a shape that was not compiled fails loudly instead
+of compiling; the `CompileCounter` still watches every serving call and stays at 0:
+- prefill: one chunk of up to `prefill_chunk` tokens (the one bucket) of one slot, as a
+  `lax.while_loop` over its pages that runs `forward` on one page (T = page_size) per iteration, then
+  samples the token after the chunk. The trip count is dynamic, so a short chunk costs only its own
+  pages, and one program serves every chunk length.
+- decode: one token for each of the `max_slots` rows (inactive rows have length 0: they write
+  nothing), sampling inside (`serving.sampling`), so only tokens and log-probabilities come back.
+- restore: puts a snapshot's rings and partial groups into a slot.
+
+Why a page per iteration: it makes prefix-cache hits exact by construction. Every page of a prompt
+is computed by the same program from the same inputs (its tokens, position, the pages before it and
+the slot state at its start), whether the request starts cold at 0 or resumes from a snapshot at a
+page boundary, and however the scheduler cut the prompt into chunks. (A whole-chunk forward would
+sum attention terms in an order that depends on where the chunk starts.) The price is prefill
+matmuls of page_size rows; pick page_size accordingly on an accelerator.
+
+Prefix snapshots (`restore_mode = "snapshot"`): after each full page the loop records the slot's
+SWA rings and compressor partial groups (the partial group is in fact empty there, since page_size
+is a multiple of every ratio; it is kept so that the snapshot is the whole slot state). When the
+scheduler asks for boundaries, the recorded states are copied to the host with the Engram history
+at the boundary; restoring one is the `restore` program plus setting the host history. Snapshots
+live in host memory (num_layers * window * swa_entry_bytes each: 2.7 MB for v41-flash, 8 KB for
+tiny), so dropping one only forgets it.
+
+A fresh slot needs no reset: at position 0 the ring is masked by position and the partial group is
+not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ced_jax import cache as cache_lib
+from ced_jax.model import forward
+from serving.engine_api import (
+    CompileCounter,
+    DecodeBatch,
+    DecodeResult,
+    EngineSpec,
+    PrefillChunk,
+    PrefillResult,
+    SampledToken,
+)
+from serving.sampling import sample
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JaxSnapshot:
+    """The state of a slot at page boundary `pos`, on the host."""
+
+    pos: int
+    state: dict  # numpy tree of `ced_jax.cache.slot_state`
+    history: np.ndarray | None  # Engram history [K-1] at pos
+
+
+class ModelTokenizer:
+    """`serving.text.Tokenizer` over a `ced_jax.api.Model`: encode prepends BOS, as `Model.encode`."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def encode(self, text: str) -> list[int]:
+        return self._model.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._model.decode_text(list(token_ids))
+
+
+class JaxEngine:
+    """`serving.engine_api.Engine` over a `ced_jax.api.Model` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_slots: int = 32,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_context: int = 512,
+        prefill_chunk: int = 64,
+        max_logprobs: int = 20,
+    ):
+        cfg = model.cfg
+        if prefill_chunk % page_size:
+            raise ValueError(f"prefill_chunk {prefill_chunk} must be a multiple of page_size {page_size}")
+        if num_pages is None:
+            num_pages = max_slots * (max_context // page_size)
+        self.model = model
+        self.cfg = cfg
+        self.params = model.params
+        self.hasher = model.hasher
+        self.page_size = page_size
+        self.prefill_chunk = prefill_chunk
+        self._cache = cache_lib.init_paged_cache(
+            cfg, max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
+        )
+        kv_bytes = cache_lib.kv_bytes_per_token(self._cache)
+        self._spec = EngineSpec(
+            max_slots=max_slots,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_context=max_context,
+            prefill_buckets=(prefill_chunk,),
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=(cfg.eos_token_id,),
+            max_logprobs=max_logprobs,
+            restore_mode="snapshot",
+            history_tokens=0,
+            model_name=cfg.name,
+            config_summary={
+                "layers": str(cfg.num_layers),
+                "hidden_size": str(cfg.hidden_size),
+                "heads": str(cfg.num_heads),
+                "head_dim": str(cfg.head_dim),
+                "sliding_window": str(cfg.sliding_window),
+                "compress_ratios": ",".join(map(str, cfg.compress_ratios[: cfg.num_layers])),
+                "kv_bytes_per_token": f"{kv_bytes:g}",
+            },
+        )
+        self.kv_bytes_per_token = kv_bytes
+        self._pos = np.full(max_slots, -1, np.int64)  # next position to write; -1 = free
+        self._decoding = np.zeros(max_slots, bool)
+        self._history = self._empty_history(max_slots)
+        self._counter = CompileCounter()
+        self._programs: dict | None = None
+        self.live_snapshots = 0
+
+    # ---- Engine protocol ----------------------------------------------------------------------
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self._counter.count
+
+    def warmup(self) -> None:
+        if self._programs is not None:
+            return
+        spec, cfg = self._spec, self.cfg
+        S, C, P = spec.max_slots, self.prefill_chunk, spec.pages_per_slot
+        i32, f32, u32 = jnp.int32, jnp.float32, jnp.uint32
+        sd = jax.ShapeDtypeStruct
+        scalar = lambda dt: sd((), dt)
+        rows = lambda *lead: None if self.hasher is None else sd((*lead, *self._row_shape()), i32)
+        prefill = jax.jit(partial(_prefill, cfg=cfg, spec=spec, impl=self.model.impl), donate_argnums=(1,))
+        decode = jax.jit(partial(_decode, cfg=cfg, spec=spec, impl=self.model.impl), donate_argnums=(1,))
+        restore = jax.jit(cache_lib.restore_slot_state, donate_argnums=(0,))
+        state = jax.eval_shape(cache_lib.slot_state, self._cache, jnp.int32(0))
+        self._programs = {
+            "prefill": prefill.lower(
+                self.params, self._cache, sd((C,), i32), rows(C), scalar(i32), scalar(i32), scalar(i32),
+                sd((P,), i32), scalar(f32), scalar(f32), scalar(i32), scalar(u32),
+            ).compile(),  # fmt: skip
+            "decode": decode.lower(
+                self.params, self._cache, sd((S,), i32), sd((S,), i32), sd((S,), jnp.bool_), sd((S, P), i32),
+                rows(S, 1), sd((S,), f32), sd((S,), f32), sd((S,), i32), sd((S,), u32),
+            ).compile(),  # fmt: skip
+            "restore": restore.lower(self._cache, scalar(i32), state).compile(),
+        }
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult:
+        spec, ps = self._spec, self.page_size
+        s, start = chunk.slot, chunk.start_pos
+        toks = np.asarray(chunk.token_ids, np.int32)
+        n = len(toks)
+        if not 1 <= n <= self.prefill_chunk:
+            raise ValueError(f"chunk length {n} outside 1..{self.prefill_chunk}")
+        if start % ps or start + n > spec.max_context:
+            raise ValueError(f"chunk [{start}, {start + n}) is not page aligned or runs past max_context")
+        if self._decoding[s]:
+            raise ValueError(f"slot {s} is decoding")
+        programs = self._require_warm()
+        fresh = self._pos[s] < 0
+        with self._counter.watch():
+            if chunk.restore is not None:
+                snap = chunk.restore
+                if not fresh or snap.pos != start:
+                    raise ValueError("restore only on a fresh slot at the snapshot's position")
+                self._cache = programs["restore"](self._cache, np.int32(s), snap.state)
+                if self.hasher is not None:
+                    self._history[s] = snap.history
+            elif fresh:
+                if start:
+                    raise ValueError(f"slot {s}: resuming at {start} needs a snapshot")
+                self._history[s] = self._empty_history(1)[0]
+            elif self._pos[s] != start:
+                raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
+            padded = np.full(self.prefill_chunk, self.cfg.pad_token_id, np.int32)
+            padded[:n] = toks
+            history = self._history[s : s + 1]
+            rows = None if self.hasher is None else self.hasher.hash_ids(history, padded[None])[0]
+            sp = chunk.sampling
+            self._cache, out, snaps = programs["prefill"](
+                self.params, self._cache, padded, rows, np.int32(start), np.int32(n), np.int32(s),
+                np.asarray(chunk.page_table, np.int32), np.float32(sp.temperature), np.float32(sp.top_p),
+                np.int32(sp.top_k), np.uint32(sp.seed),
+            )  # fmt: skip
+            snapshots = {}
+            if chunk.snapshot_at:
+                host = jax.device_get(snaps)
+                for b in chunk.snapshot_at:
+                    k = (b - start) // ps - 1
+                    if b % ps or not 0 <= k < n // ps:
+                        raise ValueError(f"snapshot position {b} is not a full page boundary of the chunk")
+                    hist = None
+                    if self.hasher is not None:
+                        m = b - start
+                        hist = self.hasher.next_history(history, toks[None, :m], np.array([m]))[0]
+                    snapshots[b] = JaxSnapshot(b, jax.tree.map(lambda a, k=k: a[k].copy(), host), hist)
+                    self.live_snapshots += 1
+            if self.hasher is not None:
+                self._history[s] = self.hasher.next_history(history, toks[None], np.array([n]))[0]
+            self._pos[s] = start + n
+            if not chunk.is_last_chunk:
+                return PrefillResult(token=None, snapshots=snapshots)
+            self._decoding[s] = True
+            tok, lp, ids, tlp = jax.device_get(out)
+        token = SampledToken(
+            token_id=int(tok[0]), logprob=float(lp[0]), top_ids=ids[0], top_logprobs=tlp[0]
+        )
+        return PrefillResult(token=token, snapshots=snapshots)
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult:
+        programs = self._require_warm()
+        active = np.asarray(batch.active, bool)
+        tokens = np.asarray(batch.token_ids, np.int32)
+        positions = np.asarray(batch.positions, np.int32)
+        for s in np.flatnonzero(active):
+            if not self._decoding[s] or self._pos[s] != positions[s]:
+                raise ValueError(f"slot {s}: decode at {positions[s]}, state is at {self._pos[s]}")
+            if positions[s] + 1 > self._spec.max_context:
+                raise ValueError(f"slot {s}: decode past max_context")
+        # Inactive rows run with length 0 (nothing is written); their inputs only need to be valid.
+        positions = np.where(active, positions, 0).astype(np.int32)
+        tokens = np.where(active, tokens, self.cfg.pad_token_id).astype(np.int32)
+        rows = None
+        if self.hasher is not None:
+            rows = self.hasher.hash_ids(self._history, tokens[:, None])
+            self._history = self.hasher.next_history(self._history, tokens[:, None], active.astype(np.int64))
+        with self._counter.watch():
+            self._cache, out = programs["decode"](
+                self.params, self._cache, tokens, positions, active, np.asarray(batch.page_tables, np.int32),
+                rows, np.asarray(batch.temperature, np.float32), np.asarray(batch.top_p, np.float32),
+                np.asarray(batch.top_k, np.int32), np.asarray(batch.seed, np.uint32),
+            )  # fmt: skip
+            tok, lp, ids, tlp = jax.device_get(out)
+        self._pos[active] += 1
+        return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
+
+    def release(self, slot: int) -> None:
+        self._pos[slot] = -1
+        self._decoding[slot] = False
+        self._history[slot] = self._empty_history(1)[0]
+
+    def drop_snapshot(self, snapshot) -> None:
+        # Host memory: forgetting the handle frees it.
+        self.live_snapshots -= 1
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _require_warm(self) -> dict:
+        if self._programs is None:
+            raise RuntimeError("JaxEngine.warmup() must run before serving calls")
+        return self._programs
+
+    def _row_shape(self) -> tuple[int, int]:
+        return (len(self.cfg.engram_layer_ids), self.hasher.hash_cols)
+
+    def _empty_history(self, rows: int) -> np.ndarray:
+        if self.hasher is None:
+            return np.zeros((rows, 0), np.int64)
+        return self.hasher.empty_history(rows)
+
+
+# ------------------------------------------------------------------------------------ programs
+
+
+def _prefill(
+    params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed, *, cfg, spec,
+    impl,
+):  # fmt: skip
+    """One chunk of one slot, a page per loop iteration; returns (cache, sample, per-page states)."""
+    ps = spec.page_size
+    slots, tables = cache.slots, cache.page_tables  # the carried view; restored after every page
+    view = (slot[None], page_table[None])
+    state = cache_lib.slot_state(cache, slot)
+    pages = tokens.shape[0] // ps
+    snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), state)
+
+    def body(carry):
+        k, cache, last, snaps = carry
+        off = k * ps
+        page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps)[None]
+        page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps)[None]
+        lens = jnp.minimum(n - off, ps)[None]
+        logits, cache, _ = forward(
+            params, cfg, page_tokens, cache.view(*view), (start + off)[None], lens, page_rows, impl=impl
+        )
+        cache = cache.view(slots, tables)
+        i = n - 1 - off  # the chunk's last token, if it is on this page
+        last = jnp.where((i >= 0) & (i < ps), logits[0, jnp.clip(i, 0, ps - 1)], last)
+        snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, cache_lib.slot_state(cache, slot))
+        return k + 1, cache, last, snaps
+
+    last = jnp.zeros((cfg.vocab_size,), jnp.float32)
+    carry = (jnp.int32(0), cache, last, snaps)
+    _, cache, last, snaps = jax.lax.while_loop(lambda c: c[0] * ps < n, body, carry)
+    out = sample(
+        last[None], (start + n)[None], temperature[None], top_p[None], top_k[None], seed[None],
+        num_logprobs=spec.max_logprobs,
+    )  # fmt: skip
+    return cache, out, snaps
+
+
+def _decode(
+    params, cache, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed, *, cfg,
+    spec, impl,
+):  # fmt: skip
+    """One token for every slot (rows = slots); returns (cache, (token, logprob, top ids, top logprobs))."""
+    slots, tables = cache.slots, cache.page_tables
+    view = cache.view(jnp.arange(spec.max_slots, dtype=jnp.int32), page_tables)
+    lens = active.astype(jnp.int32)
+    logits, cache, _ = forward(params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl)
+    out = sample(
+        logits[:, 0], positions + 1, temperature, top_p, top_k, seed, num_logprobs=spec.max_logprobs
+    )
+    return cache.view(slots, tables), out
