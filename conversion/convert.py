@@ -1,6 +1,6 @@
 """`convert_weights`: a released-layout DeepSeek-V4.1 HF checkpoint -> an Orbax checkpoint, streaming.
 
-    convert_weights --hf-dir DIR --out DIR [--include text] [--engram separate|inline|skip]
+    convert_weights --hf-dir DIR --out DIR [--include text,dspark,vision] [--engram separate|inline|skip]
                     [--weights-dtype native|bf16] [--overwrite]
 
 Output layout (OUT/)
@@ -12,6 +12,13 @@ Output layout (OUT/)
   server can keep them in host memory (they are looked up by row, ~98 GB each in the release)
   while `params/` goes to the accelerators. `--engram inline` puts them in `params/`; `--engram
   skip` leaves them out (such a checkpoint cannot run the model; it is for inspecting the rest).
+- `dspark/`, `vision/` (with `--include dspark` / `vision`): the DSpark draft stages (`mtp.*`) and
+  the vision tower, aligner and image delimiters, each as its own Orbax item restored into host
+  memory (the ced_jax model does not run them yet; they are carried so that one conversion serves
+  later builds). DSpark stages are laid out like backbone layers (routed experts stacked,
+  `mtp.{k}.attn.wo_a` dequantised); vision tensors keep their released names. Shapes and dtypes
+  come from the config's inventory like everything else. Without `--include` they are ignored
+  and listed in the manifest.
 - `config.json`, `tokenizer.json`, `tokenizer_config.json`, `engram_token_map.json`: copied byte for
   byte when present, so `ced-jax describe OUT` reports what it reports on the source.
 - `ced_manifest.json`: converter version, options, every source file (name, bytes, SHA-256), every
@@ -25,8 +32,8 @@ Formats (`--weights-dtype`)
 - bf16: every quantised weight dequantised (exactly: e4m3 / e2m1 values times a power of two fit in
   bf16) into a bf16 leaf with no `.scale`, for backends without FP8/FP4 kernels. `ced_jax`'s model
   itself runs the native formats and refuses such a checkpoint.
-- `--include` accepts only `text`: DSpark (`mtp.*`) and vision are not implemented by the model, so
-  asking for them is an error; by default their tensors are ignored and listed in the manifest.
+- `--include` must contain `text`; `dspark` / `vision` are errors when config.json describes no
+  such part.
 
 Streaming and memory
 - Everything is validated before any tensor data is read: the index against the inventory of the
@@ -39,7 +46,10 @@ Streaming and memory
   the final norm + head) is saved with `ocp.v1.partial.save` as soon as its last tensor has been
   read, then freed (gc + malloc_trim), so the peak is about the largest group (in output bytes) plus
   the interpreter, JAX and Orbax. An Engram table is one group: with `--engram skip` or a smaller
-  table the bound is a layer.
+  table the bound is a layer. Compressed items are plain zarr3 (a directory per leaf, a file per
+  chunk), because OCDBT holds every encoded chunk of a save until it commits (+0.7x a group);
+  uncompressed items are OCDBT, whose chunks only reference the group's arrays. `bench/convert.py`
+  measures the bound on a 4.3 GiB checkpoint (BENCHMARKS.md, "Conversion").
 - Atomicity: everything is written into a temporary directory beside OUT and renamed onto OUT at
   the end; on any failure (or Ctrl-C) the temporary directory is removed and OUT is untouched.
 - Orbax chunks: one per routed expert in the stacked arrays (a restore with experts sharded over
@@ -53,6 +63,7 @@ import ctypes
 import gc
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -87,6 +98,7 @@ from conversion.mapping import (
     TEXT_GROUPS,
     TensorSpec,
     hf_inventory,
+    optional_group_of,
     our_param_specs,
     our_target,
 )
@@ -105,11 +117,10 @@ READ_PIECE = 64 << 20  # bytes per read call: progress granularity and hashing i
 EngramMode = Literal["separate", "inline", "skip"]
 WeightsDtype = Literal["native", "bf16"]
 INCLUDE_CHOICES = ("text", "dspark", "vision")
-_NOT_IMPLEMENTED = {
-    "dspark": "DSpark draft stages (mtp.*) are not implemented in the ced_jax model, so there is nothing "
-    "to convert them into",
-    "vision": "the vision tower, aligner and image delimiters are not implemented in the ced_jax model, "
-    "so there is nothing to convert them into",
+OPTIONAL_PARTS = ("dspark", "vision")  # = their Orbax item names (and their mapping groups)
+_PART_LABEL = {
+    "dspark": "DSpark draft stage tensor (mtp.*)",
+    "vision": "vision tower / aligner / image delimiter tensor",
 }
 
 
@@ -132,14 +143,45 @@ def is_engram_table(path: str) -> bool:
     return ".engram.embed." in path
 
 
+def part_specs(cfg: ModelConfig, part: str) -> dict[str, ParamSpec]:
+    """Native leaves of an optional part (`dspark` / `vision`), from the config's inventory: stored
+    dtype and shape, routed experts of a DSpark stage stacked [E, ...], `wo_a` dequantised to bf16
+    (its scale has no leaf). Logical axes are all None: these items live in host memory."""
+    out: dict[str, ParamSpec] = {}
+    experts: dict[str, set[int]] = {}
+    for name, spec in hf_inventory(cfg).items():
+        if spec.group != part:
+            continue
+        t = our_target(name)
+        dtype = STORAGE_DTYPES[spec.dtype]
+        if t.kind == "copy":
+            out[t.path] = ParamSpec(spec.shape, dtype, (None,) * len(spec.shape))
+        elif t.kind == "wo_a":
+            out[t.path] = ParamSpec(spec.shape, BF16, (None,) * len(spec.shape))
+        elif t.kind == "stack":
+            experts.setdefault(t.path, set()).add(t.expert)
+            out[t.path] = ParamSpec(
+                (len(experts[t.path]), *spec.shape), dtype, (None,) * (len(spec.shape) + 1)
+            )
+    return out
+
+
 def target_specs(
-    cfg: ModelConfig, *, weights_dtype: WeightsDtype = "native", engram: EngramMode = "separate"
+    cfg: ModelConfig,
+    *,
+    weights_dtype: WeightsDtype = "native",
+    engram: EngramMode = "separate",
+    include: Iterable[str] = ("text",),
 ) -> dict[str, ParamSpec]:
     """The leaves a conversion produces: dotted path -> ParamSpec (shape, numpy dtype, logical axes).
 
-    native: `ced_jax.model.param_specs` as is. bf16: each quantised weight (one with a `.scale`
-    sibling) becomes a bf16 leaf of its logical shape (packed FP4 unpacked), and its scale goes."""
+    native: `ced_jax.model.param_specs` as is, plus `part_specs` of each included optional part.
+    bf16: each quantised weight (one with a `.scale` sibling) becomes a bf16 leaf of its logical
+    shape (packed FP4 unpacked), and its scale goes."""
     flat = flatten_specs(param_specs(cfg))
+    for part in include:
+        if part in OPTIONAL_PARTS:
+            flat.update(part_specs(cfg, part))
     out: dict[str, ParamSpec] = {}
     for path, spec in flat.items():
         if engram == "skip" and is_engram_table(path):
@@ -158,6 +200,9 @@ def target_specs(
 
 
 def item_of(path: str, engram: EngramMode) -> str:
+    part = optional_group_of(path)
+    if part is not None:
+        return part
     return ENGRAM_ITEM if engram == "separate" and is_engram_table(path) else PARAMS_ITEM
 
 
@@ -211,8 +256,12 @@ def _group_key(name: str, spec: TensorSpec) -> str:
     if spec.group == "engram_table":
         return name.rsplit(".", 1)[0]  # layers.{i}.engram.embed: the table is a group of its own
     parts = name.split(".")
-    if parts[0] == "layers":
-        return f"layers.{parts[1]}"
+    if parts[0] in ("layers", "mtp"):
+        return f"{parts[0]}.{parts[1]}"
+    if parts[0] == "vision" and parts[1] == "blocks":
+        return f"vision.blocks.{parts[2]}"
+    if spec.group == "vision":
+        return "vision"
     return "embed" if parts[0] == "embed" else "final"
 
 
@@ -229,14 +278,18 @@ def _check_include(include: Iterable[str]) -> tuple[str, ...]:
     for item in items:
         if item not in INCLUDE_CHOICES:
             raise ConversionError(f"--include: unknown part {item!r}; known: {list(INCLUDE_CHOICES)}")
-        if item in _NOT_IMPLEMENTED:
-            raise ConversionError(
-                f"--include {item}: {_NOT_IMPLEMENTED[item]}. Leave it out: its tensors are then "
-                f"ignored and listed in {MANIFEST_NAME}."
-            )
     if "text" not in items:
         raise ConversionError("--include must contain 'text'")
     return items
+
+
+def _check_parts_described(cfg: ModelConfig, include: tuple[str, ...], config_path: Path) -> None:
+    if "dspark" in include and cfg.num_nextn_predict_layers == 0:
+        raise ConversionError(
+            f"--include dspark: {config_path} describes no DSpark stages (num_nextn_predict_layers is 0)"
+        )
+    if "vision" in include and cfg.vision is None:
+        raise ConversionError(f"--include vision: {config_path} has no vision_config")
 
 
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")
@@ -270,18 +323,25 @@ def _check_shard_set(hf_dir: Path, files: list[str]) -> None:
         )
 
 
-def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions) -> _Plan:
+def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions, include: tuple[str, ...]) -> _Plan:
     inventory = hf_inventory(cfg)
     weight_map = _read_index_json(hf_dir)["weight_map"]
-    groups_wanted = tuple(g for g in TEXT_GROUPS if not (g == "engram_table" and options.engram == "skip"))
+    text_groups = tuple(g for g in TEXT_GROUPS if not (g == "engram_table" and options.engram == "skip"))
+    groups_wanted = text_groups + tuple(p for p in include if p in OPTIONAL_PARTS)
     files = sorted(set(weight_map.values()))
     _check_shard_set(hf_dir, files)  # first: a shard left out of the index explains missing tensors
     report = LoadReport(str(hf_dir))
     by_shard = _classify(weight_map, inventory, groups_wanted, report)  # unknown / missing tensors
     ignored: dict[str, str] = {}
     for name, why in report.skipped:
-        if inventory.get(name) is not None and inventory[name].group == "engram_table":
+        spec = inventory.get(name)
+        if spec is None:  # an optional part config.json does not describe
+            part = optional_group_of(name)
+            why = f"{_PART_LABEL[part]} not described by config.json"
+        elif spec.group == "engram_table":
             why = "Engram table left out (--engram skip)"
+        elif spec.group in OPTIONAL_PARTS:
+            why = f"{_PART_LABEL[spec.group]}, not included (--include {spec.group} converts it)"
         ignored[name] = why
 
     # Headers only, so that a bad file is reported before any data is read.
@@ -309,11 +369,15 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions) -> _Plan:
                 )
         file_sizes[file] = (hf_dir / file).stat().st_size
 
-    targets = target_specs(cfg, weights_dtype=options.weights_dtype, engram=options.engram)
+    targets = target_specs(cfg, weights_dtype=options.weights_dtype, engram=options.engram, include=include)
     if options.weights_dtype == "native":
         # The model's tree and the HF table are written independently; they must agree leaf for leaf.
-        mapped = our_param_specs(cfg, groups_wanted)
-        ours = {p: (s.shape, np.dtype(s.dtype)) for p, s in targets.items()}
+        mapped = our_param_specs(cfg, text_groups)
+        ours = {
+            p: (s.shape, np.dtype(s.dtype))
+            for p, s in targets.items()
+            if item_of(p, options.engram) not in OPTIONAL_PARTS
+        }
         diff = sorted(p for p in set(mapped) | set(ours) if mapped.get(p) != ours.get(p))
         if diff:
             p = diff[0]
@@ -582,6 +646,12 @@ def _orbax_context(compression: bool):
     # Orbax copies numpy leaves before writing unless told not to: that would double every group.
     # Safe here, because a group's arrays are not touched until its save has returned.
     ctx.memory.deepcopy_host_arrays = False
+    # OCDBT keeps every encoded chunk of a save alive until the save's commit (measured: a 768 MB
+    # bf16 leaf saved with zstd peaks at +540 MB, the compressed size, whatever the data file size
+    # target; uncompressed chunks merely reference the group's arrays). So compressed checkpoints
+    # use plain zarr3 (a directory per leaf, a file per chunk: +64 MB per chunk in flight), and
+    # uncompressed ones OCDBT (few files). Restore reads either.
+    ctx.array.saving.use_ocdbt = not compression
     # Chunks of at most CHUNK_BYTES, split along the largest axes (Orbax's greedy rule): a table or
     # the embedding is read a slab at a time. Routed experts [E, out, in] are chunked one expert each
     # instead, so a restore with experts sharded over devices reads only the experts it keeps.
@@ -594,6 +664,13 @@ def _orbax_context(compression: bool):
 
     ctx.array.saving.scoped_storage_options_creator = storage_options
     return ctx
+
+
+class _QuietNonOcdbtMerge(logging.Filter):
+    """Orbax warns on every partial save of a non-OCDBT checkpoint that there is nothing to merge."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
 class _NoProgress:
@@ -651,7 +728,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
         raise ConversionError(f"{hf / 'config.json'}: {e}") from None
     except FileNotFoundError:
         raise ConversionError(f"{hf}: no config.json") from None
-    plan = _plan(hf, cfg, options)
+    _check_parts_described(cfg, include, hf / "config.json")
+    plan = _plan(hf, cfg, options, include)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.converting-", dir=out.parent))
@@ -684,6 +762,8 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
     sources: list[dict] = []
     done_tensors = 0
     consumed = 0
+    quiet = _QuietNonOcdbtMerge()
+    logging.getLogger("absl").addFilter(quiet)
     try:
         with _orbax_context(options.compression):
             for file in plan.files:
@@ -734,6 +814,7 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
                 bar.set_postfix_str(f"finalizing {item}")
                 ocp.v1.partial.finalize(tmp / item)
     finally:
+        logging.getLogger("absl").removeFilter(quiet)
         bar.close()
 
     for name in (INDEX_NAME, *COPIED_FILES):
@@ -833,12 +914,14 @@ def read_manifest(directory: str | Path) -> dict:
 class Restored:
     """A converted checkpoint in memory: `params` (nested; device arrays when a mesh was given, else
     numpy) and `engram` (nested numpy tables in host memory when written as a separate item, else
-    None: inline tables are in `params`)."""
+    None: inline tables are in `params`); `parts`: the included optional parts ("dspark",
+    "vision"), nested numpy, always in host memory."""
 
     cfg: ModelConfig
     manifest: dict
     params: dict
     engram: dict | None
+    parts: dict[str, dict] = field(default_factory=dict)
 
 
 def restore(
@@ -850,8 +933,9 @@ def restore(
 ) -> Restored:
     """Restore a converted checkpoint. With `mesh`, `params` become jax Arrays sharded by
     `ced_jax.sharding.param_shardings(specs, mesh, rules)` (default rules EP_TP_RULES), whatever mesh
-    it was written on; the separate Engram item stays in host memory unless `engram_on_host=False`.
-    Leaves are checked against the config's specs before any data is read."""
+    it was written on; the separate Engram item stays in host memory unless `engram_on_host=False`,
+    and the optional parts (`dspark`, `vision`) always do. Leaves are checked against the config's
+    specs before any data is read."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -862,7 +946,9 @@ def restore(
         cfg = ModelConfig.from_pretrained(directory)
     except ConfigError as e:
         raise ConversionError(f"{directory / 'config.json'}: {e}") from None
-    targets = target_specs(cfg, weights_dtype=opts["weights_dtype"], engram=opts["engram"])
+    targets = target_specs(
+        cfg, weights_dtype=opts["weights_dtype"], engram=opts["engram"], include=opts["include"]
+    )
     by_item: dict[str, dict[str, ParamSpec]] = {}
     for path, spec in targets.items():
         by_item.setdefault(item_of(path, opts["engram"]), {})[path] = spec
@@ -885,7 +971,8 @@ def restore(
         extra = sorted(set(meta) - set(specs))
         if extra:
             raise ConversionError(f"{path}: leaves the config does not describe: {extra[:5]}")
-        on_device = mesh is not None and not (item == ENGRAM_ITEM and engram_on_host)
+        on_host = item in OPTIONAL_PARTS or (item == ENGRAM_ITEM and engram_on_host)
+        on_device = mesh is not None and not on_host
         if on_device:
             from ced_jax.sharding import EP_TP_RULES, param_shardings
 
@@ -899,7 +986,8 @@ def restore(
             loaded[item] = ocp.v1.load(path, abstract)
         else:
             loaded[item] = ocp.v1.load(path)  # saved as numpy: comes back as numpy, in host memory
-    return Restored(cfg, manifest, loaded.get(PARAMS_ITEM, {}), loaded.get(ENGRAM_ITEM))
+    parts = {item: tree for item, tree in loaded.items() if item in OPTIONAL_PARTS}
+    return Restored(cfg, manifest, loaded.get(PARAMS_ITEM, {}), loaded.get(ENGRAM_ITEM), parts)
 
 
 def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -955,6 +1043,7 @@ __all__ = [
     "convert",
     "is_converted_checkpoint",
     "load_flat",
+    "part_specs",
     "read_manifest",
     "restore",
     "run",

@@ -24,7 +24,10 @@ Our parameter tree mirrors these names, with three differences (`our_target`):
 - `layers.{i}.attn.wo_a.weight` is dequantised to bfloat16 with its `.scale` (as DeepSeek's
   convert.py does, because the model uses it through a grouped einsum, not an FP8 GEMM); the
   scale is consumed and has no path of its own;
-- `mtp.*` and vision tensors are recognised but skipped: those features are not implemented yet.
+- `mtp.*` and vision tensors are recognised; the model does not implement them, so the loader skips
+  them. `convert_weights --include dspark,vision` writes them into Orbax items of their own, DSpark
+  stages mapped like backbone layers (experts stacked, `mtp.{k}.attn.wo_a` dequantised), vision
+  tensors under their released names.
 
 Storage dtypes of our numpy arrays (`STORAGE_DTYPES`) keep the stored bytes unchanged: F8_E4M3 ->
 float8_e4m3fn, F8_E8M0 -> uint8 (the raw exponent byte), I8 -> uint8 (raw packed bytes), BF16 ->
@@ -306,8 +309,9 @@ def optional_group_of(name: str) -> Group | None:
 
 
 # ---------------------------------------------------------------------- our parameter paths
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123]\.(?:weight|scale))$")
-_WO_A = re.compile(r"^(layers\.\d+\.attn\.wo_a)\.(weight|scale)$")
+# Backbone layers and DSpark stages (`mtp.{k}.`) share the block layout, so they map alike.
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123]\.(?:weight|scale))$")
+_WO_A = re.compile(r"^((?:layers|mtp)\.\d+\.attn\.wo_a)\.(weight|scale)$")
 
 
 @dataclass(frozen=True)
@@ -322,7 +326,8 @@ class Target:
 
 
 def our_target(hf_name: str) -> Target:
-    """Map a backbone / Engram-table HF name to our parameter path (pure name mapping)."""
+    """Map an HF name to our parameter path (pure name mapping): backbone, Engram tables and DSpark
+    stages; anything else (vision) keeps its name."""
     m = _EXPERT.match(hf_name)
     if m:
         return Target(f"{m.group(1)}.{m.group(3)}", "stack", int(m.group(2)))

@@ -19,9 +19,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ced_cli.main import convert_main, main
-from ced_jax.config import ModelConfig
+from ced_jax.config import ModelConfig, VisionConfig, preset
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.quant import FP4_TABLE
+from ced_jax.sharding import make_mesh
 from conversion.convert import (
     MANIFEST_NAME,
     ConversionError,
@@ -31,7 +32,9 @@ from conversion.convert import (
     restore,
     target_specs,
 )
-from conversion.hf_loader import load_hf_checkpoint
+from conversion.hf_loader import dequantize_fp8_blocks, iter_raw_tensors, load_hf_checkpoint
+from conversion.mapping import hf_inventory, our_target
+from conversion.synthetic import write_synthetic_checkpoint
 from tests.conftest import GOLDEN_TINY_A
 
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -248,6 +251,19 @@ def test_engram_inline_and_skip(tmp_path, hf_params):
         load_flat(skip)
 
 
+def test_uncompressed_is_ocdbt_and_restores_the_same(converted, tmp_path, hf_params):
+    """Compressed checkpoints are plain zarr3 (OCDBT would hold every encoded chunk of a save until
+    its commit), uncompressed ones OCDBT; both restore to the source bytes."""
+    out, _ = converted
+    plain = tmp_path / "plain"
+    convert(GOLDEN_TINY_A, plain, ConvertOptions(progress=False, compression=False))
+    assert json.loads((plain / MANIFEST_NAME).read_text())["options"]["compression"] is False
+    assert list(plain.glob("params/**/manifest.ocdbt")) and not list(out.glob("params/**/manifest.ocdbt"))
+    _, flat = load_flat(plain)
+    assert set(flat) == set(hf_params)
+    assert all(flat[k].tobytes() == v.tobytes() for k, v in hf_params.items())
+
+
 def test_bf16_dequantises_everything_exactly(tmp_path, cfg, hf_params):
     out = tmp_path / "bf16"
     convert(GOLDEN_TINY_A, out, ConvertOptions(progress=False, weights_dtype="bf16"))
@@ -308,16 +324,112 @@ def test_existing_output_needs_overwrite(ckpt, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # the replaced copy is gone
 
 
-def test_unimplemented_parts_are_clear_errors(ckpt, tmp_path, capsys):
-    for part in ("vision", "dspark"):
+def test_include_of_a_part_the_config_lacks_is_a_clear_error(ckpt, tmp_path, capsys):
+    for part, needle in (("vision", "vision_config"), ("dspark", "num_nextn_predict_layers")):
         assert_fails(
-            ckpt,
-            tmp_path / "out",
-            capsys,
-            f"--include {part}",
-            "not implemented",
+            ckpt, tmp_path / "out", capsys, f"--include {part}", "config.json", needle,
             extra=("--include", f"text,{part}"),
-        )
+        )  # fmt: skip
+    assert_fails(ckpt, tmp_path / "out", capsys, "--include", "audio", extra=("--include", "text,audio"))
+
+
+# ---------------------------------------------------------------------- DSpark and vision
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory) -> tuple[ModelConfig, Path]:
+    """tiny with two DSpark stages and a two-block vision tower, synthetic weights (14 MB)."""
+    cfg = preset("tiny").replace(
+        name="tiny-mm",
+        num_nextn_predict_layers=2,
+        dspark_block_size=3,
+        dspark_target_layer_ids=(1, 2),
+        dspark_markov_rank=16,
+        dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2,
+        vision=VisionConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=96, patch_size=4,
+            rope_theta=10000.0, downsample_ratio=2, max_image_tokens=64, min_pixels=256,
+        ),
+    )  # fmt: skip
+    src = tmp_path_factory.mktemp("mm") / "hf"
+    write_synthetic_checkpoint(cfg, src, seed=11)
+    return cfg, src
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_include_dspark_and_vision(multimodal, tmp_path):
+    """--include text,dspark,vision: each optional part is an Orbax item of its own (host memory), in
+    the native formats (DSpark experts stacked per stage, wo_a dequantised as in the backbone),
+    every byte as stored; the model's own leaves are the same as with --include text."""
+    cfg, src = multimodal
+    inv = hf_inventory(cfg)
+    raw = dict(iter_raw_tensors(src))
+    out = tmp_path / "all"
+    convert(src, out, ConvertOptions(progress=False, include=("text", "dspark", "vision")))
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    assert set(m["items"]) == {"params", "engram", "dspark", "vision"}
+    assert m["tensors"]["ignored"] == [] and m["tensors"]["consumed"] == m["tensors"]["source"] == len(inv)
+    r = restore(out, mesh=make_mesh({"expert": 4, "tensor": 2}))
+    assert set(r.parts) == {"dspark", "vision"}
+    parts = {**_flat(r.parts["dspark"]), **_flat(r.parts["vision"])}
+    assert all(isinstance(a, np.ndarray) for a in parts.values())
+    optional = {n: s for n, s in inv.items() if s.group in ("dspark", "vision")}
+    assert set(parts) == {our_target(n).path for n in optional if our_target(n).kind != "wo_a_scale"}
+    for name, spec in optional.items():
+        t = our_target(name)
+        if t.kind == "wo_a_scale":
+            assert name in m["tensors"]["folded_scales"]
+            continue
+        leaf = parts[t.path]
+        assert m["leaves"][t.path]["item"] == spec.group
+        if t.kind == "stack":
+            assert leaf.shape == (cfg.dspark_n_routed_experts, *spec.shape), name
+            assert leaf[t.expert].tobytes() == raw[name].tobytes(), name
+        elif t.kind == "wo_a":
+            scale_name = name.removesuffix(".weight") + ".scale"
+            w = raw[name].view(ml_dtypes.float8_e4m3fn).reshape(spec.shape)
+            want = dequantize_fp8_blocks(
+                w, raw[scale_name].reshape(inv[scale_name].shape), cfg.weight_block_size
+            )
+            assert leaf.dtype == ml_dtypes.bfloat16
+            assert leaf.tobytes() == want.astype(ml_dtypes.bfloat16).tobytes(), name
+        else:
+            assert leaf.shape == spec.shape and leaf.tobytes() == raw[name].tobytes(), name
+    # The model's leaves are unaffected by the optional items.
+    text = tmp_path / "text"
+    convert(src, text, QUIET)
+    m_text = json.loads((text / MANIFEST_NAME).read_text())
+    assert set(m_text["items"]) == {"params", "engram"}
+    ignored = {i["name"]: i["reason"] for i in m_text["tensors"]["ignored"]}
+    assert set(ignored) == {n for n, s in inv.items() if s.group in ("dspark", "vision")}
+    assert all("--include dspark" in ignored[n] for n in ignored if n.startswith("mtp."))
+    a, b = load_flat(out)[1], load_flat(text)[1]
+    assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_include_dspark_bf16(multimodal, tmp_path):
+    cfg, src = multimodal
+    out = tmp_path / "bf16"
+    convert(src, out, ConvertOptions(progress=False, include=("text", "dspark"), weights_dtype="bf16"))
+    dspark = _flat(restore(out).parts["dspark"])
+    assert not any(p.endswith(".scale") for p in dspark)
+    w1 = dspark["mtp.1.ffn.experts.w1.weight"]
+    assert w1.dtype == ml_dtypes.bfloat16
+    assert w1.shape == (cfg.dspark_n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    raw = dict(iter_raw_tensors(src, ["mtp.1.ffn.experts.3.w1.weight", "mtp.1.ffn.experts.3.w1.scale"]))
+    packed = raw["mtp.1.ffn.experts.3.w1.weight"].reshape(cfg.moe_intermediate_size, -1)
+    scale = raw["mtp.1.ffn.experts.3.w1.scale"].reshape(cfg.moe_intermediate_size, -1).astype(np.float64)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(cfg.moe_intermediate_size, -1)
+    want = FP4_TABLE[codes].astype(np.float64) * np.repeat(2.0 ** (scale - 127), 32, axis=-1)
+    np.testing.assert_array_equal(w1[3].astype(np.float64), want)
 
 
 # ---------------------------------------------------------------------- failures
