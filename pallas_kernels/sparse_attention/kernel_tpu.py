@@ -16,8 +16,10 @@ Dequantisation in VMEM: FP8 bytes and e2m1 nibbles are decoded with integer ops 
 scales spread along lanes with a 0/1 matmul (see `_tiles`). FP4 entries stay split into their
 even and odd halves (low / high nibbles): the wrapper passes q's even and odd columns and puts the
 two halves of the FP4 part of the output back together. Decoded values that are not finite can
-only come from bytes never written (a buffer row of an invalid id): they are zeroed, so they meet
-their zero probability as 0 * 0, not 0 * NaN.
+come from bytes never written (a buffer row of an invalid id, masked out of the logits) or from a
+valid entry that is itself corrupt. Logits are formed from the decoded keys as they are, so a corrupt
+valid entry makes its query's output NaN, as in the reference; P.V uses the keys with non-finite
+values zeroed, so the garbage rows of invalid ids meet their zero probability as 0 * 0, not 0 * NaN.
 """
 
 from __future__ import annotations
@@ -107,16 +109,16 @@ def _kernel(*refs, fmts, n_entries, rows_per_step, dim, scale):
             if fmt == "fp8":
                 vals = buf[slot, r, :, pl.ds(0, dim)].astype(jnp.int32)
                 scales = formats.decode_ue8m0(buf[slot, r, :, pl.ds(dim, dim // 32)].astype(jnp.int32))
-                k = _finite(formats.decode_e4m3(vals) * expand_scales_mxu(scales, 32))  # [N, D]
+                k = formats.decode_e4m3(vals) * expand_scales_mxu(scales, 32)  # [N, D]
                 logit = dot_nt(q_ref[r], k)
-                keys.append((k,))
+                keys.append((_finite(k),))
             else:
                 even, odd = fp4_halves(buf[slot, r, :, pl.ds(0, dim // 2)])
                 scales = formats.decode_e4m3(buf[slot, r, :, pl.ds(dim // 2, dim // 16)].astype(jnp.int32))
                 spread = expand_scales_mxu(scales, 8)  # [N, D/2]
-                ke, ko = _finite(even * spread), _finite(odd * spread)
+                ke, ko = even * spread, odd * spread
                 logit = dot_nt(qe_ref[r], ke) + dot_nt(qo_ref[r], ko)
-                keys.append((ke, ko))
+                keys.append((_finite(ke), _finite(ko)))
             logits.append(jnp.where(valid, logit * scale, -jnp.inf))  # [H, N]
         row_max = logits[0].max(axis=1, keepdims=True)
         for logit in logits[1:]:

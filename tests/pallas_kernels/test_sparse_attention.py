@@ -78,6 +78,30 @@ def test_kernel_matches_reference(backend, decode, spec):
     assert np.mean(out == ref) > 0.98
 
 
+@pytest.mark.parametrize("backend,decode", [("tpu", True), ("gpu", False)], ids=["tpu-decode", "gpu-prefill"])
+def test_corrupt_selected_entry_is_loud(backend, decode):
+    """A *selected* entry that decodes to NaN makes exactly the queries selecting it NaN, in the
+    kernels as in the reference: only unselected garbage is masked, never a valid entry."""
+    case = _case(BOTH)
+    pages, table, idx = case.segments[1]
+    bi = 1
+    ids = idx[bi, 0] if decode else idx[bi, 1]
+    j = int(ids[ids >= 0][0])
+    corrupt = pages.copy()
+    corrupt[table[bi, j // pages.shape[1]], j % pages.shape[1]] = 0xFF
+    case.segments[1] = (corrupt, table, idx)
+    try:
+        ref, out = _reference(decode, case), _run(backend, decode, case)
+    finally:
+        case.segments[1] = (pages, table, idx)
+    nan_q = np.isnan(ref).any(axis=(-2, -1))
+    assert nan_q[bi] if decode else nan_q[bi, 1]
+    assert not nan_q.all()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    fine = ~np.isnan(ref)
+    np.testing.assert_allclose(out[fine], ref[fine], rtol=2**-7, atol=1e-6)
+
+
 @jax.jit
 def _model_formula(q, segs, sink):
     """ops.sparse_attention (the model's reference) on the same entries, unpacked and gathered."""
