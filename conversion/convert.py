@@ -813,6 +813,7 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
             for item in items_used:
                 bar.set_postfix_str(f"finalizing {item}")
                 ocp.v1.partial.finalize(tmp / item)
+            bar.set_postfix_str(f"tensors {done_tensors}/{n_tensors}, done")
     finally:
         logging.getLogger("absl").removeFilter(quiet)
         bar.close()

@@ -312,6 +312,15 @@ def test_ignored_optional_tensors_are_listed_and_hashed(ckpt, tmp_path):
     assert {s["file"]: s["sha256"] for s in m["sources"]}[extra] == sha256(ckpt / extra)
 
 
+def test_progress_bar_shows_tensors_and_bytes(ckpt, tmp_path, capsys):
+    assert convert_main(["--hf-dir", str(ckpt), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    total = sum((ckpt / f).stat().st_size for f in [*SHARDS])
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "tensors 657/657, done" in last, last
+    assert f"{total / 2**20:.1f}M/{total / 2**20:.1f}M" in last, (total, last)
+
+
 def test_existing_output_needs_overwrite(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
