@@ -32,6 +32,12 @@ def test_round_trip_and_presets():
     assert flash.layer_kinds.count("reuse") == 30 and flash.layer_kinds.count("swa") == 2
     tiny = preset("tiny")
     assert set(tiny.layer_kinds) == {"swa", "full", "reuse", "reindex"} and tiny.engram_layer_ids
+    # One of each: SWA-only, Full r=2, Reuse, Full r=1 (the candidate source), Reindex, Engram.
+    full = [i for i, kind in enumerate(tiny.layer_kinds) if kind == "full"]
+    assert sorted(tiny.compress_ratio(i) for i in full) == [1, 2]
+    src = tiny.candidate_source_layer_id
+    assert tiny.layer_kinds[src] == "full" and tiny.compress_ratio(src) == 1
+    assert any(tiny.uses_candidates(i) for i, kind in enumerate(tiny.layer_kinds) if kind == "reindex")
 
 
 @pytest.mark.parametrize(
@@ -46,12 +52,21 @@ def test_round_trip_and_presets():
         (lambda r: r["quantization_config"].__setitem__("weight_block_size", [128, 64]), "weight_block_size"),
         (lambda r: r["text_config"]["rope_scaling"].__setitem__("rope_type", "linear"), "rope_type"),
         (lambda r: r.pop("text_config"), "text_config"),
+        (lambda r: r["quantization_config"].__setitem__("new_knob", 1), "new_knob"),
+        (lambda r: r["text_config"]["rope_scaling"].__setitem__("new_rope_knob", 1), "new_rope_knob"),
     ],
 )
 def test_bad_configs_name_the_key(mutate, message):
     raw = copy.deepcopy(_raw())
     mutate(raw)
     with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_unknown_vision_key_is_named():
+    raw = preset("v41-flash").to_hf_dict()
+    raw["vision_config"]["new_vision_knob"] = 1
+    with pytest.raises(ConfigError, match="vision_config.*new_vision_knob"):
         ModelConfig.from_hf_config(raw)
 
 
