@@ -1,4 +1,4 @@
-"""`ced-jax` command line: describe, logits, generate, plan (and the converter entry point).
+"""`ced-jax` command line: describe, logits, generate, serve, client, plan, convert.
 
 `logits` and `generate` run on one device, or with `--mesh data=D,expert=E,tensor=T` on a device
 mesh; `--coordinator/--num-processes/--process-id` join a multi-host run (jax.distributed), where
@@ -184,6 +184,52 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_serve(args) -> int:
+    """`ced-jax serve MODEL`: load, compile the engine's programs, serve gRPC until SIGTERM."""
+    from serving.config import ServeConfig
+    from serving.jax_engine import JaxEngine, ModelTokenizer
+    from serving.server import serve
+
+    defaults = ServeConfig()
+    chunk = args.prefill_chunk
+    config = ServeConfig(
+        max_slots=args.max_slots,
+        page_size=args.page_size,
+        num_pages=args.num_pages or args.max_slots * (args.max_context // args.page_size),
+        max_context=args.max_context,
+        prefill_buckets=(chunk,),
+        max_running=args.max_running,
+        max_queued=args.max_queued,
+        max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=min(defaults.default_max_tokens, args.max_tokens_limit),
+        enable_prefix_cache=not args.no_prefix_cache,
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.host,
+        grace_period_s=args.grace_period,
+    )  # validates the shapes before anything is loaded
+    if chunk % args.page_size:
+        raise ValueError(f"--prefill-chunk {chunk} must be a multiple of --page-size {args.page_size}")
+    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
+        raise ValueError("serve runs in one process (--mesh over its devices); multi-host is not supported")
+    model = _load_sharded(args)
+    engine = JaxEngine(
+        model,
+        max_slots=config.max_slots,
+        page_size=config.page_size,
+        num_pages=config.num_pages,
+        max_context=config.max_context,
+        prefill_chunk=chunk,
+        max_logprobs=config.max_logprobs,
+    )
+    print(
+        f"ced-jax: compiling prefill ({chunk}-token chunks) and decode ({config.max_slots} slots) ...",
+        flush=True,
+    )
+    return serve(engine, ModelTokenizer(model), config)
+
+
 def cmd_plan(args) -> int:
     from ced_jax import sharding
     from ced_jax.config import PRESETS, ModelConfig, preset
@@ -219,7 +265,7 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--include",
         default="text",
-        help="comma-separated parts: text (default); dspark and vision are not implemented by the model",
+        help="comma-separated parts: text (default), dspark, vision (written as separate host-side items)",
     )
     p.add_argument(
         "--engram",
@@ -237,6 +283,37 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compression", action="store_true", help="store chunks uncompressed (faster)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert, command="convert")
+
+
+class _ImplAction(argparse.Action):
+    """`--impl reference|pallas` and `--interpret` combined into one `ced_jax.ops` impl string in
+    `args.impl` ("reference", "pallas", "pallas:interpret"), whatever their order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        interpret = option_string == "--interpret" or getattr(namespace, "_impl_interpret", False)
+        kind = getattr(namespace, "_impl_kind", None) if option_string == "--interpret" else values
+        if interpret and kind == "reference":
+            parser.error("--interpret runs the Pallas kernels in the interpreter; it needs --impl pallas")
+        namespace._impl_kind, namespace._impl_interpret = kind, interpret
+        namespace.impl = (kind or "pallas") + (":interpret" if interpret else "")
+
+
+def _add_impl_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--impl",
+        choices=("reference", "pallas"),
+        default="reference",
+        action=_ImplAction,
+        help="reference: pure jnp (default); pallas: the pallas_kernels kernels (TPU or GPU)",
+    )
+    p.add_argument(
+        "--interpret",
+        nargs=0,
+        action=_ImplAction,
+        dest="impl",
+        default=argparse.SUPPRESS,
+        help="run the Pallas kernels in the HLO interpreter (CPU); implies --impl pallas",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", help="force the decisions in this safetensors file (fixture names)")
     p.add_argument("--patch", help="override block inputs from this safetensors file (fixture names)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
-    p.add_argument("--impl", choices=("reference",), default="reference")
+    _add_impl_options(p)
     p.add_argument("--out", required=True)
     _add_mesh_options(p)
     p.set_defaults(func=cmd_logits)
@@ -269,10 +346,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--impl", choices=("reference",), default="reference")
+    _add_impl_options(p)
     p.add_argument("--json", action="store_true", help="print ids and text as JSON")
     _add_mesh_options(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "serve",
+        help="gRPC server (ced.v1.InferenceService, health, reflection, Prometheus metrics)",
+        description="Continuous batching over a static-shape paged KV cache; every program is compiled "
+        "at start-up. SIGTERM stops admitting, lets streams finish for --grace-period, then exits 0.",
+    )
+    p.add_argument("model", help="preset name (tiny) or checkpoint directory")
+    g = p.add_argument_group("shapes (static: compiled at start-up)")
+    g.add_argument("--max-slots", type=int, default=32, help="concurrent sequences in the decode batch")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request")
+    g.add_argument(
+        "--num-pages", type=int, help="KV pages in the buffer (default: max-slots x max-context / page-size)"
+    )
+    g.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill call")
+    g = p.add_argument_group("admission")
+    g.add_argument("--max-running", type=int, help="requests holding a slot (default: --max-slots)")
+    g.add_argument("--max-queued", type=int, default=256, help="waiting requests; beyond: RESOURCE_EXHAUSTED")
+    g.add_argument("--max-tokens-limit", type=int, default=1024, help="largest accepted max_tokens")
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    g.add_argument(
+        "--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free, -1: off)"
+    )
+    g.add_argument(
+        "--grace-period", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM"
+    )
+    p.add_argument("--impl", choices=("reference",), default="reference")
+    _add_mesh_options(p)
+    p.set_defaults(func=cmd_serve)
+
+    # Listed for --help only: main() hands `client ...` to serving.client.main before parsing.
+    sub.add_parser("client", help="stream a completion from a ced-jax server (ced-jax client --help)")
 
     p = sub.add_parser("convert", help="released HF checkpoint -> Orbax checkpoint (as convert_weights)")
     _add_convert_options(p)
@@ -304,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["client"]:  # the client has its own parser and needs no JAX
+        from serving.client import main as client_main
+
+        return client_main(argv[1:])
     args = build_parser().parse_args(argv)
     return _run(args, f"ced-jax {args.command}")
 

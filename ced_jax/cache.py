@@ -289,6 +289,28 @@ def init_paged_cache(
     )
 
 
+def paged_cache_axes(cache: PagedCache) -> PagedCache:
+    """The logical axes of every buffer (a PagedCache of axis tuples), for `ced_jax.sharding`.
+
+    Per-slot state goes with the sequences ("batch"). The page buffers are replicated: a page is not
+    owned by one sequence (the prefix cache shares it between slots), so it cannot follow a
+    sequence's data shard."""
+    per_slot = lambda a: ("batch",) + (None,) * (a.ndim - 1)
+    whole = lambda a: (None,) * a.ndim
+    return PagedCache(
+        window={k: per_slot(v) for k, v in cache.window.items()},
+        kv={k: whole(v) for k, v in cache.kv.items()},
+        index_k={k: whole(v) for k, v in cache.index_k.items()},
+        state_kv={k: per_slot(v) for k, v in cache.state_kv.items()},
+        state_score={k: per_slot(v) for k, v in cache.state_score.items()},
+        slots=per_slot(cache.slots),
+        page_tables=per_slot(cache.page_tables),
+        page_size=cache.page_size,
+        head_dim=cache.head_dim,
+        index_head_dim=cache.index_head_dim,
+    )
+
+
 def _nbytes(a) -> int:
     return math.prod(a.shape) * np.dtype(a.dtype).itemsize
 

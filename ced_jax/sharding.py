@@ -183,6 +183,17 @@ def cache_shardings(cache: dict, mesh: Mesh, rules: Rules) -> dict:
     )
 
 
+def logical_shardings(axes, arrays, mesh: Mesh, rules: Rules):
+    """Shardings for a tree of arrays (or ShapeDtypeStructs) given a same-shaped tree of logical-axis
+    tuples (e.g. `ced_jax.cache.paged_cache_axes`)."""
+    return jax.tree.map(
+        lambda ax, a: NamedSharding(mesh, logical_to_spec(ax, rules, a.shape, mesh)),
+        axes,
+        arrays,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
 def shard_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: MeshLike) -> tuple[int, ...]:
     """The per-device block of an array of `shape` laid out by `spec` on `mesh`."""
     sizes = mesh_sizes(mesh)

@@ -37,6 +37,7 @@ not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax import cache as cache_lib
+from ced_jax import sharding
 from ced_jax.model import forward
 from serving.engine_api import (
     CompileCounter,
@@ -106,9 +108,24 @@ class JaxEngine:
         self.hasher = model.hasher
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
-        self._cache = cache_lib.init_paged_cache(
-            cfg, max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
+        self.mesh, self.rules = model.mesh, model.rules
+        make_cache = partial(
+            cache_lib.init_paged_cache,
+            cfg,
+            max_slots=max_slots,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_context=max_context,
         )
+        if self.mesh is None:
+            self._cache_shardings = None
+            self._cache = make_cache()
+        else:  # built in place on the mesh, laid out by the rules (ced_jax.sharding)
+            shapes = jax.eval_shape(make_cache)
+            self._cache_shardings = sharding.logical_shardings(
+                cache_lib.paged_cache_axes(shapes), shapes, self.mesh, self.rules
+            )
+            self._cache = jax.jit(make_cache, out_shardings=self._cache_shardings)()
         kv_bytes = cache_lib.kv_bytes_per_token(self._cache)
         self._spec = EngineSpec(
             max_slots=max_slots,
@@ -154,16 +171,31 @@ class JaxEngine:
         if self._programs is not None:
             return
         spec, cfg = self._spec, self.cfg
-        S, C, P = spec.max_slots, self.prefill_chunk, spec.pages_per_slot
+        static = dict(cfg=cfg, spec=spec, impl=self.model.impl, mesh=self.mesh, rules=self.rules)
+        # The cache keeps its layout from call to call (donated in place; on a mesh, pinned by
+        # out_shardings), so no call ever sees an input layout the compiled program was not built for.
+        outs = None if self.mesh is None else (self._cache_shardings, sharding.replicated(self.mesh))
+        outs3 = None if self.mesh is None else (*outs, sharding.replicated(self.mesh))
+        prefill = jax.jit(partial(_prefill, **static), donate_argnums=(1,), out_shardings=outs3)
+        decode = jax.jit(partial(_decode, **static), donate_argnums=(1,), out_shardings=outs)
+        restore = jax.jit(
+            cache_lib.restore_slot_state, donate_argnums=(0,), out_shardings=self._cache_shardings
+        )
+        state = jax.eval_shape(cache_lib.slot_state, self._cache, jnp.int32(0))
+        with self._mesh_context():
+            self._programs = self._compile(prefill, decode, restore, state)
+
+    def _mesh_context(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _compile(self, prefill, decode, restore, state) -> dict:
+        """Ahead-of-time compiles of the three programs at the engine's one set of shapes."""
+        S, C, P = self._spec.max_slots, self.prefill_chunk, self._spec.pages_per_slot
         i32, f32, u32 = jnp.int32, jnp.float32, jnp.uint32
         sd = jax.ShapeDtypeStruct
         scalar = lambda dt: sd((), dt)
         rows = lambda *lead: None if self.hasher is None else sd((*lead, *self._row_shape()), i32)
-        prefill = jax.jit(partial(_prefill, cfg=cfg, spec=spec, impl=self.model.impl), donate_argnums=(1,))
-        decode = jax.jit(partial(_decode, cfg=cfg, spec=spec, impl=self.model.impl), donate_argnums=(1,))
-        restore = jax.jit(cache_lib.restore_slot_state, donate_argnums=(0,))
-        state = jax.eval_shape(cache_lib.slot_state, self._cache, jnp.int32(0))
-        self._programs = {
+        return {
             "prefill": prefill.lower(
                 self.params, self._cache, sd((C,), i32), rows(C), scalar(i32), scalar(i32), scalar(i32),
                 sd((P,), i32), scalar(f32), scalar(f32), scalar(i32), scalar(u32),
@@ -294,9 +326,20 @@ class JaxEngine:
 
 def _prefill(
     params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed, *, cfg, spec,
-    impl,
+    impl, mesh, rules,
 ):  # fmt: skip
     """One chunk of one slot, a page per loop iteration; returns (cache, sample, per-page states)."""
+    with sharding.activate(mesh, rules):
+        return _prefill_pages(
+            params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed,
+            cfg=cfg, spec=spec, impl=impl,
+        )  # fmt: skip
+
+
+def _prefill_pages(
+    params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed, *, cfg, spec,
+    impl,
+):  # fmt: skip
     ps = spec.page_size
     slots, tables = cache.slots, cache.page_tables  # the carried view; restored after every page
     view = (slot[None], page_table[None])
@@ -331,13 +374,14 @@ def _prefill(
 
 def _decode(
     params, cache, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed, *, cfg,
-    spec, impl,
+    spec, impl, mesh, rules,
 ):  # fmt: skip
     """One token for every slot (rows = slots); returns (cache, (token, logprob, top ids, top logprobs))."""
     slots, tables = cache.slots, cache.page_tables
     view = cache.view(jnp.arange(spec.max_slots, dtype=jnp.int32), page_tables)
     lens = active.astype(jnp.int32)
-    logits, cache, _ = forward(params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl)
+    with sharding.activate(mesh, rules):
+        logits, cache, _ = forward(params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl)
     out = sample(
         logits[:, 0], positions + 1, temperature, top_p, top_k, seed, num_logprobs=spec.max_logprobs
     )

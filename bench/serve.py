@@ -1,0 +1,163 @@
+"""Serving benchmark: concurrent streaming gRPC clients with Poisson arrivals against a local server.
+
+    python bench/serve.py                      # starts `JaxEngine` on the tiny preset in-process
+    python bench/serve.py --addr HOST:PORT     # an already running `ced-jax serve`
+
+For each concurrency level C (default 1, 16, 32), `--requests-per-level` x C requests (at least 8)
+arrive as a Poisson process of rate `--rate` per second; at most C streams are open at once (the
+others wait client-side, as behind a load balancer). Every request streams `--output-len` tokens
+(ignore_eos, sampled with its own seed) after a random `--prompt-len`-token prompt.
+
+Reported per level: requests/s and output tokens/s over the level's wall time, TTFT (request sent ->
+first token received) and TPOT (time per output token after the first: (last - first) / (n - 1)),
+p50 and p99; and the ratio of output tokens/s at each level to the single-stream level. The server's
+compiles-after-warm-up counter (from /metrics when in-process) must stay 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from serving import client  # noqa: E402
+
+
+async def _one(addr: str, prompt: list[int], output_len: int, seed: int) -> dict:
+    sent = time.perf_counter()
+    first = last = None
+    n = 0
+    async for msg in client.astream(
+        addr, prompt, max_tokens=output_len, temperature=0.8, seed=seed, ignore_eos=True, timeout=600
+    ):
+        if msg.token_ids:
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
+            n += len(msg.token_ids)
+    return {"ttft": first - sent, "tpot": (last - first) / (n - 1) if n > 1 else float("nan"), "tokens": n}
+
+
+async def _level(addr: str, concurrency: int, args, rng: np.random.Generator) -> dict:
+    n_requests = max(8, args.requests_per_level * concurrency)
+    gaps = rng.exponential(1.0 / args.rate, n_requests)
+    prompts = [[0] + rng.integers(3, args.vocab, args.prompt_len - 1).tolist() for _ in range(n_requests)]
+    seeds = rng.integers(0, 2**31, n_requests)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def arrive(i: int, at: float):
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        async with gate:
+            return await _one(addr, prompts[i], args.output_len, int(seeds[i]))
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(arrive(i, float(at)) for i, at in enumerate(np.cumsum(gaps))))
+    wall = time.perf_counter() - t0
+    ttft = np.array([r["ttft"] for r in results])
+    tpot = np.array([r["tpot"] for r in results])
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": n_requests,
+        "requests_per_s": n_requests / wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+        "tpot_p50_ms": 1e3 * float(np.nanpercentile(tpot, 50)),
+        "tpot_p99_ms": 1e3 * float(np.nanpercentile(tpot, 99)),
+    }
+
+
+def _start_local(args):
+    """An in-process server over JaxEngine on `args.model` (its own event-loop thread)."""
+    import threading
+
+    import ced_jax
+    from serving.config import ServeConfig
+    from serving.jax_engine import JaxEngine, ModelTokenizer
+    from serving.server import Server
+
+    model = ced_jax.load(args.model)
+    max_slots = max(args.concurrency)
+    context = args.max_context
+    engine = JaxEngine(
+        model, max_slots=max_slots, page_size=args.page_size, max_context=context, prefill_chunk=args.chunk
+    )
+    config = ServeConfig(
+        max_slots=max_slots, page_size=args.page_size, num_pages=max_slots * context // args.page_size,
+        max_context=context, prefill_buckets=(args.chunk,), max_tokens_limit=context, metrics_port=0,
+        enable_prefix_cache=False,  # random prompts share nothing but BOS; keep the work honest
+    )  # fmt: skip
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = Server(engine, ModelTokenizer(model), config)
+    t = time.perf_counter()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result()
+    print(f"engine warm-up (compile) {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return server, loop, model.cfg.vocab_size
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--addr", help="benchmark this server instead of starting one")
+    p.add_argument("--model", default="tiny", help="model for the in-process server")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 32])
+    p.add_argument("--requests-per-level", type=int, default=3, help="requests per level = this x C")
+    p.add_argument("--rate", type=float, default=50.0, help="Poisson arrival rate, requests/s")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=None, help="token id range (default: the model's)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk of the in-process engine")
+    p.add_argument("--max-context", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    if args.concurrency[0] != 1:
+        raise SystemExit("--concurrency must start with 1 (the ratios are to a single stream)")
+    server = loop = None
+    if args.addr is None:
+        server, loop, vocab = _start_local(args)
+        args.addr = server.address
+        args.vocab = args.vocab or vocab
+    elif args.vocab is None:
+        args.vocab = client.model_info(args.addr).vocab_size
+    rng = np.random.default_rng(args.seed)
+    asyncio.run(_level(args.addr, 1, argparse.Namespace(**{**vars(args), "requests_per_level": 1}), rng))
+    levels = [asyncio.run(_level(args.addr, c, args, rng)) for c in args.concurrency]
+    base = levels[0]["output_tokens_per_s"]
+    for lv in levels:
+        lv["ratio_to_single"] = lv["output_tokens_per_s"] / base
+    compiles = None
+    if server is not None:
+        compiles = server.engine.compiles_after_warmup
+        asyncio.run_coroutine_threadsafe(server.shutdown(0.0), loop).result()
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
+    print(f"# bench/serve.py on {machine}; prompt {args.prompt_len}, output {args.output_len} tokens, "
+          f"Poisson rate {args.rate}/s; compiles after warm-up: {compiles}")  # fmt: skip
+    print("| C | requests | req/s | out tok/s | ratio to C=1 | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for lv in levels:
+        print(
+            f"| {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} | "
+            f"{lv['output_tokens_per_s']:.1f} | {lv['ratio_to_single']:.2f} | "
+            f"{lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
+            f"{lv['tpot_p50_ms']:.1f} / {lv['tpot_p99_ms']:.1f} |"
+        )
+    if args.json:
+        result = {"levels": levels, "compiles_after_warmup": compiles}
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0 if not compiles else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

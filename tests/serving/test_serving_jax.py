@@ -1,0 +1,359 @@
+"""The real engine (`serving.jax_engine.JaxEngine`) on the embedded tiny model, over localhost gRPC.
+
+One engine is compiled for the whole module (compiling is the expensive part on CPU); every test
+leaves it idle. Exactness is checked against an independent path: `ced_jax.api.Session`, the dense
+per-sequence cache the parity tests use, run with the same shapes as the engine (prefill one page
+per call, decode over all `max_slots` rows), where the two must agree bit for bit. Shapes matter
+on XLA:CPU: a matmul over 1 row and over 32 rows may sum in different orders, and the tiny random
+model turns a 1-ulp difference into O(1) logit differences within a few tokens (PARITY.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serving_helpers import ServerThread, wait_until
+
+import ced_jax
+from ced_jax import cache as cache_lib
+from ced_jax.api import describe
+from ced_jax.config import preset
+from serving import client
+from serving.config import ServeConfig
+from serving.engine_api import DecodeBatch, PrefillChunk, SamplingParams
+from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.proto import ced_pb2_grpc
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(900)
+
+# The shapes of the module's engine (and of the `ced-jax serve` subprocess, so that it finds the
+# programs in the persistent compilation cache).
+SLOTS, PAGE, CONTEXT, CHUNK = 32, 16, 128, 32
+SERVE_ARGS = ["--max-slots", str(SLOTS), "--page-size", str(PAGE), "--max-context", str(CONTEXT)]
+SERVE_ARGS += ["--prefill-chunk", str(CHUNK)]
+GREEDY = SamplingParams(temperature=0.0)
+LOGPROB_ATOL = 4e-6  # a few float32 ulps at |log p| ~ 5; a misplaced KV entry moves them by > 1e-3
+RNG = np.random.default_rng(20261201)
+
+
+def _prompt(n: int) -> list[int]:
+    return [0] + RNG.integers(3, 512, n - 1).tolist()  # BOS, then ids clear of eos/pad
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ced_jax.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = JaxEngine(model, max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_chunk=CHUNK)
+    eng.warmup()
+    return eng
+
+
+def _config(**kw) -> ServeConfig:
+    base = dict(
+        max_slots=SLOTS, page_size=PAGE, num_pages=SLOTS * CONTEXT // PAGE, max_context=CONTEXT,
+        prefill_buckets=(CHUNK,), max_tokens_limit=96, default_max_tokens=16, max_queued=64,
+        metrics_port=0,
+    )  # fmt: skip
+    base.update(kw)
+    return ServeConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def server(engine, model):
+    st = ServerThread(engine, ModelTokenizer(model), _config())
+    yield st
+    st.close()
+
+
+# ------------------------------------------------------------------------- the dense mirror
+def mirror(model, prompt: list[int], generated: list[int]) -> list[np.ndarray]:
+    """log_softmax of the logits after the prompt and after each generated token but the last,
+    computed by `ced_jax.api.Session` with the engine's shapes. [len(generated)] x [V]."""
+    cfg = model.cfg
+    one = model.new_session(1, CONTEXT)
+    for s in range(0, len(prompt), PAGE):
+        page = prompt[s : s + PAGE]
+        padded = np.full((1, PAGE), cfg.pad_token_id, np.int32)
+        padded[0, : len(page)] = page
+        logits, _ = one.step(padded, np.array([len(page)], np.int32))
+    out = [logits[0, len(page) - 1]]
+    # Decode as the engine does: every slot is a row; the sequence sits in row 0 (other rows idle).
+    batch = model.new_session(SLOTS, CONTEXT)
+    batch.cache = jax.tree.map(lambda rows, a: rows.at[0].set(a[0]), batch.cache, one.cache)
+    batch.positions = np.zeros(SLOTS, np.int32)
+    batch.positions[0] = len(prompt)
+    batch.history = np.repeat(one.history, SLOTS, axis=0)
+    lens = np.zeros(SLOTS, np.int32)
+    lens[0] = 1
+    for tok in generated[:-1]:
+        tokens = np.full((SLOTS, 1), cfg.pad_token_id, np.int32)
+        tokens[0, 0] = tok
+        logits, _ = batch.step(tokens, lens)
+        out.append(logits[0, 0])
+    return [np.asarray(jax.nn.log_softmax(jnp.asarray(v))) for v in out]
+
+
+def _check_against_mirror(model, prompt, token_ids, top_ids, top_logprobs):
+    ref = mirror(model, prompt, token_ids)
+    for step, (tok, ids, lps, r) in enumerate(zip(token_ids, top_ids, top_logprobs, ref, strict=True)):
+        assert tok == int(np.argmax(r)), f"step {step}: greedy token differs"
+        # The engine computes log_softmax inside its compiled step, fused differently from this
+        # standalone one: the normaliser may differ in its last bits (measured: 1-2 ulp).
+        np.testing.assert_allclose(
+            np.asarray(lps, np.float32), r[np.asarray(ids)], rtol=0, atol=LOGPROB_ATOL, err_msg=f"step {step}"
+        )
+
+
+# ------------------------------------------------------------------------------- engine level
+def test_buffers_are_the_packed_deployment_formats(engine):
+    """890 bytes per token for v41-flash from the engine's own buffer layout (sized with
+    eval_shape, nothing allocated), equal to what `describe` derives; tiny likewise."""
+    v41 = preset("v41-flash")
+    shapes = jax.eval_shape(
+        lambda: cache_lib.init_paged_cache(v41, max_slots=1, page_size=128, num_pages=4, max_context=128)
+    )
+    assert cache_lib.kv_bytes_per_token(shapes) == describe(v41)["kv_bytes_per_token"] == 890
+    entry_bytes = {a.shape[-1] for a in (*shapes.kv.values(), *shapes.index_k.values())}
+    assert entry_bytes == {288, 68}
+    assert {a.shape[-1] for a in shapes.window.values()} == {528}
+    assert {a.dtype for a in jax.tree.leaves(shapes) if a.ndim == 3 and a.dtype != jnp.float32} == {
+        jnp.dtype(jnp.uint8)
+    }
+    assert engine.kv_bytes_per_token == describe(engine.cfg)["kv_bytes_per_token"]
+
+
+def test_engine_prefill_and_decode_match_the_dense_model(engine, model):
+    prompt = _prompt(41)  # two chunks (32 + 9), three pages
+    table = np.zeros(CONTEXT // PAGE, np.int32)
+    table[:4] = [9, 3, 20, 7]  # scattered pages
+    slot = 0
+    common = dict(slot=slot, page_table=table, history=np.zeros(0, np.int32), sampling=GREEDY)
+    engine.prefill(PrefillChunk(token_ids=np.array(prompt[:32]), start_pos=0, is_last_chunk=False, **common))
+    first = engine.prefill(
+        PrefillChunk(token_ids=np.array(prompt[32:]), start_pos=32, is_last_chunk=True, **common)
+    )
+    toks = [first.token]
+    tables = np.zeros((SLOTS, CONTEXT // PAGE), np.int32)
+    tables[slot] = table
+    try:
+        for step in range(8):
+            active = np.zeros(SLOTS, bool)
+            active[slot] = True
+            ids = np.zeros(SLOTS, np.int32)
+            ids[slot] = toks[-1].token_id
+            pos = np.zeros(SLOTS, np.int32)
+            pos[slot] = len(prompt) + step
+            res = engine.decode(DecodeBatch(
+                active=active, token_ids=ids, positions=pos, page_tables=tables,
+                temperature=np.zeros(SLOTS, np.float32), top_p=np.ones(SLOTS, np.float32),
+                top_k=np.zeros(SLOTS, np.int32), seed=np.zeros(SLOTS, np.uint32),
+            ))  # fmt: skip
+            toks.append(res.row(slot))
+    finally:
+        engine.release(slot)
+    _check_against_mirror(
+        model, prompt, [t.token_id for t in toks], [t.top_ids for t in toks], [t.top_logprobs for t in toks]
+    )
+    assert engine.compiles_after_warmup == 0
+
+
+def test_engine_rejects_calls_it_was_not_compiled_for(engine):
+    table = np.zeros(CONTEXT // PAGE, np.int32)
+    chunk = dict(slot=1, page_table=table, history=np.zeros(0, np.int32), sampling=GREEDY, is_last_chunk=True)
+    with pytest.raises(ValueError, match="chunk length 33 outside 1..32"):
+        engine.prefill(PrefillChunk(token_ids=np.ones(33, np.int32), start_pos=0, **chunk))
+    with pytest.raises(ValueError, match="not page aligned"):
+        engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=8, **chunk))
+    with pytest.raises(ValueError, match="needs a snapshot"):
+        engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=16, **chunk))
+
+
+# ------------------------------------------------------------------------------- over gRPC
+def _logprob_arrays(out):
+    ids = [[t.token_id for t in lp.top] for lp in out.logprobs]
+    lps = [[t.logprob for t in lp.top] for lp in out.logprobs]
+    return ids, lps
+
+
+def test_grpc_greedy_stream_is_the_model(server, model):
+    prompt = _prompt(37)
+    out = client.generate(server.addr, prompt, max_tokens=10, temperature=0.0, logprobs=5, ignore_eos=True,
+                          timeout=120)  # fmt: skip
+    assert out.finish_reason == "length" and len(out.token_ids) == 10 and out.messages >= 2
+    assert out.usage.prompt_tokens == 37 and out.usage.completion_tokens == 10
+    _check_against_mirror(model, prompt, out.token_ids, *_logprob_arrays(out))
+    assert out.text == model.decode_text(out.token_ids)
+    server.assert_idle()
+
+
+def test_prefix_cache_hit_gives_the_cold_logits(server, model):
+    shared = _prompt(40)  # two full pages are shareable (the block holding the last token never is)
+    a = shared + [11, 12, 13]
+    b = shared + [21, 22, 23, 24, 25]
+    kw = dict(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True, timeout=120)
+    cold_b = client.generate(server.addr, b, **kw)
+    hit_a = client.generate(server.addr, a, **kw)
+    hit_b = client.generate(server.addr, b, **kw)
+    assert cold_b.usage.cached_prompt_tokens == 0
+    assert hit_a.usage.cached_prompt_tokens == 32  # pages 0-1 of b's prompt, across requests
+    assert hit_b.usage.cached_prompt_tokens == 32
+    # Exactly the cold run's tokens and log-probabilities (the hit restored the SWA ring, the
+    # compressor's partial group and the Engram history at the page boundary).
+    assert hit_b.token_ids == cold_b.token_ids
+    assert _logprob_arrays(hit_b) == _logprob_arrays(cold_b)
+    _check_against_mirror(model, a, hit_a.token_ids, *_logprob_arrays(hit_a))
+    server.assert_idle()
+
+
+def test_sampling_alone_equals_sampling_among_31_others(server):
+    prompt = _prompt(30)
+    params = dict(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=1234, ignore_eos=True)
+    alone = client.generate(server.addr, prompt, timeout=120, **params)
+    lengths, seeds = RNG.integers(5, 60, 31), RNG.integers(0, 2**31, 31)
+    others = [(_prompt(int(n)), int(s)) for n, s in zip(lengths, seeds, strict=True)]
+
+    async def crowd():
+        async def one(p, **kw):
+            msgs = [m async for m in client.astream(server.addr, p, timeout=300, **kw)]
+            return client.collect(msgs)
+
+        jobs = [one(p, max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for p, s in others[:16]]
+        jobs.append(one(prompt, **params))
+        jobs += [one(p, max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for p, s in others[16:]]
+        return await asyncio.gather(*jobs)
+
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], server.scheduler.num_running)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = asyncio.run(crowd())
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] >= 16  # it really was batched with others
+    assert results[16].token_ids == alone.token_ids
+    assert all(len(r.token_ids) == 12 for r in results)
+    assert server.server.engine.compiles_after_warmup == 0
+    server.assert_idle()
+
+
+def test_cancel_mid_stream_frees_slot_and_pages(server):
+    prompt = _prompt(20)
+    channel = grpc.insecure_channel(server.addr)
+    stub = ced_pb2_grpc.InferenceServiceStub(channel)
+    call = stub.Generate(client.build_request(prompt, max_tokens=90, ignore_eos=True, temperature=0.0))
+    seen = 0
+    for msg in call:
+        seen += len(msg.token_ids)
+        if seen >= 3:
+            break
+    wait_until(lambda: server.scheduler.num_running == 1, timeout=30)
+    call.cancel()
+    channel.close()
+    server.assert_idle(timeout=30)
+
+
+def test_limits_are_invalid_argument(server):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(server.addr, _prompt(CONTEXT + 1), max_tokens=1, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(CONTEXT) in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(server.addr, _prompt(8), max_tokens=97, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(server.addr, [0, 512], max_tokens=2, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in e.value.details()
+
+
+def test_stop_string_across_tokens_never_leaks(server, model):
+    prompt = _prompt(12)
+    free = client.generate(server.addr, prompt, max_tokens=16, temperature=0.0, ignore_eos=True, timeout=120)
+    text = free.text
+    # A stop string that starts inside one token's text and ends inside a later one.
+    pieces = [model.decode_text(free.token_ids[: i + 1]) for i in range(len(free.token_ids))]
+    cut = next(i for i in range(2, len(pieces)) if len(pieces[i]) > len(pieces[i - 1]) + 1)
+    start = len(pieces[cut - 1]) - 1
+    stop = text[start : len(pieces[cut - 1]) + 1]
+    assert len(stop) == 2 and text.find(stop) == start
+    out = client.generate(server.addr, prompt, max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop],
+                          timeout=120)  # fmt: skip
+    assert out.finish_reason == "stop"
+    assert out.text == text[:start] and stop not in out.text
+    server.assert_idle()
+
+
+def test_metrics_endpoint(server):
+    port = server.server.metrics_port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in ("ced_time_to_first_token_seconds_count", "ced_time_per_output_token_seconds_count",
+                 "ced_kv_pages_free", "ced_kv_pages_used", "ced_active_slots", "ced_queue_depth",
+                 "ced_prefix_cache_hit_rate"):  # fmt: skip
+        assert name in body, name
+    compiles = re.search(r"^ced_compiles_after_warmup (\S+)$", body, re.M)
+    assert compiles and float(compiles.group(1)) == 0.0
+    ttft = re.search(r"^ced_time_to_first_token_seconds_count (\S+)$", body, re.M)
+    assert float(ttft.group(1)) >= 3
+
+
+# ------------------------------------------------------------------------------- ced-jax serve
+def test_ced_jax_serve_and_client_then_sigterm(engine, tmp_path):
+    """`ced-jax serve tiny` in a subprocess (programs from the persistent compilation cache the module
+    engine filled), `ced-jax client` against it, then SIGTERM: exit status 0."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": "8",
+        "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [sys.executable, "-m", "ced_cli.main", "serve", "tiny", *SERVE_ARGS]
+    cmd += ["--port", "0", "--metrics-port", "-1"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        addr = None
+        end = time.monotonic() + 600
+        while addr is None and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.5)
+            m = re.search(r"serving \S+ on (\S+)", (tmp_path / "serve.log").read_text())
+            addr = m and m.group(1)
+        assert addr, (tmp_path / "serve.log").read_text()[-3000:]
+        r = subprocess.run([sys.executable, "-m", "ced_cli.main", "client", addr, "--prompt", "hello world",
+                            "--max-tokens", "5", "--temperature", "0"], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "completion_tokens=" in r.stderr and "finish_reason=" in r.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
