@@ -32,10 +32,6 @@ def parse_impl(impl: str) -> tuple[str, str | None, bool]:
     return kind, backend, interpret
 
 
-def _check_impl(impl: str) -> None:
-    parse_impl(impl)
-
-
 def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str = "reference") -> jax.Array:
     """rows [M, K] (FP8-dequantised activations) times each row's expert weight^T -> f32 [M, N].
 
