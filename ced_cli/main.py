@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--grace-period", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM"
     )
-    p.add_argument("--impl", choices=("reference",), default="reference")
+    _add_impl_options(p)
     _add_mesh_options(p)
     p.set_defaults(func=cmd_serve)
 
