@@ -31,6 +31,11 @@ at the boundary; restoring one is the `restore` program plus setting the host hi
 live in host memory (num_layers * window * swa_entry_bytes each: 2.7 MB for v41-flash, 8 KB for
 tiny), so dropping one only forgets it.
 
+On a device mesh (`ced_jax.load(..., mesh=...)`, `ced-jax serve --mesh`), the programs are traced
+under the model's sharding rules and the cache is laid out by them (`ced_jax.cache.paged_cache_axes`:
+per-slot state over the `batch` axis, page buffers replicated because the prefix cache shares a page
+between slots); the output shardings pin that layout, so a donated cache never changes layout.
+
 A fresh slot needs no reset: at position 0 the ring is masked by position and the partial group is
 not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`).
 """
