@@ -39,12 +39,10 @@ from safetensors.numpy import load_file, save_file
 
 from ced_jax.api import load
 from tests.ced_jax.test_parity import _patch, _replay, mode_a_metrics
-from tests.ced_jax.test_sharding import LOGIT_ATOL, MODE, _check_against_single
+from tests.ced_jax.test_sharding import MODE, _check_against_single
 from tests.conftest import GOLDEN_TINY_A, REPO
 
 TIMEOUT_S = 420
-# One bf16 flip in a row's final hidden vector moves its logits by ulp x |head column| (<= 1e-2).
-FLIPPED_ROWS, FLIPPED_ATOL = 1, 1e-2
 
 
 def _free_port() -> int:
@@ -116,13 +114,7 @@ def test_two_processes_match_one(tmp_path, golden):
     want = model.logits(
         g["prompt_ids"], g["decode_ids"], index_k_mode=MODE, replay=replay, patch=patch, capture=True
     )
-    prefill = "prefill_logits_full"
-    _check_against_single(
-        {k: v for k, v in got.items() if k != prefill}, {k: v for k, v in want.items() if k != prefill}
-    )
-    row_err = np.abs(got[prefill] - want[prefill]).max(axis=-1)
-    assert row_err.max() <= FLIPPED_ATOL, row_err.max()
-    assert int((row_err > LOGIT_ATOL).sum()) <= FLIPPED_ROWS, np.nonzero(row_err > LOGIT_ATOL)[0]
+    _check_against_single(got, want)
     # And the two-process run passes PARITY.md's mode-A gate against DeepSeek's reference itself.
     m = mode_a_metrics(model, g, MODE, res=got)
     assert m["block_mean"] <= 3e-3 and m["block_above"] <= 2 and m["block_max"] <= 1.5e-2, m
