@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ced_jax import sharding
+from ced_jax import ops, sharding
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.model import flatten_specs, forward, init_cache, param_specs
@@ -92,6 +92,7 @@ class Model:
         mesh: jax.sharding.Mesh | None = None,
         rules: str | dict = sharding.DEFAULT_RULES,
     ):
+        ops.parse_impl(impl)  # an unknown kernel choice fails here, not when a program is first traced
         self.cfg = cfg
         if bf16_as_f32 is None:
             bf16_as_f32 = jax.default_backend() == "cpu"

@@ -83,3 +83,8 @@ def test_full_size_eval_shape_counts():
     shapes = {".".join(str(p) for p in path): var.get_value().shape for path, var in flat}
     assert shapes["params.layers.2.attn.wq_b.weight"] == (64 * 512, 1280)
     assert shapes["params.layers.20.ffn.experts.w1.weight"] == (384, 2304, 5120 // 2)
+
+
+def test_unknown_impl_is_refused_at_load():
+    with pytest.raises(NotImplementedError, match="impl='triton' is not available"):
+        load("tiny", impl="triton")
