@@ -143,9 +143,8 @@ def mode_a(model, golden):
     return {mode: mode_a_metrics(model, golden, mode) for mode in MODES}
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_mode_a_layer_local(mode_a, mode):
-    m = mode_a[mode]
+def assert_mode_a_block_bars(m: dict) -> None:
+    """PARITY.md's mode-A bars on `mode_a_metrics` output, all but the decode logits."""
     assert m["n_entries"] == 15
     assert m["block_mean"] <= 3e-3, m
     assert m["block_above"] <= 2, m
@@ -154,6 +153,17 @@ def test_mode_a_layer_local(mode_a, mode):
     assert m["prefill_kl"] <= 4e-5, m
     assert m["topk_rows_equal"] >= 0.99, m
     assert m["expert_rows_equal"] >= 0.995, m
+
+
+def assert_mode_a_gate(m: dict) -> None:
+    """Every mode-A bar of PARITY.md, decode logits included."""
+    assert_mode_a_block_bars(m)
+    assert np.all(m["decode_max_abs"] <= 0.03), m["decode_max_abs"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_a_layer_local(mode_a, mode):
+    assert_mode_a_block_bars(mode_a[mode])
 
 
 @pytest.mark.parametrize("mode", MODES)
