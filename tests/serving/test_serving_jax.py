@@ -84,27 +84,29 @@ def server(engine, model):
 
 
 # ------------------------------------------------------------------------- the dense mirror
-def mirror(model, prompt: list[int], generated: list[int]) -> list[np.ndarray]:
+def mirror(
+    model, prompt: list[int], generated: list[int], *, slots=SLOTS, page_size=PAGE, context=CONTEXT
+) -> list[np.ndarray]:
     """log_softmax of the logits after the prompt and after each generated token but the last,
     computed by `ced_jax.api.Session` with the engine's shapes. [len(generated)] x [V]."""
     cfg = model.cfg
-    one = model.new_session(1, CONTEXT)
-    for s in range(0, len(prompt), PAGE):
-        page = prompt[s : s + PAGE]
-        padded = np.full((1, PAGE), cfg.pad_token_id, np.int32)
+    one = model.new_session(1, context)
+    for s in range(0, len(prompt), page_size):
+        page = prompt[s : s + page_size]
+        padded = np.full((1, page_size), cfg.pad_token_id, np.int32)
         padded[0, : len(page)] = page
         logits, _ = one.step(padded, np.array([len(page)], np.int32))
     out = [logits[0, len(page) - 1]]
     # Decode as the engine does: every slot is a row; the sequence sits in row 0 (other rows idle).
-    batch = model.new_session(SLOTS, CONTEXT)
+    batch = model.new_session(slots, context)
     batch.cache = jax.tree.map(lambda rows, a: rows.at[0].set(a[0]), batch.cache, one.cache)
-    batch.positions = np.zeros(SLOTS, np.int32)
+    batch.positions = np.zeros(slots, np.int32)
     batch.positions[0] = len(prompt)
-    batch.history = np.repeat(one.history, SLOTS, axis=0)
-    lens = np.zeros(SLOTS, np.int32)
+    batch.history = np.repeat(one.history, slots, axis=0)
+    lens = np.zeros(slots, np.int32)
     lens[0] = 1
     for tok in generated[:-1]:
-        tokens = np.full((SLOTS, 1), cfg.pad_token_id, np.int32)
+        tokens = np.full((slots, 1), cfg.pad_token_id, np.int32)
         tokens[0, 0] = tok
         logits, _ = batch.step(tokens, lens)
         out.append(logits[0, 0])

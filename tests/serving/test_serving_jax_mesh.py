@@ -1,9 +1,13 @@
 """`JaxEngine` on a device mesh (what `ced-jax serve --mesh` runs): 8 fake CPU devices, (1, 4, 2) and
 (2, 2, 2) with the EP+TP rules, against the same engine on one device.
 
-Free-running greedy tokens and log-probabilities must be identical: on these meshes the model is
-bit-identical to one device in mode A (tests/ced_jax/test_sharding.py), so any difference here is
-the engine's (cache layout, donation, slot views). Slow: each engine compiles its own programs.
+Each engine is checked against the dense `ced_jax.api.Session` on the same mesh with the engine's
+shapes (as test_serving_jax.py does on one device): the same greedy tokens, log-probabilities within
+a few ulps. Free-running comparison across meshes is not exact: the vocabulary and the attention
+heads are split over `tensor`, so sums run in another order, and the chaotic tiny model turns that
+into different logits within a few tokens (measured: greedy tokens the same, the chosen token's
+log-probability 0.07 apart by step 8); the model itself is held to one device in mode A by
+tests/ced_jax/test_sharding.py. Slow: each mesh compiles its own programs.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from serving_helpers import ServerThread
+from test_serving_jax import mirror
 
 import ced_jax
 from ced_jax import sharding
@@ -21,6 +26,7 @@ from serving.jax_engine import JaxEngine, ModelTokenizer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SLOTS, PAGE, CONTEXT, CHUNK = 4, 16, 64, 32
+LOGPROB_ATOL = 4e-6
 PROMPTS = [[0, *range(40, 77)], [0, 5, 9, 200, 300, 17], [0, *range(300, 320)]]
 
 
@@ -38,28 +44,25 @@ def _serve_all(mesh) -> list:
         for p in PROMPTS:
             out = client.generate(st.addr, p, max_tokens=10, temperature=0.0, logprobs=4, ignore_eos=True,
                                   timeout=600)  # fmt: skip
-            outs.append((out.token_ids, [[(t.token_id, t.logprob) for t in lp.top] for lp in out.logprobs]))
+            outs.append((p, out.token_ids, [lp.logprob for lp in out.logprobs]))
         # A prefix hit on the mesh too (the first prompt's two full pages).
         hit = client.generate(st.addr, PROMPTS[0], max_tokens=10, temperature=0.0, logprobs=4,
                               ignore_eos=True, timeout=600)  # fmt: skip
         assert hit.usage.cached_prompt_tokens == 32
-        assert hit.token_ids == outs[0][0]
+        assert hit.token_ids == outs[0][1]
         assert engine.compiles_after_warmup == 0
         st.assert_idle()
     finally:
         st.close()
-    return outs
+    return model, outs
 
 
-@pytest.fixture(scope="module")
-def single():
-    return _serve_all(None)
-
-
-@pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2)])
-def test_engine_on_a_mesh_equals_one_device(single, shape):
+@pytest.mark.parametrize("shape", [(1, 4, 2), (2, 2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_engine_on_a_mesh_is_the_model_on_that_mesh(shape):
     d, e, t = shape
-    got = _serve_all(sharding.make_mesh({"data": d, "expert": e, "tensor": t}))
-    for (ids, lps), (want_ids, want_lps) in zip(got, single, strict=True):
-        assert ids == want_ids
-        np.testing.assert_array_equal(np.asarray(lps), np.asarray(want_lps))
+    model, outs = _serve_all(sharding.make_mesh({"data": d, "expert": e, "tensor": t}))
+    for prompt, ids, lps in outs:
+        ref = mirror(model, prompt, ids, slots=SLOTS, page_size=PAGE, context=CONTEXT)
+        assert ids == [int(np.argmax(r)) for r in ref]
+        want = [r[tok] for r, tok in zip(ref, ids, strict=True)]
+        np.testing.assert_allclose(np.asarray(lps), np.asarray(want), rtol=0, atol=LOGPROB_ATOL)
