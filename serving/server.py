@@ -237,7 +237,13 @@ class Server:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        try:
+            self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        except RuntimeError:
+            await asyncio.to_thread(self.scheduler.shutdown)
+            raise ValueError(
+                f"cannot listen on {self.config.host}:{self.config.port} (port in use? choose --port)"
+            ) from None
         await server.start()
         self._grpc = server
         for name in ("", SERVICE_NAME):

@@ -105,3 +105,19 @@ def test_generate_tiny(capsys):
     assert main(["generate", "tiny", "--prompt", "hello", "--max-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 1 <= len(out["token_ids"]) <= 4
+
+
+def test_serve_bad_options_exit_2_before_loading(capsys):
+    from ced_cli.main import main
+
+    cases = [
+        (["--prefill-chunk", "20"], "prefill bucket 20 must be a multiple of page_size 16"),
+        (["--max-context", "100"], "max_context 100 must be a multiple of page_size 16"),
+        (["--max-slots", "0"], "max_slots must be >= 1"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "multi-host"),
+    ]
+    for extra, message in cases:
+        assert main(["serve", "tiny", *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["serve", "/no/such/dir"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
