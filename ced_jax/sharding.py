@@ -100,10 +100,14 @@ def check_rules(rules: Rules) -> None:
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=1,expert=4,tensor=2' -> {'data': 1, 'expert': 4, 'tensor': 2} (missing axes are 1)."""
     sizes = dict.fromkeys(MESH_AXES, 1)
+    given: set[str] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         if name not in sizes:
             raise ValueError(f"--mesh: unknown axis {name!r}; known: {list(MESH_AXES)}")
+        if name in given:  # which size was meant is unknowable
+            raise ValueError(f"--mesh: axis {name} is given twice")
+        given.add(name)
         try:
             sizes[name] = int(value)
         except ValueError:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file, save_file
 
 from ced_cli.main import main
-from tests.conftest import GOLDEN_TINY_A
+from ced_jax.config import ASSETS
+from tests.conftest import GOLDEN_TINY_A, REPO
 
 
 def test_describe_v41_flash(capsys):
@@ -113,7 +117,7 @@ def test_serve_bad_options_exit_2_before_loading(capsys):
     cases = [
         (["--prefill-chunk", "20"], "prefill bucket 20 must be a multiple of page_size 16"),
         (["--max-context", "100"], "max_context 100 must be a multiple of page_size 16"),
-        (["--max-slots", "0"], "max_slots must be >= 1"),
+        (["--max-slots", "0"], "--max-slots must be >= 1"),
         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "multi-host"),
     ]
     for extra, message in cases:
@@ -121,3 +125,142 @@ def test_serve_bad_options_exit_2_before_loading(capsys):
         assert message in capsys.readouterr().err
     assert main(["serve", "/no/such/dir"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- numbers and paths checked first
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Bad options must be refused before a model is loaded or a multi-host run is joined."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded a model (or joined jax.distributed) before checking the options")
+
+    monkeypatch.setattr("ced_jax.api.load", refuse)
+    monkeypatch.setattr("jax.distributed.initialize", refuse)
+
+
+def _refused(argv, capsys, *needles):
+    """main(argv) exits 2 with one line on stderr that holds every needle."""
+    capsys.readouterr()
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (argv, lines[0])
+    return lines[0]
+
+
+HOSTS = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
+# Mesh and multi-host options, shared by logits, generate and serve: (extra argv, needles).
+MESH_AND_HOST_CASES = [
+    (["--mesh", "expert=2,expert=4"], ("--mesh", "expert", "twice")),
+    (["--mesh", "pipeline=2"], ("--mesh", "pipeline")),
+    (["--mesh", "expert=0"], ("--mesh", "expert", ">= 1")),
+    (["--mesh", "tensor=-2"], ("--mesh", "tensor", "-2")),
+    (["--mesh", "tensor=two"], ("--mesh", "tensor", "two")),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"], ("--num-processes", "0")),
+    ([*HOSTS, "--init-timeout", "0"], ("--init-timeout", ">= 1")),
+    (["--init-timeout", "-5"], ("--init-timeout", "-5")),
+]
+GENERATE_CASES = [
+    (["--temperature", "nan"], ("--temperature", "nan")),
+    (["--temperature", "inf"], ("--temperature", "inf")),
+    (["--temperature", "-0.5"], ("--temperature", "-0.5")),
+    (["--seed", "-1"], ("--seed", "-1")),
+    (["--seed", str(2**32)], ("--seed", str(2**32))),
+    (["--max-tokens", "0"], ("--max-tokens", ">= 1")),
+    (["--max-tokens", "-3"], ("--max-tokens", "-3")),
+]
+
+
+@pytest.mark.parametrize(("extra", "needles"), GENERATE_CASES + MESH_AND_HOST_CASES)
+def test_generate_bad_numbers_exit_2_before_loading(extra, needles, capsys, nothing_loads):
+    _refused(["generate", "tiny", "--prompt", "hi", *extra], capsys, *needles)
+
+
+def test_generate_max_tokens_beyond_the_context_exits_2(capsys, nothing_loads):
+    for model, directory in (("tiny", ASSETS / "tiny"), (str(GOLDEN_TINY_A), GOLDEN_TINY_A)):
+        text_config = json.loads((directory / "config.json").read_text())["text_config"]
+        context = text_config["max_position_embeddings"]
+        argv = ["generate", model, "--prompt", "hi", "--max-tokens", str(context + 1)]
+        _refused(argv, capsys, "--max-tokens", str(context + 1), f"context of {context} tokens")
+
+
+@pytest.fixture
+def ids_file(tmp_path):
+    path = tmp_path / "prompt.json"
+    path.write_text("[0, 5, 6]")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--prefill-chunk", "0"], ("--prefill-chunk", ">= 1")),
+        (["--prefill-chunk", "-4"], ("--prefill-chunk", "-4")),
+        *MESH_AND_HOST_CASES,
+    ],
+)
+def test_logits_bad_numbers_exit_2_before_loading(extra, needles, ids_file, tmp_path, capsys, nothing_loads):
+    out = tmp_path / "o.safetensors"
+    _refused(["logits", "tiny", "--prompt-ids", str(ids_file), "--out", str(out), *extra], capsys, *needles)
+    assert not out.exists()
+
+
+def test_logits_unwritable_outputs_exit_2_before_computing(ids_file, tmp_path, capsys, nothing_loads):
+    ok = tmp_path / "o.safetensors"
+    base = ["logits", "tiny", "--prompt-ids", str(ids_file)]
+    missing = tmp_path / "missing" / "o.safetensors"
+    # /sys (sysfs) takes no new files, as a read-only filesystem would not.
+    for flag in ("--out", "--capture"):
+        other = [] if flag == "--out" else ["--out", str(ok)]
+        _refused([*base, *other, flag, str(tmp_path)], capsys, flag, "is a directory")
+        _refused([*base, *other, flag, str(missing)], capsys, flag, "does not exist")
+        _refused([*base, *other, flag, "/sys/o.safetensors"], capsys, flag, "cannot create files in /sys")
+    assert not missing.parent.exists()  # not created either
+    _refused([*base, "--out", str(ok), "--capture", str(ok)], capsys, "--capture", "--out")
+    assert list(tmp_path.iterdir()) == [ids_file]  # no probe file left behind
+
+
+def test_unreadable_ids_file_exits_2(tmp_path, capsys, nothing_loads):
+    out = str(tmp_path / "o.safetensors")
+    _refused(["logits", "tiny", "--prompt-ids", str(tmp_path), "--out", out], capsys, "--prompt-ids")
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    _refused(["logits", "tiny", "--prompt-ids", str(binary), "--out", out], capsys, "--prompt-ids")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--page-size", "0"], ("--page-size", ">= 1")),
+        (["--max-slots", "-1"], ("--max-slots", "-1")),
+        (["--max-context", "0"], ("--max-context", ">= 1")),
+        (["--num-pages", "0"], ("--num-pages", ">= 1")),
+        (["--prefill-chunk", "0"], ("--prefill-chunk", ">= 1")),
+        (["--max-running", "0"], ("--max-running", ">= 1")),
+        (["--max-queued", "-1"], ("--max-queued", ">= 0")),
+        (["--max-tokens-limit", "0"], ("--max-tokens-limit", ">= 1")),
+        (["--grace-period", "-1"], ("--grace-period", "-1")),
+        (["--grace-period", "nan"], ("--grace-period", "nan")),
+        *MESH_AND_HOST_CASES,
+    ],
+)
+def test_serve_bad_numbers_exit_2_before_loading(extra, needles, capsys, nothing_loads):
+    _refused(["serve", "tiny", "--port", "0", "--metrics-port", "-1", *extra], capsys, *needles)
+
+
+def test_console_script_bad_number_is_one_line_without_traceback():
+    run = subprocess.run(
+        [sys.executable, "-m", "ced_cli.main", "generate", "tiny", "--prompt", "hi", "--temperature", "nan"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "ced-jax generate: error: --temperature must be a finite number >= 0, got nan"
+    ]
