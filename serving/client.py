@@ -3,6 +3,9 @@
 `stream` yields GenerateResponse messages as they arrive; leaving the loop early closes the channel,
 which cancels the call, and the server then frees the request's slot and pages. `astream` is the
 grpc.aio equivalent for concurrent clients (benchmarks, tests).
+
+Every call takes `api_key` (sent as `authorization: Bearer <key>`, the metadata OpenAI SDKs send) for
+servers started with API keys; `user` names the end user on servers without keys (see ced.proto).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     logprobs: int = 0,
     ignore_eos: bool = False,
+    user: str = "",
 ) -> ced_pb2.GenerateRequest:
     """A GenerateRequest; a str prompt is sent as text, a sequence of ints as token ids."""
     sampling = ced_pb2.SamplingParams(top_k=top_k)
@@ -54,6 +58,7 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         logprobs=logprobs,
         ignore_eos=ignore_eos,
+        user=user,
     )
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -62,21 +67,39 @@ def build_request(
     return req
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata carrying `api_key` (None: no metadata)."""
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
+
+
 def stream(
-    addr: str, prompt: str | Sequence[int], *, timeout: float | None = None, **kwargs
+    addr: str,
+    prompt: str | Sequence[int],
+    *,
+    timeout: float | None = None,
+    api_key: str | None = None,
+    **kwargs,
 ) -> Iterator[ced_pb2.GenerateResponse]:
     """Streams one completion from the server at `addr` ("host:port"); kwargs as in build_request."""
     req = build_request(prompt, **kwargs)
     with grpc.insecure_channel(addr) as channel:
-        yield from ced_pb2_grpc.InferenceServiceStub(channel).Generate(req, timeout=timeout)
+        yield from ced_pb2_grpc.InferenceServiceStub(channel).Generate(
+            req, timeout=timeout, metadata=auth_metadata(api_key)
+        )
 
 
 async def astream(
-    addr: str, prompt: str | Sequence[int], *, timeout: float | None = None, **kwargs
+    addr: str,
+    prompt: str | Sequence[int],
+    *,
+    timeout: float | None = None,
+    api_key: str | None = None,
+    **kwargs,
 ) -> AsyncIterator[ced_pb2.GenerateResponse]:
     req = build_request(prompt, **kwargs)
     async with grpc.aio.insecure_channel(addr) as channel:
-        async for msg in ced_pb2_grpc.InferenceServiceStub(channel).Generate(req, timeout=timeout):
+        stub = ced_pb2_grpc.InferenceServiceStub(channel)
+        async for msg in stub.Generate(req, timeout=timeout, metadata=auth_metadata(api_key)):
             yield msg
 
 
@@ -108,21 +131,26 @@ def generate(addr: str, prompt: str | Sequence[int], *, timeout: float | None = 
     return collect(stream(addr, prompt, timeout=timeout, **kwargs))
 
 
-def _unary(addr: str, method: str, request, timeout: float | None):
+def _unary(addr: str, method: str, request, timeout: float | None, api_key: str | None):
     with grpc.insecure_channel(addr) as channel:
-        return getattr(ced_pb2_grpc.InferenceServiceStub(channel), method)(request, timeout=timeout)
+        call = getattr(ced_pb2_grpc.InferenceServiceStub(channel), method)
+        return call(request, timeout=timeout, metadata=auth_metadata(api_key))
 
 
-def tokenize(addr: str, text: str, timeout: float | None = 10.0) -> list[int]:
-    return list(_unary(addr, "Tokenize", ced_pb2.TokenizeRequest(text=text), timeout).token_ids)
+def tokenize(addr: str, text: str, timeout: float | None = 10.0, *, api_key: str | None = None) -> list[int]:
+    return list(_unary(addr, "Tokenize", ced_pb2.TokenizeRequest(text=text), timeout, api_key).token_ids)
 
 
-def model_info(addr: str, timeout: float | None = 10.0) -> ced_pb2.ModelInfo:
-    return _unary(addr, "GetModelInfo", ced_pb2.GetModelInfoRequest(), timeout)
+def model_info(addr: str, timeout: float | None = 10.0, *, api_key: str | None = None) -> ced_pb2.ModelInfo:
+    return _unary(addr, "GetModelInfo", ced_pb2.GetModelInfoRequest(), timeout, api_key)
 
 
-def abort(addr: str, request_id: str, timeout: float | None = 10.0) -> bool:
-    return _unary(addr, "Abort", ced_pb2.AbortRequest(request_id=request_id), timeout).found
+def abort(
+    addr: str, request_id: str, timeout: float | None = 10.0, *, user: str = "", api_key: str | None = None
+) -> bool:
+    """Aborts the caller's own request `request_id` (the identity is `api_key`'s, else `user`)."""
+    req = ced_pb2.AbortRequest(request_id=request_id, user=user)
+    return _unary(addr, "Abort", req, timeout, api_key).found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float)
+    p.add_argument("--user", default="", help="end user the request is for (the identity without API keys)")
+    p.add_argument("--api-key", help="sent as 'authorization: Bearer KEY' (servers with --api-key-file)")
     a = p.parse_args(argv)
     kwargs = dict(
         max_tokens=a.max_tokens,
@@ -151,10 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop=a.stop,
         logprobs=a.logprobs,
         ignore_eos=a.ignore_eos,
+        user=a.user,
     )
     try:
         finish, usage = None, None
-        for msg in stream(a.addr, a.prompt, timeout=a.timeout, **kwargs):
+        for msg in stream(a.addr, a.prompt, timeout=a.timeout, api_key=a.api_key, **kwargs):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             if msg.finish_reason != ced_pb2.FINISH_REASON_UNSPECIFIED:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from serving.engine_api import EngineSpec
+from serving.tenants import ApiKeys
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,13 @@ class ServeConfig:
     prefill_chunks_per_step: int = 1  # prefill chunks run between two decode steps
     enable_prefix_cache: bool = True
 
+    # Tenants (serving/tenants.py).
+    api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
+    # True: one prefix cache for every identity, so a tenant's cached_prompt_tokens and latency reveal
+    # whether another tenant sent the same prefix. False: the cache is scoped per identity.
+    share_prefix_cache: bool = False
+    max_user_length: int = 256  # GenerateRequest.user / AbortRequest.user
+
     # Server.
     host: str = "127.0.0.1"
     port: int = 0  # 0 = ephemeral
@@ -52,6 +60,7 @@ class ServeConfig:
             "max_context",
             "max_tokens_limit",
             "default_max_tokens",
+            "max_user_length",
         )
         for name in positive:
             if getattr(self, name) < 1:

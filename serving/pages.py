@@ -10,11 +10,17 @@ A referenced page may also be registered in the cache; when its last holder rele
 cached (if registered) or free (if not). So `num_free + num_cached + num_referenced == num_pages`.
 
 Prefix cache. Block `i` of a sequence is tokens `[i * page_size, (i + 1) * page_size)`, and only full
-blocks are cached. A block is keyed by a hash chain, `key_i = H(key_{i-1} || tokens_i)` with a
-cryptographic hash (blake2b, 128 bits), so a key identifies the whole prefix, not just one block, and
-crafted prompts cannot collide into another tenant's pages; the stored tokens are compared on a match
-as well. Each entry may carry an opaque engine snapshot of the state at the block's end
+blocks are cached. A block is keyed by a hash chain, `key_i = H(key_{i-1} || tag || tokens_i)` (the
+scope's tag, below) with a cryptographic hash (blake2b, 128 bits), so a key identifies the whole prefix,
+not just one block, and crafted prompts cannot collide into other pages; the stored tokens are compared
+on a match as well. Each entry may carry an opaque engine snapshot of the state at the block's end
 (`serving/engine_api.py`); when an entry leaves the cache, `on_drop_snapshot(snapshot)` is called.
+
+Scopes. `tag` is a scope's `scope_tag`, a 128-bit hash of its name (the scheduler passes the
+request's identity, or "" for everybody when the cache is shared). The same tokens in two scopes
+therefore have unrelated keys and never match, so a tenant cannot learn from a hit
+(`cached_prompt_tokens`, a faster first token) whether another tenant sent a prefix. Each scope keeps
+its own pages and snapshots for equal blocks; scopes share only the pool and its LRU order.
 
 Eviction removes the least recently released block. Its descendants become unreachable (lookups walk
 the chain from the root), so they are dropped from the cache too: unreferenced ones go straight to the
@@ -39,16 +45,25 @@ class OutOfPages(RuntimeError):
     pass
 
 
-def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
-    """The hash-chain key of a block of tokens following the prefix keyed `parent`."""
+def scope_tag(scope: str) -> bytes:
+    """The fixed-length tag a scope name contributes to every block key of that scope."""
+    return hashlib.blake2b(scope.encode("utf-8"), digest_size=16, person=b"ced-prefix-scope").digest()
+
+
+def block_key(parent: bytes, tag: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The hash-chain key of a block of tokens following the prefix keyed `parent`, in scope `tag`.
+
+    `parent` and `tag` are 16 bytes each, so the hashed bytes split one way only.
+    """
     data = np.asarray(tokens, dtype=np.int32).tobytes()
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
+    return hashlib.blake2b(parent + tag + data, digest_size=16).digest()
 
 
 @dataclasses.dataclass(eq=False)
 class CacheEntry:
     key: bytes
     parent: bytes
+    scope: bytes  # scope_tag of the requests that may match it
     page: int
     tokens: np.ndarray  # i32[page_size]
     snapshot: Any = None
@@ -157,8 +172,10 @@ class PagePool:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> PrefixMatch:
-        """The longest chain of cached full blocks that `token_ids` starts with."""
+    def match(
+        self, token_ids: Sequence[int] | np.ndarray, max_blocks: int | None = None, *, scope: str = ""
+    ) -> PrefixMatch:
+        """The longest chain of cached full blocks in `scope` that `token_ids` starts with."""
         if not self.enable_prefix_cache:
             return PrefixMatch(())
         tokens = np.asarray(token_ids, dtype=np.int32)
@@ -167,17 +184,20 @@ class PagePool:
             n = min(n, max_blocks)
         out = []
         key = ROOT_KEY
+        tag = scope_tag(scope)
         for i in range(n):
             block = tokens[i * self.page_size : (i + 1) * self.page_size]
-            key = block_key(key, block)
+            key = block_key(key, tag, block)
             entry = self._entries.get(key)
             if entry is None or not np.array_equal(entry.tokens, block):
                 break
             out.append(entry)
         return PrefixMatch(tuple(out))
 
-    def register(self, parent: bytes, tokens: np.ndarray, page: int, snapshot: Any = None) -> bytes:
-        """Registers a full, written block held by the caller; returns its key (the next parent).
+    def register(
+        self, parent: bytes, tokens: np.ndarray, page: int, snapshot: Any = None, *, scope: str = ""
+    ) -> bytes:
+        """Registers a full, written block held by the caller in `scope`; returns its key (the next parent).
 
         If the key is already cached (another request computed the same prefix), the existing entry
         wins and `page` stays private to its holder; a snapshot the caller passed is then dropped
@@ -186,7 +206,8 @@ class PagePool:
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) != self.page_size:
             raise ValueError("only full blocks can be registered")
-        key = block_key(parent, tokens)
+        tag = scope_tag(scope)
+        key = block_key(parent, tag, tokens)
         if not self.enable_prefix_cache:
             self._drop_snapshot(snapshot)
             return key
@@ -206,7 +227,11 @@ class PagePool:
             # could never be matched. Do not cache it.
             self._drop_snapshot(snapshot)
             return key
-        entry = CacheEntry(key=key, parent=parent, page=page, tokens=tokens.copy(), snapshot=snapshot)
+        if parent != ROOT_KEY and self._entries[parent].scope != tag:
+            raise ValueError("the parent block belongs to another scope")
+        entry = CacheEntry(
+            key=key, parent=parent, scope=tag, page=page, tokens=tokens.copy(), snapshot=snapshot
+        )
         self._entries[key] = entry
         self._page_entry[page] = entry
         if parent != ROOT_KEY:
@@ -268,7 +293,8 @@ class PagePool:
         assert len(self._page_entry) == len(self._entries)
         for key, e in self._entries.items():
             assert self._page_entry[e.page] is e
-            assert e.key == key == block_key(e.parent, e.tokens)
+            assert e.key == key == block_key(e.parent, e.scope, e.tokens)
             assert e.parent == ROOT_KEY or e.parent in self._entries, "orphan entry"
+            assert e.parent == ROOT_KEY or self._entries[e.parent].scope == e.scope, "chain crosses scopes"
             for c in e.children:
                 assert c not in self._entries or self._entries[c].parent == key

@@ -24,6 +24,11 @@ Other threads touch only the inbox, the abort list and the live-request table, u
 Events go to a per-request sink; `submit_async` makes one that hands events to an asyncio loop with
 `loop.call_soon_threadsafe`, so the device loop never runs on the event loop.
 
+Tenants: a request's `identity` (`serving/tenants.py`) namespaces its id: in-flight requests are keyed
+by (identity, request_id), so two tenants may use the same id, a duplicate is one within a tenant, and
+`abort` only finds the caller's own requests. The prefix cache is scoped by identity too
+(`serving/pages.py`), unless `ServeConfig.share_prefix_cache`.
+
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
 """
@@ -83,6 +88,7 @@ class GenerationRequest:
     logprobs: int = 0
     ignore_eos: bool = False
     deadline: float | None = None  # in the scheduler's clock (time.monotonic)
+    identity: str = ""  # the tenant: namespaces request_id and scopes the prefix cache ("" = anonymous)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +127,18 @@ Sink = Callable[[StreamEvent], None]
 class _Seq:
     """Scheduler-thread state of one request."""
 
-    def __init__(self, req: GenerationRequest, sink: Sink, arrival: float, max_tokens: int, text: StreamText):
+    def __init__(
+        self,
+        req: GenerationRequest,
+        sink: Sink,
+        arrival: float,
+        max_tokens: int,
+        text: StreamText,
+        cache_scope: str,
+    ):
         self.req = req
+        self.live_key = (req.identity, req.request_id)
+        self.cache_scope = cache_scope  # prefix-cache scope: the identity, or "" when the cache is shared
         self.sink = sink
         self.arrival = arrival
         self.prompt = np.asarray(req.prompt_token_ids, np.int32)
@@ -186,7 +202,7 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Seq] = []
         self._aborts: list[_Seq] = []
-        self._live: dict[str, _Seq] = {}
+        self._live: dict[tuple[str, str], _Seq] = {}  # (identity, request_id) -> request
         self._admitting = True
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
@@ -245,14 +261,15 @@ class Scheduler:
         """
         max_tokens = self.validate(req)
         text = StreamText(self.tokenizer, req.stop, context=req.prompt_token_ids)
-        seq = _Seq(req, sink, self.clock(), max_tokens, text)
+        scope = "" if self.config.share_prefix_cache else req.identity
+        seq = _Seq(req, sink, self.clock(), max_tokens, text, scope)
         with self._lock:
             if self._failed is not None:
                 raise AdmissionError("engine_failed", f"the engine failed: {self._failed}")
             if not self._admitting:
                 self._reject("shutting_down")
                 raise AdmissionError("shutting_down", "the server is shutting down")
-            if req.request_id in self._live:
+            if seq.live_key in self._live:
                 self._reject("duplicate_id")
                 raise AdmissionError("duplicate_id", f"request_id {req.request_id!r} is already in flight")
             limit = self.config.running_limit + self.config.max_queued
@@ -262,21 +279,24 @@ class Scheduler:
                     "queue_full",
                     f"{len(self._live)} requests in flight; the limit is max_running + max_queued = {limit}",
                 )
-            self._live[req.request_id] = seq
+            self._live[seq.live_key] = seq
             self._inbox.append(seq)
             self._wake.notify()
         return seq
 
     def submit_async(self, req: GenerationRequest) -> RequestStream:
         """Submits from a running asyncio loop; events arrive through the returned async iterator."""
-        stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, req.request_id, req.identity, asyncio.get_running_loop())
         stream._handle = self.submit(req, stream._sink)
         return stream
 
-    def abort(self, request_id: str, handle: object | None = None) -> bool:
-        """Aborts an in-flight request (finish_reason abort); False if there is none with this id."""
+    def abort(self, request_id: str, handle: object | None = None, *, identity: str = "") -> bool:
+        """Aborts `identity`'s in-flight request (finish_reason abort); False if it has none with this id.
+
+        Another tenant's request with the same id is neither found nor touched.
+        """
         with self._lock:
-            seq = self._live.get(request_id)
+            seq = self._live.get((identity, request_id))
             if seq is None or (handle is not None and seq is not handle):
                 return False
             self._aborts.append(seq)
@@ -383,7 +403,7 @@ class Scheduler:
             seq = self._waiting[0]
             n = len(seq.prompt)
             # Never reuse the block holding the last prompt token (its logits are needed).
-            match = self.pool.match(seq.prompt, max_blocks=(n - 1) // ps)
+            match = self.pool.match(seq.prompt, max_blocks=(n - 1) // ps, scope=seq.cache_scope)
             entries = list(match.entries)
             if self.spec.restore_mode == "snapshot":
                 usable = max((i + 1 for i, e in enumerate(entries) if e.snapshot is not None), default=0)
@@ -446,7 +466,11 @@ class Scheduler:
         for i in range(seq.registered, end // ps):
             b = (i + 1) * ps
             seq.parent_key = self.pool.register(
-                seq.parent_key, seq.prompt[i * ps : b], seq.pages[i], snapshots.pop(b, None)
+                seq.parent_key,
+                seq.prompt[i * ps : b],
+                seq.pages[i],
+                snapshots.pop(b, None),
+                scope=seq.cache_scope,
             )
             seq.registered = i + 1
         for snap in snapshots.values():  # boundaries we did not ask for
@@ -548,7 +572,7 @@ class Scheduler:
                 tpot = (seq.last_token_time - seq.first_token_time) / (seq.generated - 1)
                 self.metrics.tpot.observe(tpot)
         with self._lock:
-            self._live.pop(seq.req.request_id, None)
+            self._live.pop(seq.live_key, None)
 
     def _release(self, seq: _Seq) -> None:
         """Frees the slot and every page reference of `seq` (idempotent)."""
@@ -581,7 +605,7 @@ class Scheduler:
             except Exception:
                 log.exception("cleanup after engine failure")
                 with self._lock:
-                    self._live.pop(seq.req.request_id, None)
+                    self._live.pop(seq.live_key, None)
 
     def _reject(self, reason: str) -> None:
         if self.metrics is not None:
@@ -605,9 +629,10 @@ class RequestStream:
     Events are produced on the scheduler thread and handed to the loop with `call_soon_threadsafe`.
     """
 
-    def __init__(self, scheduler: Scheduler, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, scheduler: Scheduler, request_id: str, identity: str, loop: asyncio.AbstractEventLoop):
         self._scheduler = scheduler
         self.request_id = request_id
+        self.identity = identity
         self._loop = loop
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._finished = False
@@ -634,7 +659,7 @@ class RequestStream:
         """Aborts the request unless it already finished (client cancel or disconnect)."""
         if not self._finished:
             self._finished = True
-            self._scheduler.abort(self.request_id, handle=self._handle)
+            self._scheduler.abort(self.request_id, handle=self._handle, identity=self.identity)
 
 
 def collect(events: Sequence[StreamEvent]) -> tuple[list[int], str, StreamEvent]:

@@ -38,6 +38,7 @@ from serving.scheduler import (
     Scheduler,
     StreamEvent,
 )
+from serving.tenants import Unauthenticated, server_interceptors
 from serving.text import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,27 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         # Tokenizing a long prompt takes milliseconds of CPU; keep it off the event loop.
         return await asyncio.to_thread(self._tokenizer.encode, text)
 
+    async def _identity(self, context, user: str) -> str:
+        """The tenant a call acts for: its API key's name when keys are configured, else `user`.
+
+        Raises InvalidRequest for an over-long `user`; aborts UNAUTHENTICATED without a valid key (the
+        server's ApiKeyInterceptor refuses such calls first; this covers a servicer used without it).
+        """
+        limit = self._config.max_user_length
+        if len(user) > limit:
+            raise InvalidRequest(
+                "user", f"has {len(user)} characters; the limit is max_user_length = {limit}"
+            )
+        keys = self._config.api_keys
+        if keys is None:
+            return user
+        try:
+            return keys.authenticate(context.invocation_metadata())
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+
     async def _to_request(self, request: ced_pb2.GenerateRequest, context) -> GenerationRequest:
+        identity = await self._identity(context, request.user)
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidRequest("prompt", "one of prompt or prompt_token_ids is required")
@@ -147,6 +168,7 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             logprobs=request.logprobs,
             ignore_eos=request.ignore_eos,
             deadline=deadline,
+            identity=identity,
         )
 
     async def Generate(self, request, context):
@@ -190,6 +212,7 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
                 max_stop_strings=cfg.max_stop_strings,
                 max_stop_string_length=cfg.max_stop_string_length,
                 default_max_tokens=cfg.default_max_tokens,
+                max_user_length=cfg.max_user_length,
             ),
             vocab_size=spec.vocab_size,
             eos_token_ids=spec.eos_token_ids,
@@ -201,7 +224,13 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: is empty")
-        return ced_pb2.AbortResponse(found=self._scheduler.abort(request.request_id))
+        try:
+            identity = await self._identity(context, request.user)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # Only the caller's own requests: another identity's request with this id is not found.
+        found = self._scheduler.abort(request.request_id, identity=identity)
+        return ced_pb2.AbortResponse(found=found)
 
 
 class Server:
@@ -228,7 +257,7 @@ class Server:
         if warmup:
             await asyncio.to_thread(self.engine.warmup)
         self.scheduler.start()
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=server_interceptors(self.config.api_keys))
         ced_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (

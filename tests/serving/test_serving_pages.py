@@ -3,18 +3,18 @@
 import numpy as np
 import pytest
 
-from serving.pages import ROOT_KEY, OutOfPages, PagePool
+from serving.pages import ROOT_KEY, OutOfPages, PagePool, scope_tag
 
 pytestmark = pytest.mark.timeout(60)
 
 PS = 4
 
 
-def _register_all(pool, tokens, pages, snapshots=None):
+def _register_all(pool, tokens, pages, snapshots=None, scope=""):
     key = ROOT_KEY
     for i in range(len(tokens) // PS):
         snap = None if snapshots is None else snapshots[i]
-        key = pool.register(key, tokens[i * PS : (i + 1) * PS], pages[i], snap)
+        key = pool.register(key, tokens[i * PS : (i + 1) * PS], pages[i], snap, scope=scope)
     return key
 
 
@@ -86,6 +86,34 @@ def test_collision_keeps_existing_entry_and_broken_chain_is_not_cached():
     pool.check_invariants()
 
 
+def test_scopes_never_match_each_other():
+    dropped = []
+    pool = PagePool(16, PS, on_drop_snapshot=dropped.append)
+    tokens = np.arange(8)
+    a = pool.allocate(2)
+    _register_all(pool, tokens, a, snapshots=["a0", "a1"], scope="alice")
+    assert pool.match(tokens, scope="alice").pages == a  # positive control: the owner hits
+    assert len(pool.match(tokens, scope="bob")) == 0
+    assert len(pool.match(tokens)) == 0  # the shared scope "" is a scope like any other
+    # bob computes the same blocks: his own entries and snapshots, alice's stay as they were
+    b = pool.allocate(2)
+    _register_all(pool, tokens, b, snapshots=["b0", "b1"], scope="bob")
+    assert dropped == [] and pool.match(tokens, scope="bob").pages == b
+    assert pool.match(tokens, scope="alice").pages == a
+    assert [e.snapshot for e in pool.match(tokens, scope="bob").entries] == ["b0", "b1"]
+    # a chain cannot continue under another scope's block
+    c = pool.allocate(1)
+    alice_first = pool.match(tokens[:PS], scope="alice").entries[0].key
+    with pytest.raises(ValueError, match="another scope"):
+        pool.register(alice_first, np.arange(8, 12), c[0], scope="bob")
+    pool.release(c)
+    pool.release(a)
+    pool.release(b)
+    pool.check_invariants()
+    pool.clear_cache()
+    assert sorted(dropped) == ["a0", "a1", "b0", "b1"] and pool.num_free == 16
+
+
 def test_prefix_cache_disabled():
     pool = PagePool(4, PS, enable_prefix_cache=False)
     a = pool.allocate(2)
@@ -101,14 +129,19 @@ def test_randomized_no_leaks_and_consistent_refcounts():
     dropped = []
     pool = PagePool(24, PS, on_drop_snapshot=dropped.append)
     prefixes = [rng.integers(0, 5, size=12) for _ in range(3)]
+    scopes = ["", "a", "b"]
     live: dict[int, list[int]] = {}  # request -> pages it holds (one reference each)
     made_snapshots = 0
+    hits = 0
     for step in range(3000):
         op = rng.choice(["admit", "finish", "cancel", "pressure"], p=[0.45, 0.25, 0.15, 0.15])
         if op == "admit":
             prompt = np.concatenate([prefixes[rng.integers(3)][: rng.integers(0, 13)], rng.integers(0, 5, 9)])
+            scope = scopes[rng.integers(3)]
             total = -(-(len(prompt) + int(rng.integers(1, 6))) // PS)
-            m = pool.match(prompt, max_blocks=(len(prompt) - 1) // PS)
+            m = pool.match(prompt, max_blocks=(len(prompt) - 1) // PS, scope=scope)
+            assert all(e.scope == scope_tag(scope) for e in m.entries)
+            hits += len(m)
             pool.acquire(m.pages)
             if pool.num_available < total - len(m):
                 pool.release(m.pages)
@@ -117,7 +150,9 @@ def test_randomized_no_leaks_and_consistent_refcounts():
             key = m.entries[-1].key if len(m) else ROOT_KEY
             for i in range(len(m), len(prompt) // PS):
                 made_snapshots += 1
-                key = pool.register(key, prompt[i * PS : (i + 1) * PS], pages[i], f"s{made_snapshots}")
+                key = pool.register(
+                    key, prompt[i * PS : (i + 1) * PS], pages[i], f"s{made_snapshots}", scope=scope
+                )
             live[step] = pages
         elif op in ("finish", "cancel") and live:
             rid = list(live)[rng.integers(len(live))]
@@ -137,7 +172,7 @@ def test_randomized_no_leaks_and_consistent_refcounts():
     for pages in live.values():
         pool.release(pages)
     assert pool.num_referenced == 0 and pool.num_free + pool.num_cached == pool.num_pages
-    assert pool.evictions > 0
+    assert pool.evictions > 0 and hits > 100
     pool.clear_cache()
     assert pool.num_free == pool.num_pages and len(dropped) == made_snapshots
     pool.check_invariants()

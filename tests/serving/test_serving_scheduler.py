@@ -336,3 +336,104 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError):
         SamplingParams(temperature=float("nan"))
     assert GREEDY.temperature == 0.0
+
+
+def test_request_ids_are_per_identity_and_abort_only_finds_own():
+    engine, sched = _sched()
+    a = _submit(sched, "r", "alpha", max_tokens=20, identity="alice")
+    b = _submit(sched, "r", "bravo", max_tokens=20, identity="bob")  # the same id, another tenant
+    with pytest.raises(AdmissionError) as e:
+        _submit(sched, "r", "again", identity="alice")
+    assert e.value.kind == "duplicate_id"
+    sched.step()
+    assert sched.num_running == 2
+    assert not sched.abort("r", identity="mallory") and not sched.abort("r")  # not theirs
+    sched.step()
+    assert sched.abort("r", identity="bob")
+    run_until_idle(sched)
+    assert b[-1].finish_reason is FinishReason.ABORT
+    assert collect(a)[2].finish_reason is FinishReason.LENGTH
+    assert collect(a)[0] == mock_greedy_stream(TOK.encode("alpha"), 20)
+    # once finished, the id is free again for its tenant
+    c = _submit(sched, "r", "alpha", max_tokens=3, identity="alice")
+    run_until_idle(sched)
+    assert collect(c)[0] == mock_greedy_stream(TOK.encode("alpha"), 3)
+    _assert_clean(engine, sched)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
+def test_prefix_cache_is_scoped_per_identity_unless_shared(shared, restore_mode):
+    engine, sched = _sched(share_prefix_cache=shared, restore_mode=restore_mode)
+    prompt = TOK.encode("a secret system prompt")  # 22 tokens: 5 full blocks, 20 tokens reusable
+
+    def cached(rid, identity):
+        ev = _submit(sched, rid, prompt, max_tokens=6, identity=identity)
+        run_until_idle(sched)
+        ids, _, last = collect(ev)
+        assert ids == mock_greedy_stream(prompt, 6)  # a hit gives the cold run's tokens
+        return last.usage.cached_prompt_tokens
+
+    assert cached("a1", "alice") == 0
+    assert cached("a2", "alice") == 20  # positive control: the owner's repeat hits
+    assert cached("b1", "bob") == (20 if shared else 0)
+    assert cached("anon", "") == (20 if shared else 0)
+    if not shared:
+        assert cached("b2", "bob") == 20  # bob's own copy now
+    _assert_clean(engine, sched)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_randomized_tenants_no_leaks_exact_outputs_and_isolation(shared):
+    """Three tenants, request ids reused within and across them, aborts by owners and by others."""
+    rng = np.random.default_rng(1)
+    engine, sched = _sched(num_pages=40, max_queued=6, restore_mode="snapshot", share_prefix_cache=shared)
+    tenants = ["", "alice", "bob"]
+    prefixes = ["shared prefix one. ", "another shared prefix! "]
+    events, prompts, aborted = {}, {}, set()
+    for n in range(500):
+        op = rng.choice(["submit", "abort", "step", "step"])
+        if op == "submit":
+            who, rid = tenants[rng.integers(3)], f"r{rng.integers(8)}"
+            text = prefixes[rng.integers(2)][: rng.integers(0, 24)] + "q" * int(rng.integers(1, 9))
+            try:
+                ev = _submit(sched, rid, TOK.encode(text), max_tokens=int(rng.integers(1, 20)), identity=who)
+            except AdmissionError as e:
+                assert e.kind in ("queue_full", "duplicate_id")
+                continue
+            events[(who, rid, n)] = ev
+            prompts[(who, rid, n)] = TOK.encode(text)
+        elif op == "abort" and events:
+            rid, caller = f"r{rng.integers(8)}", tenants[rng.integers(3)]
+            live = {key[:2] for key, ev in events.items() if not (ev and ev[-1].final)}
+            if sched.abort(rid, identity=caller):
+                assert (caller, rid) in live  # only ever the caller's own request
+                aborted.add((caller, rid))
+            else:
+                assert (caller, rid) not in live
+        else:
+            sched.step()
+        sched.pool.check_invariants()
+    run_until_idle(sched)
+    _assert_clean(engine, sched)
+    finished = cross_tenant_hits = 0
+    sent: list[tuple[str, list[int]]] = []  # (tenant, prompt) of every admitted request, in FIFO order
+    for key, ev in events.items():
+        who, rid, _ = key
+        ids, _, last = collect(ev)
+        if last.finish_reason is FinishReason.LENGTH:
+            assert ids == mock_greedy_stream(prompts[key], len(ids))
+            finished += 1
+        else:
+            assert last.finish_reason is FinishReason.ABORT and (who, rid) in aborted
+        cached = last.usage.cached_prompt_tokens
+        if cached:
+            head = prompts[key][:cached]
+            # Admission is FIFO, so a hit can only come from a request submitted earlier.
+            own = any(w == who and p[:cached] == head for w, p in sent)
+            assert own or shared, f"{who!r} hit a prefix only another tenant had sent"
+            cross_tenant_hits += not own
+        sent.append((who, prompts[key]))
+    assert finished > 10 and sched.pool.evictions > 0
+    assert (cross_tenant_hits > 0) == shared  # sharing does share (so the check above can fail)
+    assert engine.compiles_after_warmup == 0
