@@ -132,6 +132,9 @@ class Model:
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
+        """BOS, then the ids of `text`. `tokenizers` matches added tokens anywhere in the text, so a
+        special-token spelling typed in `text` (e.g. "<｜end▁of▁sentence｜>") becomes the special id,
+        as in vLLM; spec 16.1 prefers plain text for user-typed spellings (a range-aware renderer)."""
         return [self.cfg.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode_text(self, ids: list[int]) -> str:
