@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -24,6 +25,10 @@ def _read_ids(path: str, field: str) -> list[int]:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ValueError(f"{field}: file {path} does not exist") from None
+    except OSError as e:  # a directory, no permission
+        raise ValueError(f"{field}: cannot read {path} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{field}: {path} is not a text (JSON) file") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{field}: {path} is not valid JSON ({e})") from None
     if not isinstance(data, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in data):
@@ -49,12 +54,16 @@ def _write_atomic_safetensors(arrays: dict, out: str) -> None:
     from safetensors.numpy import save_file
 
     out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=out_path.parent, suffix=".tmp")
+    except OSError as e:  # checked before computing (_check_output_file); this is a late change
+        raise ValueError(f"cannot write {out} ({e.strerror})") from None
     os.close(fd)
     try:
         save_file(arrays, tmp)
         os.replace(tmp, out_path)
+    except OSError as e:  # e.g. the disk filled up
+        raise ValueError(f"cannot write {out} ({e.strerror})") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -104,6 +113,102 @@ def _load_sharded(args):
     return load(args.model, impl=args.impl, mesh=_mesh(args), rules=args.rules)
 
 
+# ---------------------------------------------------------------------- option checks
+# The numbers and output paths of a command are checked before any device is touched or a model is
+# loaded, so a mistake costs a second, not a load and a compile, and reads as one line naming the flag.
+SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps 32 bits (2**32 gives the key of 0); the server's is uint32
+
+
+def _check_at_least(flag: str, value: float | None, minimum: float) -> None:
+    """A given number (None: not given) must be >= minimum; NaN never is, and a float must be finite."""
+    if value is None:
+        return
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value >= minimum):
+            raise ValueError(f"{flag} must be a finite number >= {minimum:g}, got {value}")
+    elif value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+
+
+def _check_output_file(flag: str, path: str | None) -> None:
+    """`path` (None: not given) is a file that can be written: not a directory, in a directory that
+    exists and takes new files (probed with a temporary file, as the output is written later)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {target.parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+    except OSError as e:  # read-only filesystem, no permission
+        raise ValueError(f"{flag} {path}: cannot create files in {target.parent} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _check_mesh_and_hosts(args) -> None:
+    """--mesh names known axes once each with sizes >= 1; the multi-host numbers are positive."""
+    if args.mesh is not None:
+        from ced_jax.sharding import parse_mesh  # parsing only; no device is touched
+
+        parse_mesh(args.mesh)
+    _check_at_least("--num-processes", args.num_processes, 1)
+    _check_at_least("--process-id", args.process_id, 0)
+    _check_at_least("--init-timeout", args.init_timeout, 1)
+
+
+def _context_length(model: str) -> int | None:
+    """The context (max_position_embeddings) of a preset or checkpoint directory; None when `model`
+    is neither, which loading then reports."""
+    from ced_jax.config import PRESETS, ModelConfig, preset
+
+    if model in PRESETS:
+        return preset(model).max_position_embeddings
+    if Path(model).is_dir():
+        return ModelConfig.from_pretrained(model).max_position_embeddings
+    return None
+
+
+def _check_logits_options(args) -> None:
+    _check_mesh_and_hosts(args)
+    _check_at_least("--prefill-chunk", args.prefill_chunk, 1)
+    _check_output_file("--out", args.out)
+    _check_output_file("--capture", args.capture)
+    if args.capture is not None and Path(args.capture).resolve() == Path(args.out).resolve():
+        raise ValueError("--capture must be a different file than --out")
+
+
+def _check_generate_options(args) -> None:
+    _check_mesh_and_hosts(args)
+    _check_at_least("--max-tokens", args.max_tokens, 1)
+    _check_at_least("--temperature", args.temperature, 0.0)
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
+    context = _context_length(args.model)
+    if context is not None and args.max_tokens > context:
+        raise ValueError(f"--max-tokens {args.max_tokens} is beyond the model's context of {context} tokens")
+
+
+def _check_serve_options(args) -> None:
+    """Each shape and limit by its flag (ServeConfig then checks how they combine)."""
+    _check_mesh_and_hosts(args)
+    at_least = (
+        ("--max-slots", args.max_slots, 1),
+        ("--page-size", args.page_size, 1),
+        ("--max-context", args.max_context, 1),
+        ("--num-pages", args.num_pages, 1),
+        ("--prefill-chunk", args.prefill_chunk, 1),
+        ("--max-running", args.max_running, 1),
+        ("--max-queued", args.max_queued, 0),
+        ("--max-tokens-limit", args.max_tokens_limit, 1),
+        ("--grace-period", args.grace_period, 0.0),
+    )
+    for flag, value, minimum in at_least:
+        _check_at_least(flag, value, minimum)
+
+
 def cmd_describe(args) -> int:
     from ced_jax.api import describe
     from ced_jax.config import PRESETS, ModelConfig, preset
@@ -116,6 +221,7 @@ def cmd_describe(args) -> int:
 def cmd_logits(args) -> int:
     import numpy as np
 
+    _check_logits_options(args)
     _setup_distributed(args)
     prompt = _read_ids(args.prompt_ids, "--prompt-ids")
     decode = _read_ids(args.decode_ids, "--decode-ids") if args.decode_ids else []
@@ -151,6 +257,7 @@ def cmd_logits(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    _check_generate_options(args)
     _setup_distributed(args)
     model = _load_sharded(args)
     result = model.generate(args.prompt, args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -186,6 +293,7 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     """`ced-jax serve MODEL`: load, compile the engine's programs, serve gRPC until SIGTERM."""
+    _check_serve_options(args)
     from serving.config import ServeConfig
     from serving.jax_engine import JaxEngine, ModelTokenizer
     from serving.server import serve
@@ -450,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, prog: str) -> int:
     try:
         return args.func(args)
-    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+    # ValueError covers the project's own input errors (ConfigError, CheckpointError, EngramConfigError,
+    # ...); OSError a file the user named that cannot be read or written.
+    except (ValueError, NotImplementedError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
