@@ -99,9 +99,9 @@ def _start_local(args):
     )  # fmt: skip
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = Server(engine, ModelTokenizer(model), config)
+    server = Server(config)
     t = time.perf_counter()
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result()
+    asyncio.run_coroutine_threadsafe(server.start(engine, ModelTokenizer(model)), loop).result()
     print(f"engine warm-up (compile) {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return server, loop, model.cfg.vocab_size
 

@@ -291,11 +291,17 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_port_option(option: str, port: int, off: int | None = None) -> None:
+    if port != off and not 0 <= port <= 65535:
+        also = "" if off is None else f", or {off} (off)"
+        raise ValueError(f"{option} must be in 0..65535 (0: any free port){also}, got {port}")
+
+
 def cmd_serve(args) -> int:
-    """`ced-jax serve MODEL`: load, compile the engine's programs, serve gRPC until SIGTERM."""
+    """`ced-jax serve MODEL`: bind the ports, load, compile the engine's programs, serve gRPC until
+    SIGTERM. Options are checked and ports bound before anything slow (JAX is imported by the loader)."""
     _check_serve_options(args)
     from serving.config import ServeConfig
-    from serving.jax_engine import JaxEngine, ModelTokenizer
     from serving.server import serve
     from serving.tenants import ApiKeys
 
@@ -305,6 +311,10 @@ def cmd_serve(args) -> int:
             api_keys = ApiKeys.load(args.api_key_file)
         except ValueError as e:
             raise ValueError(f"--api-key-file {e}") from None
+    _check_port_option("--port", args.port)
+    _check_port_option("--metrics-port", args.metrics_port, off=-1)
+    _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
+    _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
     defaults = ServeConfig()
     chunk = args.prefill_chunk
     config = ServeConfig(
@@ -317,6 +327,8 @@ def cmd_serve(args) -> int:
         max_queued=args.max_queued,
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(defaults.default_max_tokens, args.max_tokens_limit),
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_tokenize_bytes=args.max_tokenize_bytes,
         enable_prefix_cache=not args.no_prefix_cache,
         api_keys=api_keys,
         share_prefix_cache=args.shared_prefix_cache,
@@ -330,21 +342,27 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--prefill-chunk {chunk} must be a multiple of --page-size {args.page_size}")
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
         raise ValueError("serve runs in one process (--mesh over its devices); multi-host is not supported")
-    model = _load_sharded(args)
-    engine = JaxEngine(
-        model,
-        max_slots=config.max_slots,
-        page_size=config.page_size,
-        num_pages=config.num_pages,
-        max_context=config.max_context,
-        prefill_chunk=chunk,
-        max_logprobs=config.max_logprobs,
-    )
-    print(
-        f"ced-jax: compiling prefill ({chunk}-token chunks) and decode ({config.max_slots} slots) ...",
-        flush=True,
-    )
-    return serve(engine, ModelTokenizer(model), config)
+
+    def load():  # called by serve once every port is bound
+        from serving.jax_engine import JaxEngine, ModelTokenizer
+
+        model = _load_sharded(args)
+        engine = JaxEngine(
+            model,
+            max_slots=config.max_slots,
+            page_size=config.page_size,
+            num_pages=config.num_pages,
+            max_context=config.max_context,
+            prefill_chunk=chunk,
+            max_logprobs=config.max_logprobs,
+        )
+        print(
+            f"ced-jax: compiling prefill ({chunk}-token chunks) and decode ({config.max_slots} slots) ...",
+            flush=True,
+        )
+        return engine, ModelTokenizer(model)
+
+    return serve(config, load)
 
 
 def cmd_plan(args) -> int:
@@ -378,7 +396,11 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
     """`ced-jax convert` and `convert_weights` (here, not in conversion.convert, so that building
     the parser stays free of JAX imports)."""
     p.add_argument("--hf-dir", required=True, help="released-layout checkpoint (index + safetensors shards)")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory; must not exist, or with --overwrite be a previous conversion (or empty)",
+    )
     p.add_argument(
         "--include",
         default="text",
@@ -396,10 +418,14 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
         default="native",
         help="native: FP8/FP4 packed with their scales (what ced_jax runs); bf16: everything dequantised",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out that is a previous conversion (has ced_manifest.json) or empty",
+    )
     p.add_argument("--no-compression", action="store_true", help="store chunks uncompressed (faster)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_convert, command="convert")
+    p.set_defaults(func=cmd_convert, command="convert", prog=p.prog)  # prog: for the interruption line
 
 
 class _ImplAction(argparse.Action):
@@ -488,6 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-queued", type=int, default=256, help="waiting requests; beyond: RESOURCE_EXHAUSTED")
     g.add_argument("--max-tokens-limit", type=int, default=1024, help="largest accepted max_tokens")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
+    g.add_argument(
+        "--max-prompt-bytes", type=int, default=1 << 20, help="largest text prompt (UTF-8 bytes) of Generate"
+    )
+    g.add_argument(
+        "--max-tokenize-bytes", type=int, default=1 << 20, help="largest text (UTF-8 bytes) of Tokenize"
+    )
     g = p.add_argument_group("tenants")
     g.add_argument(
         "--api-key-file",

@@ -9,9 +9,13 @@ scheduler and server.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from serving.engine_api import EngineSpec
 from serving.tenants import ApiKeys
+
+# The fields that name a TCP port the server listens on (checked to be in 0..65535).
+PORT_FIELDS = ("port", "metrics_port")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +37,10 @@ class ServeConfig:
     max_stop_string_length: int = 256
     max_request_id_length: int = 256
     default_deadline_s: float | None = None  # applied when the client sets no gRPC deadline
+    # Text is tokenized on host threads before any other check can refuse it, so its size is capped
+    # (UTF-8 bytes): GenerateRequest.prompt and TokenizeRequest.text; beyond: INVALID_ARGUMENT.
+    max_prompt_bytes: int = 1 << 20
+    max_tokenize_bytes: int = 1 << 20
 
     # Scheduling.
     prefill_chunks_per_step: int = 1  # prefill chunks run between two decode steps
@@ -51,6 +59,9 @@ class ServeConfig:
     metrics_port: int | None = 0  # None = no metrics endpoint; 0 = ephemeral
     metrics_host: str = "127.0.0.1"
     grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
+    # Threads that run Tokenize calls (their own pool: a burst of large Tokenize calls never holds up
+    # Generate's tokenization or the scheduler thread); further calls wait for a free one.
+    tokenize_workers: int = 2
 
     def __post_init__(self):
         positive = (
@@ -60,6 +71,9 @@ class ServeConfig:
             "max_context",
             "max_tokens_limit",
             "default_max_tokens",
+            "max_prompt_bytes",
+            "max_tokenize_bytes",
+            "tokenize_workers",
             "max_user_length",
         )
         for name in positive:
@@ -86,8 +100,12 @@ class ServeConfig:
             raise ValueError("max_queued and max_logprobs must be >= 0, prefill_chunks_per_step >= 1")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
-        if self.grace_period_s < 0:
-            raise ValueError("grace_period_s must be >= 0")
+        if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
+            raise ValueError(f"grace_period_s must be a finite number >= 0, got {self.grace_period_s}")
+        for name in PORT_FIELDS:
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0..65535 (0: any free port), got {port}")
 
     @property
     def running_limit(self) -> int:

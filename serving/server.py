@@ -6,23 +6,43 @@ text prompt off the event loop, and submits a `GenerationRequest`; the scheduler
 cancels, disconnects or its deadline passes, grpc.aio cancels the handler; the `finally` closes the
 stream, which aborts the request so its slot and pages are freed in the next scheduler step.
 
+Start-up (`serve`): every port is bound first, so a busy one fails in seconds with one line, not after
+the model has been loaded and compiled. The gRPC server then listens with health NOT_SERVING and
+answers InferenceService calls UNAVAILABLE ("warming up") while the model loads and the engine warms
+up; health turns SERVING when it is ready.
+
 Shutdown (SIGTERM or SIGINT in `serve`): health turns NOT_SERVING and new Generate calls get
-UNAVAILABLE; in-flight streams may finish for up to `grace_period_s`; whatever is still running is then
-aborted, so its stream ends normally with finish_reason ABORT; the gRPC server stops and `serve`
-returns 0.
+UNAVAILABLE; in-flight streams may finish for up to `grace_period_s` (a second signal ends the grace
+period at once); whatever is still running is then aborted, so its stream ends normally with
+finish_reason ABORT; the gRPC server stops and `serve` returns 0.
+
+Tokenize runs on a small pool of its own (`tokenize_workers` threads), apart from the scheduler thread
+and from the default pool that tokenizes Generate prompts, so a burst of large Tokenize calls cannot
+hold up generation; text sizes are capped by `max_tokenize_bytes` / `max_prompt_bytes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import functools
 import logging
 import math
+import os
 import secrets
 import signal
+import socket
 import sys
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -112,8 +132,16 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         self._tokenizer = tokenizer
         self._config = config
         self.active_streams = 0
+        self._tokenize_pool = ThreadPoolExecutor(
+            max_workers=config.tokenize_workers, thread_name_prefix="ced-tokenize"
+        )
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _encode(self, text: str) -> list[int]:
+        """Generate's text prompt as token ids (Tokenize has its own pool, see `Tokenize`)."""
+        _check_text_size("prompt", text, "max_prompt_bytes", self._config.max_prompt_bytes)
         # Tokenizing a long prompt takes milliseconds of CPU; keep it off the event loop.
         return await asyncio.to_thread(self._tokenizer.encode, text)
 
@@ -195,7 +223,15 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             self.active_streams -= 1
 
     async def Tokenize(self, request, context):
-        return ced_pb2.TokenizeResponse(token_ids=await self._encode(request.text))
+        try:
+            _check_text_size("text", request.text, "max_tokenize_bytes", self._config.max_tokenize_bytes)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # On the Tokenize pool: its few threads bound how many Tokenize calls run at once, and calls
+        # beyond them wait there, not on the pool Generate's prompts are tokenized on.
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize_pool, self._tokenizer.encode, request.text)
+        return ced_pb2.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request, context):
         spec, cfg = self._scheduler.spec, self._config
@@ -233,32 +269,185 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         return ced_pb2.AbortResponse(found=found)
 
 
-class Server:
-    """A running server: engine warm-up, scheduler thread, gRPC (with health and reflection), metrics."""
+def _check_text_size(field: str, text: str, limit_name: str, limit: int) -> None:
+    """Raises InvalidRequest naming `field` if `text` has more than `limit` bytes of UTF-8."""
+    if 4 * len(text) <= limit:  # a character is 1..4 bytes: decided without encoding the text
+        return
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise InvalidRequest(field, f"has {size} bytes of UTF-8; the limit is {limit_name} = {limit}")
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServeConfig):
+
+# ---- request decoding -------------------------------------------------------------------------------
+# grpc's usual request deserializer (`Message.FromString`) raises DecodeError when a proto3 `string`
+# field holds invalid UTF-8 (a client that does not validate can send that), and grpc.aio answers any
+# deserializer exception with UNKNOWN "Unexpected <class ...DecodeError>", naming no field. The fields
+# stay `string` in ced.proto (they are text, and declaring them `bytes` would make every client encode
+# and decode them); instead each method is registered with a deserializer that, on failure, hands the
+# handler an `_UndecodableRequest`, and the handler answers INVALID_ARGUMENT. The field is found by
+# parsing the same bytes as a twin message type whose string fields are bytes.
+
+
+@dataclasses.dataclass(frozen=True)
+class _UndecodableRequest:
+    message: str  # the INVALID_ARGUMENT details, naming the field where one is to blame
+
+
+@functools.cache
+def _text_as_bytes_pool() -> tuple[descriptor_pool.DescriptorPool, str, str]:
+    """A pool holding a copy of ced.proto in which every string field is bytes (map entries excepted:
+    proto maps cannot have bytes keys, and no request has a map); with the original and copy packages."""
+    proto = descriptor_pb2.FileDescriptorProto()
+    ced_pb2.DESCRIPTOR.CopyToProto(proto)
+    package, twin = proto.package, proto.package + ".text_as_bytes"
+    proto.name = proto.name.removesuffix(".proto") + "_text_as_bytes.proto"
+    proto.package = twin
+    del proto.service[:]
+
+    def convert(messages) -> None:
+        for m in messages:
+            convert(m.nested_type)
+            for f in m.field:
+                if f.type_name.startswith(f".{package}."):
+                    f.type_name = f".{twin}." + f.type_name.removeprefix(f".{package}.")
+                if f.type == FieldDescriptor.TYPE_STRING and not m.options.map_entry:
+                    f.type = FieldDescriptor.TYPE_BYTES
+
+    convert(proto.message_type)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return pool, package, twin
+
+
+def _first_invalid_utf8(original: Descriptor, msg, prefix: str = "") -> str | None:
+    """The path (`stop[1]`, `sampling.x`) of the first field of `msg`, a text-as-bytes twin of a
+    message of type `original`, that is a string field there and not UTF-8 here."""
+    for field, value in msg.ListFields():
+        name = prefix + field.name
+        values = value if field.is_repeated else [value]
+        original_field = original.fields_by_name[field.name]
+        for i, item in enumerate(values):
+            path = f"{name}[{i}]" if field.is_repeated else name
+            if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+                found = _first_invalid_utf8(original_field.message_type, item, path + ".")
+                if found is not None:
+                    return found
+            elif original_field.type == FieldDescriptor.TYPE_STRING and isinstance(item, bytes):
+                try:
+                    item.decode("utf-8")
+                except UnicodeDecodeError:
+                    return path
+    return None
+
+
+def _explain_undecodable(descriptor: Descriptor, data: bytes, error: DecodeError) -> str:
+    pool, package, twin = _text_as_bytes_pool()
+    twin_class = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName(twin + descriptor.full_name.removeprefix(package))
+    )
+    try:
+        field = _first_invalid_utf8(descriptor, twin_class.FromString(data))
+    except DecodeError:
+        field = None
+    if field is None:
+        return f"request: not a valid {descriptor.full_name} message ({error})"
+    return f"{field}: is not valid UTF-8 (a proto3 string field must be)"
+
+
+def _deserializer(message_class) -> Callable[[bytes], object]:
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as e:
+            return _UndecodableRequest(_explain_undecodable(message_class.DESCRIPTOR, data, e))
+
+    return deserialize
+
+
+# ---- listening ------------------------------------------------------------------------------------
+
+_GRPC_DEFAULT_MAX_RECEIVE_BYTES = 4 << 20
+_ROOM_FOR_OTHER_FIELDS_BYTES = 1 << 20  # stop strings, ids and the rest of a request beside its text
+
+
+def _max_request_bytes(config: ServeConfig) -> int:
+    """gRPC's receive limit: never below its default, and room for text at the configured limits (else
+    gRPC would refuse a legal request first, with RESOURCE_EXHAUSTED naming no field)."""
+    largest_text = max(config.max_prompt_bytes, config.max_tokenize_bytes)
+    return max(_GRPC_DEFAULT_MAX_RECEIVE_BYTES, largest_text + _ROOM_FOR_OTHER_FIELDS_BYTES)
+
+
+class PortUnavailable(ValueError):
+    """A port the server should listen on cannot be had; the message names the option that chose it."""
+
+
+_Bound = TypeVar("_Bound")
+
+
+def _listen(option: str, host: str, port: int, bind: Callable[[], _Bound]) -> _Bound:
+    """`bind()` (which listens on host:port), or PortUnavailable naming `option` if that fails.
+
+    A fixed port is probed first with a plain socket (SO_REUSEADDR as servers set it, no SO_REUSEPORT):
+    when gRPC itself fails to bind, its C core also logs several lines to stderr, and the probe answers
+    first with one line. A port taken between probe and bind still fails, with gRPC's lines as well.
+    """
+    try:
+        if port:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            socket.create_server((host, port), family=family).close()
+        return bind()
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, socket.gaierror):
+            reason = e.strerror  # e.g. "Name or service not known" for a bad host
+        elif isinstance(e, OSError) and e.errno:
+            reason = os.strerror(e.errno)  # create_server's own text repeats the address
+        else:
+            reason = str(e)
+        raise PortUnavailable(f"{option}: cannot listen on {host}:{port}: {reason}") from None
+
+
+class Server:
+    """gRPC (InferenceService, health, reflection) and metrics listeners, then an engine behind them.
+
+    Two phases, so that a port that cannot be had fails in seconds, before the model is loaded and its
+    programs compiled: `bind()` listens on every port (health NOT_SERVING; InferenceService calls get
+    UNAVAILABLE "warming up"), `attach(engine, tokenizer)` warms the engine up, starts the scheduler and
+    turns health SERVING. `start(engine, tokenizer)` does both.
+    """
+
+    def __init__(self, config: ServeConfig):
         self.config = config
-        self.engine = engine
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, tokenizer, config, self.metrics)
-        self.servicer = InferenceServicer(self.scheduler, tokenizer, config)
         self.health = health.aio.HealthServicer()
+        # Set by attach(); until then the InferenceService answers UNAVAILABLE.
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self.servicer: InferenceServicer | None = None
         self._grpc: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self._grace_over = asyncio.Event()
         self._stopped = asyncio.Event()
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    async def start(self, warmup: bool = True) -> None:
-        if warmup:
-            await asyncio.to_thread(self.engine.warmup)
-        self.scheduler.start()
-        server = grpc.aio.server(interceptors=server_interceptors(self.config.api_keys))
-        ced_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
+    async def bind(self) -> None:
+        """Listens on every configured port; if one cannot be had, raises PortUnavailable (a ValueError
+        naming its option) with nothing left listening. New ports go here, each through `_listen`."""
+        cfg = self.config
+        server = grpc.aio.server(
+            interceptors=server_interceptors(cfg.api_keys),
+            options=[
+                # gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and
+                # the kernel would split new connections between the two.
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", _max_request_bytes(cfg)),
+            ],
+        )
+        self._add_inference_service(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (
             SERVICE_NAME,
@@ -267,73 +456,196 @@ class Server:
         )
         reflection.enable_server_reflection(names, server)
         try:
-            self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        except RuntimeError:
-            await asyncio.to_thread(self.scheduler.shutdown)
-            raise ValueError(
-                f"cannot listen on {self.config.host}:{self.config.port} (port in use? choose --port)"
-            ) from None
-        await server.start()
-        self._grpc = server
+            self.port = _listen(
+                "--port", cfg.host, cfg.port, lambda: server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            )
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await server.start()
+            self._grpc = server
+            if cfg.metrics_port is not None:
+                self._metrics_server = _listen(
+                    "--metrics-port",
+                    cfg.metrics_host,
+                    cfg.metrics_port,
+                    lambda: MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port),
+                )
+                self.metrics_port = self._metrics_server.port
+        except BaseException:
+            await self._close_listeners()
+            raise
+
+    async def attach(self, engine: Engine, tokenizer: Tokenizer, warmup: bool = True) -> None:
+        """Puts `engine` behind the listening server: warm-up (compiles), scheduler, health SERVING."""
+        if self._grpc is None:
+            raise RuntimeError("Server.attach needs bind() first")
+        scheduler = Scheduler(engine, tokenizer, self.config, self.metrics)  # checks the engine's shapes
+        if warmup:
+            await asyncio.to_thread(engine.warmup)
+        self.engine, self.scheduler = engine, scheduler
+        scheduler.start()
+        self.servicer = InferenceServicer(scheduler, tokenizer, self.config)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.config.metrics_port is not None:
-            self._metrics_server = MetricsServer(
-                self.metrics, self.config.metrics_host, self.config.metrics_port
+
+    async def start(self, engine: Engine, tokenizer: Tokenizer, warmup: bool = True) -> None:
+        await self.bind()
+        try:
+            await self.attach(engine, tokenizer, warmup)
+        except BaseException:
+            await self._close_listeners()
+            raise
+
+    def _add_inference_service(self, server: grpc.aio.Server) -> None:
+        """Registers ced.v1.InferenceService from its descriptor: every method with `_deserializer` and
+        behind `_gate` (instead of the generated add_InferenceServiceServicer_to_server)."""
+        service = ced_pb2.DESCRIPTOR.services_by_name["InferenceService"]
+        handlers = {}
+        for method in service.methods:
+            if method.client_streaming:
+                raise NotImplementedError(f"{method.full_name}: client-streaming methods are not gated")
+            make = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
             )
-            self.metrics_port = self._metrics_server.port
+            handlers[method.name] = make(
+                self._gate(method.name, method.server_streaming),
+                request_deserializer=_deserializer(message_factory.GetMessageClass(method.input_type)),
+                response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
+            )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        server.add_registered_method_handlers(service.full_name, handlers)
+
+    def _gate(self, name: str, streaming: bool):
+        """The handler of method `name`: an undecodable request gets INVALID_ARGUMENT, any call before
+        attach() UNAVAILABLE; otherwise the servicer's method answers."""
+
+        async def admit(request, context):
+            if isinstance(request, _UndecodableRequest):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            if self.servicer is None:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "warming up: the model is loading or compiling; health turns SERVING when ready",
+                )
+            return getattr(self.servicer, name)
+
+        if streaming:
+
+            async def behavior(request, context):
+                method = await admit(request, context)
+                # aclosing: when grpc stops iterating (cancel, disconnect), the servicer's stream is
+                # closed now (its `finally` aborts the request), not whenever it is garbage-collected.
+                async with contextlib.aclosing(method(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+
+        else:
+
+            async def behavior(request, context):
+                method = await admit(request, context)
+                return await method(request, context)
+
+        behavior.__name__ = name
+        return behavior
+
+    async def _close_listeners(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+            self._grpc = None
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+
+    def end_grace_period(self) -> None:
+        """Cuts a shutdown's grace period short: whatever is still in flight is aborted at once."""
+        self._grace_over.set()
 
     async def shutdown(self, grace_period_s: float | None = None) -> None:
         """Graceful stop: refuse new work, drain for the grace period, abort the rest, stop."""
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
         loop = asyncio.get_running_loop()
         await self.health.enter_graceful_shutdown()
-        self.scheduler.stop_admitting()
-        end = loop.time() + grace
-        while self.scheduler.num_in_flight and loop.time() < end:
-            await asyncio.sleep(0.02)
-        if self.scheduler.num_in_flight:
-            n = self.scheduler.abort_all()
-            log.warning("grace period over: aborting %d in-flight requests", n)
-        # Let the handlers send their final (ABORT) messages before the transport goes away.
-        end = loop.time() + 5.0
-        while (self.scheduler.num_in_flight or self.servicer.active_streams) and loop.time() < end:
-            await asyncio.sleep(0.01)
-        if self._grpc is not None:
-            await self._grpc.stop(grace=1.0)
-        await asyncio.to_thread(self.scheduler.shutdown)
-        if self._metrics_server is not None:
-            self._metrics_server.close()
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.stop_admitting()
+            end = loop.time() + grace
+            while scheduler.num_in_flight and loop.time() < end and not self._grace_over.is_set():
+                await asyncio.sleep(0.02)
+            if scheduler.num_in_flight:
+                n = scheduler.abort_all()
+                log.warning("grace period over: aborting %d in-flight requests", n)
+            # Let the handlers send their final (ABORT) messages before the transport goes away.
+            end = loop.time() + 5.0
+            while (scheduler.num_in_flight or self.servicer.active_streams) and loop.time() < end:
+                await asyncio.sleep(0.01)
+        await self._close_listeners()
+        if scheduler is not None:
+            await asyncio.to_thread(scheduler.shutdown)
+            self.servicer.close()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
 
-async def serve_async(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, *, ready=None) -> int:
-    """Serves until SIGTERM/SIGINT, then shuts down gracefully; returns the exit code (0)."""
-    server = Server(engine, tokenizer, config)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    line = f"ced-jax serving {engine.spec.model_name or 'model'} on {server.address}"
+async def serve_async(
+    config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, ready=None
+) -> int:
+    """Serves until SIGTERM/SIGINT, then shuts down gracefully; returns the exit code (0).
+
+    `load()` builds the engine and its tokenizer (loading the model); it runs on a worker thread after
+    every port is bound. During start-up SIGTERM and SIGINT end the process at once (their default
+    action: nothing has been admitted, so there is nothing to drain, and Python's SIGINT handler would
+    only interrupt the event loop while the loading thread carries on). Once serving, the first signal
+    starts the graceful shutdown and a second one ends its grace period at once.
+    """
+    server = Server(config)
+    await server.bind()
+    line = f"ced-jax: listening on {server.address}"
     if server.metrics_port is not None:
-        line += f" metrics http://{config.metrics_host}:{server.metrics_port}/metrics"
-    print(line, flush=True)
-    if ready is not None:
-        ready(server)
-    await stop.wait()
-    server.scheduler.stop_admitting()  # before anything else, so "shutting down" means refusing work
-    print(f"ced-jax: shutting down (grace period {config.grace_period_s:g} s)", flush=True)
-    await server.shutdown()
-    return 0
+        line += f" (metrics port {server.metrics_port})"
+    print(f"{line}; loading and warming up (health NOT_SERVING until ready) ...", flush=True)
+    loop = asyncio.get_running_loop()
+    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        try:
+            engine, tokenizer = await asyncio.to_thread(load)
+            await server.attach(engine, tokenizer)
+        except BaseException:
+            await server.shutdown(grace_period_s=0.0)
+            raise
+        stop = asyncio.Event()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                print("ced-jax: second signal: ending the grace period", flush=True)
+                server.end_grace_period()
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        line = f"ced-jax serving {engine.spec.model_name or 'model'} on {server.address}"
+        if server.metrics_port is not None:
+            line += f" metrics http://{config.metrics_host}:{server.metrics_port}/metrics"
+        print(line, flush=True)
+        if ready is not None:
+            ready(server)
+        await stop.wait()
+        server.scheduler.stop_admitting()  # before anything else, so "shutting down" means refusing work
+        print(f"ced-jax: shutting down (grace period {config.grace_period_s:g} s)", flush=True)
+        await server.shutdown()
+        return 0
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous_sigint)
 
 
-def serve(engine: Engine, tokenizer: Tokenizer, serve_config: ServeConfig) -> int:
-    """Blocking entry point for `ced-jax serve`; returns the process exit code."""
-    return asyncio.run(serve_async(engine, tokenizer, serve_config))
+def serve(config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]]) -> int:
+    """Blocking entry point for `ced-jax serve` (see serve_async); returns the process exit code."""
+    return asyncio.run(serve_async(config, load))
 
 
 def _mock_main(argv: list[str]) -> int:
@@ -360,7 +672,7 @@ def _mock_main(argv: list[str]) -> int:
         max_slots=4, page_size=4, num_pages=64, max_context=64, prefill_buckets=(4, 8, 16),
         max_logprobs=5, max_tokens_limit=60, default_max_tokens=16, grace_period_s=a.grace, port=a.port,
     )  # fmt: skip
-    return serve(engine, ByteTokenizer(), config)
+    return serve(config, lambda: (engine, ByteTokenizer()))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
+import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -123,7 +127,8 @@ def test_serve_bad_options_exit_2_before_loading(capsys):
     for extra, message in cases:
         assert main(["serve", "tiny", *extra]) == 2
         assert message in capsys.readouterr().err
-    assert main(["serve", "/no/such/dir"]) == 2
+    # The ports are bound before the model is loaded: free ones, so only the model can be at fault.
+    assert main(["serve", "/no/such/dir", "--port", "0", "--metrics-port", "-1"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 
 
@@ -264,3 +269,61 @@ def test_console_script_bad_number_is_one_line_without_traceback():
     assert run.stderr.splitlines() == [
         "ced-jax generate: error: --temperature must be a finite number >= 0, got nan"
     ]
+
+
+# ---------------------------------------------------------------------- serve: ports first
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--port", "99999"], ("--port must be in 0..65535", "99999")),
+        (["--port", "-1"], ("--port must be in 0..65535", "-1")),
+        (["--metrics-port", "65536"], ("--metrics-port must be in 0..65535", "65536")),
+        (["--metrics-port", "-2"], ("--metrics-port must be in 0..65535", "-1 (off)")),
+        (["--max-prompt-bytes", "0"], ("--max-prompt-bytes", ">= 1")),
+        (["--max-tokenize-bytes", "0"], ("--max-tokenize-bytes", ">= 1")),
+    ],
+)
+def test_serve_bad_ports_and_text_limits_exit_2(extra, needles, capsys, nothing_loads):
+    _refused(["serve", "tiny", *extra], capsys, *needles)
+
+
+def _serve_subprocess(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "ced_cli.main", "serve", "tiny", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    return run, time.monotonic() - start
+
+
+def test_serve_on_a_busy_grpc_port_exits_2_before_loading():
+    # The holder is a gRPC server with gRPC's default options (SO_REUSEPORT on), as `ced-jax serve`
+    # used to listen; a second server that also set it would start and share the port.
+    holder = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    port = holder.add_insecure_port("127.0.0.1:0")
+    holder.start()
+    try:
+        run, elapsed = _serve_subprocess("--port", str(port), "--metrics-port", "-1")
+    finally:
+        holder.stop(None)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [
+        f"ced-jax serve: error: --port: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+    assert run.stdout == ""  # nothing started, nothing loaded
+    assert elapsed < 30, elapsed  # seconds (Python start-up on a busy machine), not a load and compile
+
+
+def test_serve_on_a_busy_metrics_port_exits_2_before_loading():
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        run, elapsed = _serve_subprocess("--port", "0", "--metrics-port", str(port))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [
+        f"ced-jax serve: error: --metrics-port: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+    assert run.stdout == ""
+    assert elapsed < 30, elapsed

@@ -62,14 +62,14 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self._thread.start()
-        self.server = self.call(self._make(engine, tokenizer, config))
-        self.call(self.server.start())
+        self.server = self.call(self._make(config))
+        self.call(self.server.start(engine, tokenizer))
         self.addr = self.server.address
         self.scheduler = self.server.scheduler
 
     @staticmethod
-    async def _make(engine, tokenizer, config):
-        return Server(engine, tokenizer, config)
+    async def _make(config):
+        return Server(config)
 
     def call(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -2,6 +2,8 @@
 
 import asyncio
 import math
+import socket
+import threading
 import urllib.request
 
 import grpc
@@ -13,6 +15,7 @@ from serving_helpers import ServerThread, make_engine_and_config, wait_until
 from serving import client
 from serving.mock_engine import ByteTokenizer, mock_greedy_stream
 from serving.proto import ced_pb2, ced_pb2_grpc
+from serving.server import SERVICE_NAME, PortUnavailable, Server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -258,3 +261,217 @@ def test_graceful_shutdown_in_process_health_and_abort():
         done.result(10)
     assert srv.scheduler.pool.num_referenced == 0
     srv.stop_loop()
+
+
+# ---- start-up: ports first, then warm-up ---------------------------------------------------------------
+
+
+class LoopThread:
+    """An event loop on its own thread, for a Server driven phase by phase."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro, timeout: float = 30.0):
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+async def _new_server(cfg):
+    return Server(cfg)
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def test_a_second_server_on_a_busy_grpc_port_is_refused(srv):
+    # gRPC's default SO_REUSEPORT would let this bind succeed and split connections between the two.
+    _, cfg = make_engine_and_config(port=srv.server.port)
+    with pytest.raises(PortUnavailable, match=f"--port: cannot listen on 127.0.0.1:{srv.server.port}"):
+        srv.call(srv.call(_new_server(cfg)).bind())
+    assert client.model_info(srv.addr).model_name == "mock"  # the first server is unaffected
+
+
+def test_a_busy_metrics_port_is_refused_and_nothing_stays_bound():
+    lt = LoopThread()
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        busy, grpc_port = holder.getsockname()[1], _free_port()
+        _, cfg = make_engine_and_config(port=grpc_port, metrics_port=busy)
+        try:
+            with pytest.raises(PortUnavailable, match=f"--metrics-port: cannot listen on 127.0.0.1:{busy}"):
+                lt.call(lt.call(_new_server(cfg)).bind())
+        finally:
+            lt.close()
+    socket.create_server(("127.0.0.1", grpc_port)).close()  # the gRPC port was released
+
+
+class SlowWarmupEngine:
+    """The mock engine, whose warm-up lasts until the test sets `warmup_done`."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.warmup_done = threading.Event()
+        self.warming = threading.Event()
+
+    def warmup(self):
+        self.warming.set()
+        assert self.warmup_done.wait(30)
+        self._engine.warmup()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_listening_during_warm_up_not_serving_then_serving():
+    engine, cfg = make_engine_and_config()
+    slow = SlowWarmupEngine(engine)
+    lt = LoopThread()
+    server = lt.call(_new_server(cfg))
+    try:
+        lt.call(server.bind())
+        attached = lt.submit(server.attach(slow, TOK))
+        assert slow.warming.wait(10)
+        with grpc.insecure_channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            def status(name):
+                return health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+
+            assert status("") == status(SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+            for call in (
+                lambda: client.generate(server.address, "early", max_tokens=2, timeout=5),
+                lambda: client.tokenize(server.address, "early"),
+            ):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in e.value.details()
+            assert not attached.done()
+            slow.warmup_done.set()
+            attached.result(10)
+            assert status("") == status(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+            out = client.generate(server.address, "ready", max_tokens=3, temperature=0.0, timeout=10)
+            assert out.token_ids == mock_greedy_stream(TOK.encode("ready"), 3)
+    finally:
+        slow.warmup_done.set()
+        lt.call(server.shutdown(0.0))
+        lt.close()
+
+
+# ---- text limits, Tokenize's own pool, undecodable requests ------------------------------------------
+
+
+def test_text_size_limits_name_the_field_and_limit():
+    engine, cfg = make_engine_and_config(max_prompt_bytes=20, max_tokenize_bytes=30)
+    st = ServerThread(engine, TOK, cfg)
+    try:
+        assert "prompt: has 22 bytes of UTF-8; the limit is max_prompt_bytes = 20" in _invalid(st, "é" * 11)
+        assert client.generate(st.addr, "é" * 10, max_tokens=2, timeout=10).finish_reason == "length"
+        assert client.tokenize(st.addr, "é" * 15) == TOK.encode("é" * 15)
+        with pytest.raises(grpc.RpcError) as e:
+            client.tokenize(st.addr, "é" * 16)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "text: has 32 bytes of UTF-8; the limit is max_tokenize_bytes = 30" in e.value.details()
+        st.assert_idle()
+    finally:
+        st.close()
+
+
+class GatedTokenizer(ByteTokenizer):
+    """Encodes a text of more than 100 characters only once `release` is set; counts the waiting calls."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.most_waiting = 0
+
+    def encode(self, text):
+        if len(text) > 100:
+            with self._lock:
+                self.waiting += 1
+                self.most_waiting = max(self.most_waiting, self.waiting)
+            try:
+                assert self.release.wait(30)
+            finally:
+                with self._lock:
+                    self.waiting -= 1
+        return super().encode(text)
+
+
+def test_large_tokenize_calls_do_not_hold_up_generate():
+    tok = GatedTokenizer()
+    engine, cfg = make_engine_and_config(tokenize_workers=2)
+    st = ServerThread(engine, tok, cfg)
+    channel, stub = _stub(st.addr)
+    try:
+        # More blocked Tokenize calls than the default thread pool has workers (at most 32): had they
+        # shared it with Generate's prompt tokenization, the small request below could not start.
+        big = ["t" * 1000 + str(i) for i in range(40)]
+        calls = [stub.Tokenize.future(ced_pb2.TokenizeRequest(text=t), timeout=60) for t in big]
+        wait_until(lambda: tok.waiting == 2)
+        out = client.generate(st.addr, "small", max_tokens=4, temperature=0.0, timeout=10)
+        assert out.token_ids == mock_greedy_stream(TOK.encode("small"), 4)
+        assert not any(c.done() for c in calls)  # every large call is still held
+        assert tok.most_waiting == 2  # bounded: tokenize_workers calls run at once
+        tok.release.set()
+        assert [list(c.result(30).token_ids) for c in calls] == [TOK.encode(t) for t in big]
+        assert tok.most_waiting == 2
+    finally:
+        tok.release.set()
+        channel.close()
+        st.close()
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (wire type 2), written by hand so it can hold bad UTF-8."""
+    assert len(payload) < 128  # one-byte length
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def _raw_call(addr, method: str, data: bytes, streaming: bool):
+    """Sends `data` as the request bytes, as a client that does not validate strings would."""
+    with grpc.insecure_channel(addr) as ch:
+        path = f"/{SERVICE_NAME}/{method}"
+        if streaming:
+            call = ch.unary_stream(
+                path, request_serializer=bytes, response_deserializer=ced_pb2.GenerateResponse.FromString
+            )
+            return list(call(data, timeout=10))
+        return ch.unary_unary(path, request_serializer=bytes, response_deserializer=lambda b: b)(
+            data, timeout=10
+        )
+
+
+def test_invalid_utf8_is_invalid_argument_naming_the_field(srv):
+    max_tokens_3 = bytes([4 << 3 | 0, 3])  # field 4 (max_tokens), varint 3
+    msgs = _raw_call(srv.addr, "Generate", _field(2, b"hand made") + max_tokens_3, streaming=True)
+    assert sum(len(m.token_ids) for m in msgs) == 3  # the hand-written encoding itself is right
+    cases = [
+        ("Generate", _field(2, b"caf\xc3") + max_tokens_3, "prompt: is not valid UTF-8"),
+        ("Generate", _field(1, b"\xff") + _field(2, b"ok"), "request_id: is not valid UTF-8"),
+        (
+            "Generate",
+            _field(2, b"ok") + _field(6, b"a") + _field(6, b"\xfe\xff"),
+            "stop[1]: is not valid UTF-8",
+        ),
+        ("Tokenize", _field(1, b"\xed\xa0\x80"), "text: is not valid UTF-8"),  # a UTF-16 surrogate
+        ("Abort", _field(1, b"id\x80"), "request_id: is not valid UTF-8"),
+        ("Generate", _field(2, b"ok")[:-1], "request: not a valid ced.v1.GenerateRequest message"),
+    ]
+    for method, data, message in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(srv.addr, method, data, streaming=method == "Generate")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+        assert e.value.details().startswith(message), e.value.details()
+    srv.assert_idle()
