@@ -377,6 +377,11 @@ def _max_request_bytes(config: ServeConfig) -> int:
     return max(_GRPC_DEFAULT_MAX_RECEIVE_BYTES, largest_text + _ROOM_FOR_OTHER_FIELDS_BYTES)
 
 
+def _host_port(host: str, port: int) -> str:
+    """host:port as gRPC parses it (an IPv6 literal in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class PortUnavailable(ValueError):
     """A port the server should listen on cannot be had; the message names the option that chose it."""
 
@@ -387,14 +392,14 @@ _Bound = TypeVar("_Bound")
 def _listen(option: str, host: str, port: int, bind: Callable[[], _Bound]) -> _Bound:
     """`bind()` (which listens on host:port), or PortUnavailable naming `option` if that fails.
 
-    A fixed port is probed first with a plain socket (SO_REUSEADDR as servers set it, no SO_REUSEPORT):
-    when gRPC itself fails to bind, its C core also logs several lines to stderr, and the probe answers
-    first with one line. A port taken between probe and bind still fails, with gRPC's lines as well.
+    The address is probed first with a plain socket (SO_REUSEADDR as servers set it, no SO_REUSEPORT):
+    when gRPC itself fails to bind (a busy port, a host that is not local), its C core also logs
+    several lines to stderr, and the probe answers first with one line. A port taken between probe and
+    bind still fails, with gRPC's lines as well.
     """
     try:
-        if port:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-            socket.create_server((host, port), family=family).close()
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
         return bind()
     except (OSError, RuntimeError) as e:
         if isinstance(e, socket.gaierror):
@@ -403,7 +408,7 @@ def _listen(option: str, host: str, port: int, bind: Callable[[], _Bound]) -> _B
             reason = os.strerror(e.errno)  # create_server's own text repeats the address
         else:
             reason = str(e)
-        raise PortUnavailable(f"{option}: cannot listen on {host}:{port}: {reason}") from None
+        raise PortUnavailable(f"{option}: cannot listen on {_host_port(host, port)}: {reason}") from None
 
 
 class Server:
@@ -432,7 +437,7 @@ class Server:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return _host_port(self.config.host, self.port)
 
     async def bind(self) -> None:
         """Listens on every configured port; if one cannot be had, raises PortUnavailable (a ValueError
@@ -457,7 +462,7 @@ class Server:
         reflection.enable_server_reflection(names, server)
         try:
             self.port = _listen(
-                "--port", cfg.host, cfg.port, lambda: server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+                "--port", cfg.host, cfg.port, lambda: server.add_insecure_port(_host_port(cfg.host, cfg.port))
             )
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
