@@ -50,8 +50,19 @@ Streaming and memory
   chunk), because OCDBT holds every encoded chunk of a save until it commits (+0.7x a group);
   uncompressed items are OCDBT, whose chunks only reference the group's arrays. `bench/convert.py`
   measures the bound on a 4.3 GiB checkpoint (BENCHMARKS.md, "Conversion").
-- Atomicity: everything is written into a temporary directory beside OUT and renamed onto OUT at
-  the end; on any failure (or Ctrl-C) the temporary directory is removed and OUT is untouched.
+- Atomicity: everything is written into a temporary directory beside OUT
+  (`.OUT.converting-<pid>-<random>`, mode 0777 minus the umask like any new directory) and renamed
+  onto OUT at the end; on any failure, Ctrl-C or SIGTERM the temporary directory is removed, OUT is
+  untouched and the exit status is non-zero (130 / 143 for the signals). A temporary directory holds
+  an owner marker (`OWNER_MARKER`: pid, host, process start time) written right after it is made; a
+  run that was killed outright (kill -9, power loss) leaves its directory behind, and the next
+  conversion to the same OUT removes it once the marker's process is gone. Nothing without such a
+  marker, nor one whose owner is alive or on another host, is ever removed.
+- What is never destroyed: `--out` may not be empty, nor inside / a parent of `--hf-dir`. Without
+  `--overwrite` an existing OUT is refused; with it, OUT is replaced only when it is a previous
+  conversion (`ced_manifest.json` of this format inside) or an empty directory, and never when it
+  is `/`, the home directory, the working directory or one of their parents. All of this is
+  checked before any tensor is read, and again just before the old OUT is moved aside.
 - Orbax chunks: one per routed expert in the stacked arrays (a restore with experts sharded over
   devices reads only its own experts), otherwise at most `CHUNK_BYTES`.
 """
@@ -59,17 +70,23 @@ Streaming and memory
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import ctypes
 import gc
+import glob
 import hashlib
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import signal
+import socket
 import struct
 import sys
-import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -111,6 +128,8 @@ PARAMS_ITEM = "params"
 ENGRAM_ITEM = "engram"
 # Copied beside the checkpoint when the source has them (config.json is required).
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "engram_token_map.json")
+# Inside every temporary directory a conversion makes: who made it (see `_owner_is_gone`).
+OWNER_MARKER = ".ced_convert_owner.json"
 CHUNK_BYTES = 64 << 20  # Orbax chunk size: restore granularity along axis 0
 READ_PIECE = 64 << 20  # bytes per read call: progress granularity and hashing in step with reads
 
@@ -323,6 +342,11 @@ def _check_shard_set(hf_dir: Path, files: list[str]) -> None:
         )
 
 
+def _raw_config(hf_dir: Path) -> dict:
+    """config.json as written (ModelConfig has already accepted it)."""
+    return json.loads((hf_dir / "config.json").read_text())
+
+
 def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions, include: tuple[str, ...]) -> _Plan:
     inventory = hf_inventory(cfg)
     weight_map = _read_index_json(hf_dir)["weight_map"]
@@ -331,7 +355,18 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions, include: tupl
     files = sorted(set(weight_map.values()))
     _check_shard_set(hf_dir, files)  # first: a shard left out of the index explains missing tensors
     report = LoadReport(str(hf_dir))
-    by_shard = _classify(weight_map, inventory, groups_wanted, report)  # unknown / missing tensors
+    try:
+        by_shard = _classify(weight_map, inventory, groups_wanted, report)  # unknown / missing tensors
+    except CheckpointError as e:
+        unknown = sorted(n for n in weight_map if n not in inventory and optional_group_of(n) is None)
+        missing = [
+            s.name for s in inventory.values() if s.group in groups_wanted and s.name not in weight_map
+        ]
+        name = (unknown or missing or [None])[0]
+        hint = name and _explain_names(_raw_config(hf_dir), name, present=bool(unknown))
+        if hint:
+            raise ConversionError(f"{e}; tensor '{name}': {hint}") from None
+        raise
     ignored: dict[str, str] = {}
     for name, why in report.skipped:
         spec = inventory.get(name)
@@ -351,10 +386,20 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions, include: tupl
         indexed.setdefault(file, set()).add(name)
     for file in files:
         with _Shard(hf_dir, file) as shard:
+            present = set(shard.keys())
+            # A shape that disagrees with the config: name the config key behind it.
+            for name in by_shard.get(file, []):
+                got = shard.dtype_shape(name)[1] if name in present else None
+                if got is not None and got != inventory[name].shape:
+                    expected = inventory[name].shape
+                    hint = _explain_shape(_raw_config(hf_dir), name, expected, got)
+                    raise ConversionError(
+                        f"{shard.path}: tensor '{name}' is {list(got)}, config.json implies {list(expected)}"
+                        + (f"; {hint}" if hint else "")
+                    )
             # Tensors of this config are checked against the inventory; every indexed one (optional
             # groups the config does not describe included) must be present.
             _check_shard(shard, by_shard.get(file, []), inventory)
-            present = set(shard.keys())
             absent = sorted(indexed[file] - present)
             if absent:
                 raise ConversionError(
@@ -416,6 +461,135 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions, include: tupl
     return _Plan(
         cfg, inventory, weight_map, files, file_sizes, targets, groups, group_of, ignored, sorted(folded)
     )
+
+
+# ---------------------------------------------------------------------- config keys behind a mismatch
+def _check_fp4_dims(cfg: ModelConfig, config_path: Path) -> None:
+    """Routed experts pack FP4 in groups of FP4_GROUP along their input dimension: w1/w3 along
+    hidden_size, w2 along moe_intermediate_size. Anything else cannot describe a released checkpoint."""
+    for key, value, tensor in (
+        ("hidden_size", cfg.hidden_size, "layers.0.ffn.experts.0.w1.weight"),
+        ("moe_intermediate_size", cfg.moe_intermediate_size, "layers.0.ffn.experts.0.w2.weight"),
+    ):
+        if value % FP4_GROUP:
+            raise ConversionError(
+                f"{config_path}: text_config.{key}={value} is not a multiple of {FP4_GROUP}, the FP4 "
+                f"group of the routed experts along it (e.g. tensor '{tensor}')"
+            )
+
+
+# config.json entries that may decide a tensor's shape or existence, as paths into the JSON:
+# (section, key) for an integer, (section, key, i) for an element of a list of integers.
+# weight_block_size is a [B, B] pair and varied as one.
+_BLOCK_KEY = ("quantization_config", "weight_block_size")
+_KeyPath = tuple  # (str, str) or (str, str, int)
+
+
+def _integer_keys(raw: dict, *, elements: bool) -> list[_KeyPath]:
+    """The integer entries of config.json (`elements`: the elements of its integer lists instead)."""
+    keys: list[_KeyPath] = []
+    if not elements and isinstance(raw.get(_BLOCK_KEY[0]), dict):
+        keys.append(_BLOCK_KEY)
+    for section in ("text_config", "vision_config"):
+        values = raw.get(section)
+        for k, v in values.items() if isinstance(values, dict) else ():
+            if not elements and isinstance(v, int) and not isinstance(v, bool):
+                keys.append((section, k))
+            if elements and isinstance(v, list) and all(isinstance(x, int) for x in v):
+                keys += [(section, k, i) for i in range(len(v))]
+    return keys
+
+
+def _key_value(raw: dict, key: _KeyPath) -> int:
+    value = raw[key[0]][key[1]]
+    return value[key[2]] if len(key) == 3 else value[0] if key == _BLOCK_KEY else value
+
+
+def _format_key(key: _KeyPath, value: int) -> str:
+    index = f"[{key[2]}]" if len(key) == 3 else ""
+    return f"{key[0]}.{key[1]}{index}={value}"
+
+
+def _inventory_with(raw: dict, key: _KeyPath, value: int) -> dict[str, TensorSpec] | None:
+    """The inventory config.json would give with `key` set to `value`; None when that config is not
+    one the model accepts."""
+    trial = copy.deepcopy(raw)
+    if len(key) == 3:
+        trial[key[0]][key[1]][key[2]] = value
+    else:
+        trial[key[0]][key[1]] = [value, value] if key == _BLOCK_KEY else value
+    try:
+        return hf_inventory(ModelConfig.from_hf_config(trial))
+    except Exception:  # noqa: BLE001 - any failure means "not a candidate"; this is a probe, not a load
+        return None
+
+
+def _trial_values(value: int) -> list[int]:
+    # One step either way finds counts (experts, layers, heads); doubling / halving keeps the
+    # multiples of 32 that head and block sizes need.
+    return [v for v in dict.fromkeys((value + 1, value - 1, value * 2, value // 2)) if v >= 0 and v != value]
+
+
+def _explain_shape(raw: dict, name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> str:
+    """Which config.json entries decide the dimensions in which tensor `name` differs from what the
+    config implies, found by varying each integer entry and rebuilding the inventory (the mapping is
+    the only place that knows the formulas), and which value of one would give the stored shape.
+    Only runs on the way to an error: about a second per entry on the full release config."""
+    if len(expected) != len(got):
+        return ""
+    differing = [i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e != g]
+    deciding: list[str] = []
+    matching: list[str] = []
+    for elements in (False, True):  # the elements of lists (per-layer entries) only when no scalar decides
+        for key in _integer_keys(raw, elements=elements):
+            value = _key_value(raw, key)
+            shapes: dict[int, tuple[int, ...]] = {}
+            for trial in _trial_values(value):
+                inv = _inventory_with(raw, key, trial)
+                shape = None if inv is None or name not in inv else inv[name].shape
+                if shape is not None and len(shape) == len(expected):
+                    moved = any(shape[i] != expected[i] for i in differing)
+                    if not moved and not shapes:
+                        break  # the first trial that builds leaves those dimensions alone: not this entry
+                    shapes[trial] = shape
+            if not any(any(sh[i] != expected[i] for i in differing) for sh in shapes.values()):
+                continue
+            deciding.append(_format_key(key, value))
+            # A dimension is affine in one entry (ceil-divided for scales, hence every trial's
+            # slope): solve on the first differing dimension, confirm with a rebuilt inventory.
+            i = differing[0]
+            candidates = [t for t, sh in shapes.items() if sh == got]
+            for trial, shape in shapes.items():
+                slope = (shape[i] - expected[i]) / (trial - value)
+                if slope:
+                    candidates.append(round(value + (got[i] - expected[i]) / slope))
+            for candidate in dict.fromkeys(c for c in candidates if c >= 0 and c != value):
+                inv = _inventory_with(raw, key, candidate)
+                if inv is not None and name in inv and inv[name].shape == got:
+                    matching.append(_format_key(key, candidate))
+                    break
+        if deciding:
+            break
+    if matching:
+        return f"decided by config.json's {', '.join(deciding)}; {' or '.join(matching)} would match it"
+    if deciding:
+        return f"decided by config.json's {', '.join(deciding)}"
+    return ""
+
+
+def _explain_names(raw: dict, name: str, *, present: bool) -> str:
+    """Which config.json entry decides whether tensor `name` exists: one whose variation makes it
+    appear (present=True: the checkpoint has it, the config does not) or disappear."""
+    for elements in (False, True):
+        keys = _integer_keys(raw, elements=elements)
+        for steps in (slice(0, 2), slice(2, 4)):  # one step first (counts), then doubling / halving
+            for key in keys:
+                value = _key_value(raw, key)
+                for trial in _trial_values(value)[steps]:
+                    inv = _inventory_with(raw, key, trial)
+                    if inv is not None and (name in inv) == present:
+                        return f"whether it is expected is decided by config.json's {_format_key(key, value)}"
+    return ""
 
 
 # ---------------------------------------------------------------------- reading
@@ -701,6 +875,181 @@ def _progress_bar(total: int, enabled: bool):
     )
 
 
+# ---------------------------------------------------------------------- the output directory
+def _check_paths(hf_dir: str | Path, out_dir: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """Resolve `--hf-dir` / `--out` and refuse every output that a conversion could destroy without
+    having written it (see the module docstring). Touches nothing."""
+    for flag, value in (("--hf-dir", hf_dir), ("--out", out_dir)):
+        if not str(value).strip():  # Path("") is the working directory
+            raise ConversionError(f"{flag}: empty path; name a directory")
+    hf = Path(hf_dir).resolve()  # Orbax wants absolute paths
+    out = Path(out_dir).resolve()
+    if not hf.is_dir():
+        raise ConversionError(f"--hf-dir {hf}: not a directory")
+    if out == hf or hf in out.parents:
+        raise ConversionError(f"--out {out}: inside the source --hf-dir {hf}; write elsewhere")
+    if out in hf.parents:
+        raise ConversionError(f"--out {out}: contains the source --hf-dir {hf}; write elsewhere")
+    if not (out.exists() or out.is_symlink()):
+        return hf, out
+    if not overwrite:
+        raise ConversionError(f"--out {out}: already exists; pass --overwrite to replace it")
+    protected = _protected_directories()
+    if out in protected:
+        raise ConversionError(f"--out {out}: refusing to replace {protected[out]} with a checkpoint")
+    _check_replaceable(out)
+    return hf, out
+
+
+def _protected_directories() -> dict[Path, str]:
+    """Directories --overwrite never replaces, even when they look like a conversion: the root, the
+    home and working directories, and every parent of those."""
+    out: dict[Path, str] = {Path("/"): "the root directory"}
+    places = [(Path.cwd(), "the working directory")]
+    with contextlib.suppress(RuntimeError, KeyError):  # no home directory known: nothing to protect
+        places.append((Path.home().resolve(), "the home directory"))
+    for path, what in places:
+        out.setdefault(path, what)
+        for parent in path.parents:
+            out.setdefault(parent, f"a parent of {what} {path}")
+    return out
+
+
+def _is_previous_conversion(directory: Path) -> bool:
+    """A directory convert_weights wrote: its manifest names this converter's format (any version,
+    so that a conversion by an older or newer build can be replaced too)."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def _check_replaceable(out: Path) -> None:
+    """--overwrite replaces a previous conversion or an empty directory, nothing else."""
+    if out.is_symlink() or not out.is_dir():
+        raise ConversionError(
+            f"--out {out}: exists and is not a directory; --overwrite replaces only a previous conversion"
+        )
+    if _is_previous_conversion(out):
+        return
+    if any(out.iterdir()):
+        raise ConversionError(
+            f"--out {out}: not a previous conversion (no {MANIFEST_NAME} of format {FORMAT!r}) and not "
+            "empty; --overwrite replaces only a directory convert_weights wrote"
+        )
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), which tells a
+    reused pid from the original; None where /proc is not available or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields after "pid (comm)" start at field 3
+
+
+def _make_own_directory(parent: Path, prefix: str) -> Path:
+    """A new directory `parent/<prefix><pid>-<random>` holding an owner marker. os.mkdir with mode
+    0777 lets the umask decide the permissions, as for any directory the user makes (tempfile's
+    0700 would leave a shared checkpoint unreadable to the group)."""
+    while True:
+        path = parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path, 0o777)
+            break
+        except FileExistsError:
+            continue
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
+    (path / OWNER_MARKER).write_text(json.dumps(owner) + "\n")
+    return path
+
+
+def _remove_own_directory(path: Path) -> None:
+    """Remove a directory made by `_make_own_directory`, its owner marker last: if the removal is cut
+    short, what remains is still recognisably ours and the next run finishes the job."""
+    for child in list(path.iterdir()) if path.is_dir() else []:
+        if child.name == OWNER_MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                child.unlink()
+    marker = path / OWNER_MARKER
+    owner = marker.read_bytes() if marker.is_file() else None
+    with contextlib.suppress(FileNotFoundError):
+        marker.unlink()
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:  # something wrote into it meanwhile (an interrupted save's thread): leave it marked
+        if owner is not None:
+            marker.write_bytes(owner)
+
+
+def _owner_is_gone(directory: Path) -> bool:
+    """True when `directory` carries our owner marker and the process it names is certainly gone: same
+    host, and no process with that pid, or one started at another time (the pid was reused). An
+    unreadable marker, another host (a shared filesystem) or a live owner: False, keep it."""
+    try:
+        owner = json.loads((directory / OWNER_MARKER).read_text())
+        pid, host, start = int(owner["pid"]), owner["host"], owner["start"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return start is not None and _process_start(pid) not in (None, start)
+
+
+def _remove_stale_temporaries(out: Path) -> list[str]:
+    """Remove what killed conversions to `out` left beside it (see `_owner_is_gone`). A `.replaced-`
+    directory of a run killed between moving the old OUT aside and moving the new one in still holds
+    the previous conversion: it goes back to OUT when OUT is missing. Returns the names removed."""
+    removed: list[str] = []
+    if not out.parent.is_dir():
+        return removed
+    for kind in ("converting", "replaced"):
+        for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")):
+            if not path.is_dir() or path.is_symlink() or not _owner_is_gone(path):
+                continue
+            previous = path / "old"
+            if kind == "replaced" and previous.is_dir() and not (out.exists() or out.is_symlink()):
+                os.rename(previous, out)
+            _remove_own_directory(path)
+            removed.append(path.name)
+    return removed
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory onto `out`; a replaced `out` (checked again: hours
+    may have passed since the start) is removed only after the new one is in place. The owner
+    marker goes first: the checkpoint is no temporary directory."""
+    (tmp / OWNER_MARKER).unlink()
+    if not (out.exists() or out.is_symlink()):
+        os.rename(tmp, out)
+        return
+    _check_replaceable(out)
+    old = _make_own_directory(out.parent, f".{out.name}.replaced-")
+    os.rename(out, old / "old")
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old / "old", out)
+        raise
+    finally:
+        if out.exists():
+            _remove_own_directory(old)
+
+
 # ---------------------------------------------------------------------- entry point
 def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | None = None) -> dict:
     """Convert `hf_dir` into `out_dir` (see the module docstring). Returns a summary dict; raises
@@ -712,16 +1061,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
     if options.weights_dtype not in ("native", "bf16"):
         raise ConversionError(f"--weights-dtype: expected native or bf16, got {options.weights_dtype!r}")
     include = _check_include(options.include)
-    hf = Path(hf_dir).resolve()  # Orbax wants absolute paths
-    out = Path(out_dir).resolve()
-    if not hf.is_dir():
-        raise ConversionError(f"--hf-dir {hf}: not a directory")
-    if out == hf or out in hf.parents or hf in out.parents:
-        raise ConversionError(f"--out {out} must be outside the source {hf} (and not contain it)")
-    if out.exists() and not options.overwrite:
-        raise ConversionError(f"--out {out}: already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"--out {out}: exists and is not a directory")
+    hf, out = _check_paths(hf_dir, out_dir, options.overwrite)
     try:
         cfg = ModelConfig.from_pretrained(hf)
     except ConfigError as e:
@@ -729,15 +1069,17 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
     except FileNotFoundError:
         raise ConversionError(f"{hf}: no config.json") from None
     _check_parts_described(cfg, include, hf / "config.json")
+    _check_fp4_dims(cfg, hf / "config.json")
     plan = _plan(hf, cfg, options, include)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.converting-", dir=out.parent))
+    stale = _remove_stale_temporaries(out)
+    tmp = _make_own_directory(out.parent, f".{out.name}.converting-")
     try:
         summary = _write(plan, hf, tmp, options, include)
         _move_into_place(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_own_directory(tmp)
         raise
     seconds = time.perf_counter() - start
     source_bytes = sum(plan.file_sizes.values())
@@ -746,6 +1088,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
         seconds=round(seconds, 3),
         source_gb_per_s=round(source_bytes / seconds / 1e9, 4),
         peak_rss_bytes=peak_rss_bytes(),
+        stale_temporaries_removed=stale,
     )
     return summary
 
@@ -865,24 +1208,6 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
     }
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory onto `out`; a replaced `out` is removed only after
-    the new one is in place."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
-    os.rename(out, old / "old")
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old / "old", out)
-        raise
-    finally:
-        if out.exists():
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -937,7 +1262,6 @@ def restore(
     it was written on; the separate Engram item stays in host memory unless `engram_on_host=False`,
     and the optional parts (`dspark`, `vision`) always do. Leaves are checked against the config's
     specs before any data is read."""
-    import jax
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
@@ -955,40 +1279,86 @@ def restore(
         by_item.setdefault(item_of(path, opts["engram"]), {})[path] = spec
 
     loaded: dict[str, dict] = {}
-    for item, specs in by_item.items():
-        path = directory / item
-        if not path.is_dir():
-            raise ConversionError(f"{path}: Orbax item missing (named by {MANIFEST_NAME})")
-        meta = flatten(ocp.v1.metadata(path).metadata)
-        for leaf, spec in specs.items():
-            m = meta.get(leaf)
-            if m is None:
-                raise ConversionError(f"{path}: leaf {leaf} missing")
-            if tuple(m.shape) != tuple(spec.shape) or np.dtype(m.dtype) != np.dtype(spec.dtype):
-                raise ConversionError(
-                    f"{path}: leaf {leaf} is {np.dtype(m.dtype)} {list(m.shape)}, config.json needs "
-                    f"{np.dtype(spec.dtype)} {list(spec.shape)}"
-                )
-        extra = sorted(set(meta) - set(specs))
-        if extra:
-            raise ConversionError(f"{path}: leaves the config does not describe: {extra[:5]}")
-        on_host = item in OPTIONAL_PARTS or (item == ENGRAM_ITEM and engram_on_host)
-        on_device = mesh is not None and not on_host
-        if on_device:
-            from ced_jax.sharding import EP_TP_RULES, param_shardings
-
-            shardings = flatten(param_shardings(nest(specs), mesh, EP_TP_RULES if rules is None else rules))
-            abstract = nest(
-                {
-                    leaf: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[leaf])
-                    for leaf, spec in specs.items()
-                }
-            )
-            loaded[item] = ocp.v1.load(path, abstract)
-        else:
-            loaded[item] = ocp.v1.load(path)  # saved as numpy: comes back as numpy, in host memory
+    verified = _VerifiedZarr3Items()
+    logging.getLogger("absl").addFilter(verified)
+    try:
+        for item, specs in by_item.items():
+            path = directory / item
+            if not path.is_dir():
+                raise ConversionError(f"{path}: Orbax item missing (named by {MANIFEST_NAME})")
+            verified.check(path, specs)
+            loaded[item] = _restore_item(ocp, path, item, specs, mesh, rules, engram_on_host)
+    finally:
+        logging.getLogger("absl").removeFilter(verified)
     parts = {item: tree for item, tree in loaded.items() if item in OPTIONAL_PARTS}
     return Restored(cfg, manifest, loaded.get(PARAMS_ITEM, {}), loaded.get(ENGRAM_ITEM), parts)
+
+
+def _restore_item(ocp, path: Path, item: str, specs: dict[str, ParamSpec], mesh, rules, engram_on_host: bool):
+    """One Orbax item, its leaves checked against `specs` before any data is read."""
+    import jax
+
+    meta = flatten(ocp.v1.metadata(path).metadata)
+    for leaf, spec in specs.items():
+        m = meta.get(leaf)
+        if m is None:
+            raise ConversionError(f"{path}: leaf {leaf} missing")
+        if tuple(m.shape) != tuple(spec.shape) or np.dtype(m.dtype) != np.dtype(spec.dtype):
+            raise ConversionError(
+                f"{path}: leaf {leaf} is {np.dtype(m.dtype)} {list(m.shape)}, config.json needs "
+                f"{np.dtype(spec.dtype)} {list(spec.shape)}"
+            )
+    extra = sorted(set(meta) - set(specs))
+    if extra:
+        raise ConversionError(f"{path}: leaves the config does not describe: {extra[:5]}")
+    on_host = item in OPTIONAL_PARTS or (item == ENGRAM_ITEM and engram_on_host)
+    on_device = mesh is not None and not on_host
+    if on_device:
+        from ced_jax.sharding import EP_TP_RULES, param_shardings
+
+        shardings = flatten(param_shardings(nest(specs), mesh, EP_TP_RULES if rules is None else rules))
+        abstract = nest(
+            {
+                leaf: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[leaf])
+                for leaf, spec in specs.items()
+            }
+        )
+        return ocp.v1.load(path, abstract)
+    return ocp.v1.load(path)  # saved as numpy: comes back as numpy, in host memory
+
+
+class _VerifiedZarr3Items(logging.Filter):
+    """Orbax (0.12.8, and its main branch as of this writing) warns "TensorStore data files not found
+    in checkpoint path ... This may be a sign of a malformed checkpoint" on every restore of a
+    checkpoint stored as plain zarr3, its own default format: its check
+    (`orbax_layout.has_tensorstore_data_files`) looks for OCDBT's `manifest.ocdbt` or zarr v2's
+    `.zarray` files, never zarr3's `zarr.json`. `check` verifies what that check means to verify (each
+    leaf has its array data on disk: a `zarr.json` per leaf, or the OCDBT manifest) and raises if not;
+    only for items that passed is that one warning dropped, so a really malformed item still fails."""
+
+    WARNING = "TensorStore data files not found in checkpoint path"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: set[str] = set()
+
+    def check(self, path: Path, leaves: Iterable[str]) -> None:
+        trees = [d for d in path.iterdir() if (d / "_METADATA").is_file()]
+        if len(trees) != 1:
+            raise ConversionError(f"{path}: not an Orbax item (no single directory with _METADATA)")
+        tree = trees[0]
+        if not (tree / "manifest.ocdbt").is_file():
+            for leaf in leaves:
+                if not (tree / leaf / "zarr.json").is_file():
+                    raise ConversionError(
+                        f"{path}: leaf {leaf} has no data ({tree / leaf / 'zarr.json'} missing)"
+                    )
+        self.paths.add(str(path))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.getMessage().startswith(self.WARNING) and record.args and str(record.args[0]) in self.paths
+        )
 
 
 def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -1019,6 +1389,7 @@ def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]
 def run(args: argparse.Namespace) -> int:
     """Run a conversion from the parsed `ced-jax convert` / `convert_weights` arguments (defined in
     ced_cli.main); prints a JSON summary on stdout."""
+    prog = getattr(args, "prog", "convert_weights")
     options = ConvertOptions(
         include=tuple(args.include.split(",")),
         engram=args.engram,
@@ -1028,11 +1399,46 @@ def run(args: argparse.Namespace) -> int:
         compression=not args.no_compression,
     )
     try:
-        summary = convert(args.hf_dir, args.out, options)
+        with _sigterm_interrupts():
+            summary = convert(args.hf_dir, args.out, options)
     except OSError as e:  # disk full, permissions: one line, like every other user-facing error
         raise ConversionError(f"{e.filename or args.out}: {e.strerror or e}") from None
+    except (KeyboardInterrupt, _Terminated) as e:
+        # convert() has removed its temporary directory on the way out (it re-raises after clean-up).
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        print(
+            f"{prog}: interrupted by {signal.Signals(signum).name}; --out {args.out} left as it was, "
+            "temporary files removed",
+            file=sys.stderr,
+        )
+        return 128 + signum  # the shell's status for a process ended by that signal
     print(json.dumps(summary))
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt (a BaseException, so no `except Exception` swallows it)
+    so that a terminated conversion cleans up exactly as one stopped with Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While converting, SIGTERM raises _Terminated in the main thread (Python's default for SIGTERM is
+    to die on the spot, leaving the temporary directory behind). Further SIGTERMs during the
+    clean-up are ignored; SIGKILL still ends it, and the next run removes what is left."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 __all__ = [

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import shutil
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -25,6 +32,7 @@ from ced_jax.quant import FP4_TABLE
 from ced_jax.sharding import make_mesh
 from conversion.convert import (
     MANIFEST_NAME,
+    OWNER_MARKER,
     ConversionError,
     ConvertOptions,
     convert,
@@ -35,7 +43,7 @@ from conversion.convert import (
 from conversion.hf_loader import dequantize_fp8_blocks, iter_raw_tensors, load_hf_checkpoint
 from conversion.mapping import hf_inventory, our_target
 from conversion.synthetic import write_synthetic_checkpoint
-from tests.conftest import GOLDEN_TINY_A
+from tests.conftest import GOLDEN_TINY_A, REPO
 
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 INDEX = "model.safetensors.index.json"
@@ -324,13 +332,110 @@ def test_progress_bar_shows_tensors_and_bytes(ckpt, tmp_path, capsys):
 def test_existing_output_needs_overwrite(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("precious")
     assert run_cli(ckpt, out) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert (out / "keep.txt").read_text() == "precious"
-    assert run_cli(ckpt, out, "--overwrite") == 0
-    assert not (out / "keep.txt").exists() and (out / MANIFEST_NAME).is_file()
+    assert run_cli(ckpt, out, "--overwrite") == 0  # an empty directory holds nothing to lose
+    first = (out / MANIFEST_NAME).read_text()
+    (out / "left-by-the-first.txt").write_text("inside a previous conversion")
+    assert run_cli(ckpt, out, "--overwrite") == 0  # a previous conversion is replaced whole
+    assert not (out / "left-by-the-first.txt").exists() and (out / MANIFEST_NAME).read_text() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # the replaced copy is gone
+
+
+# ---------------------------------------------------------------------- never destroy what it did not write
+def _one_error_line(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("convert_weights: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+def _tree(path: Path) -> dict[str, bytes | None]:
+    """Every file and directory under `path` (a file: its bytes)."""
+    return {
+        str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None) for p in sorted(path.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("out", ["", "   "])
+def test_empty_out_is_refused(ckpt, tmp_path, monkeypatch, capsys, out):
+    """`--out ""` is the working directory to pathlib: with --overwrite it used to be replaced by the
+    checkpoint, deleting whatever was in it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("precious")
+    monkeypatch.chdir(work)
+    before = _tree(tmp_path)
+    assert convert_main(["--hf-dir", str(ckpt), "--out", out, "--overwrite", "--quiet"]) == 2
+    _one_error_line(capsys, "--out", "empty")
+    assert _tree(tmp_path) == before
+
+
+@pytest.fixture
+def no_tensor_read(monkeypatch):
+    """Fails the test if the conversion gets as far as planning (reading shard headers)."""
+    import conversion.convert as conv
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the refusal must come before any checkpoint file is read")
+
+    monkeypatch.setattr(conv, "_plan", refuse)
+
+
+def _previous_conversion_lookalike(directory: Path) -> None:
+    """What --overwrite would replace: a directory holding a manifest of our format."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST_NAME).write_text(json.dumps({"format": "ced-jax/orbax", "format_version": 1}))
+    (directory / "precious.txt").write_text("not ours")
+
+
+def test_overwrite_replaces_only_a_previous_conversion(ckpt, tmp_path, monkeypatch, capsys, no_tensor_read):
+    """--overwrite refuses, naming the directory and before reading any tensor: a non-empty directory
+    without a manifest, a file, the working directory, the home directory, a parent of --hf-dir,
+    `/`, and --out inside --hf-dir; each target is left exactly as it was."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "keep.txt").write_text("precious")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("precious")
+    work = tmp_path / "work"
+    _previous_conversion_lookalike(work)
+    home = tmp_path / "home"
+    _previous_conversion_lookalike(home)
+    monkeypatch.setenv("HOME", str(home))  # Path.home(); the test must not point at the real one
+    monkeypatch.chdir(work)
+    cases = [
+        (plain, "not a previous conversion"),
+        (a_file, "not a directory"),
+        (work, "the working directory"),
+        (Path("."), "the working directory"),
+        (home, "the home directory"),
+        (tmp_path, "contains the source --hf-dir"),
+        (Path("/"), "contains the source --hf-dir"),
+        (ckpt, "inside the source --hf-dir"),
+        (ckpt / "sub", "inside the source --hf-dir"),
+    ]
+    before = _tree(tmp_path)
+    for out, needle in cases:
+        assert run_cli(ckpt, out, "--overwrite") == 2, out
+        _one_error_line(capsys, f"--out {out.resolve()}", needle)
+        assert _tree(tmp_path) == before, out
+    # The same refusals stand without --overwrite where the output does not exist yet.
+    assert run_cli(ckpt, ckpt / "sub") == 2
+    _one_error_line(capsys, "inside the source --hf-dir")
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o755), (0o077, 0o700)])
+def test_output_directory_mode_follows_the_umask(ckpt, tmp_path, umask, mode):
+    out = tmp_path / "out"
+    previous = os.umask(umask)
+    try:
+        convert(ckpt, out, QUIET)
+    finally:
+        os.umask(previous)
+    assert out.stat().st_mode & 0o777 == mode
+    assert (out / "params").stat().st_mode & 0o777 == mode
 
 
 def test_include_of_a_part_the_config_lacks_is_a_clear_error(ckpt, tmp_path, capsys):
@@ -471,13 +576,6 @@ def test_wrong_dtype(ckpt, tmp_path, capsys):
     assert_fails(ckpt, tmp_path / "out", capsys, "layers.0.attn.q_norm.weight", "expected BF16, got F32")
 
 
-def test_config_not_matching_the_weights(ckpt, tmp_path, capsys):
-    config = json.loads((ckpt / "config.json").read_text())
-    config["text_config"]["moe_intermediate_size"] = 256
-    (ckpt / "config.json").write_text(json.dumps(config))
-    assert_fails(ckpt, tmp_path / "out", capsys, "wrong shape", "ffn.")
-
-
 def test_failure_midway_leaves_nothing(ckpt, tmp_path, monkeypatch, capsys):
     """A failure after several groups were already saved (here: the third shard turns out
     unreadable in the data pass) still leaves no output and no temporary directory."""
@@ -492,3 +590,152 @@ def test_failure_midway_leaves_nothing(ckpt, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(conv._StreamReader, "__init__", failing)
     assert_fails(ckpt, tmp_path / "out", capsys, SHARDS[2], "simulated")
+
+
+# ---------------------------------------------------------------------- interrupted conversions
+@pytest.fixture(scope="module")
+def synthetic_tiny(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("synthetic") / "hf"
+    write_synthetic_checkpoint(preset("tiny"), src, seed=5)
+    return src
+
+
+def _start_conversion(src: Path, out: Path) -> tuple[subprocess.Popen, Path]:
+    """`convert_weights` in a subprocess, returned once its temporary directory (with the owner
+    marker) exists, i.e. mid-conversion."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ced_cli.main", "convert", "--hf-dir", str(src), "--out", str(out), "--quiet"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        temps = [p for p in out.parent.glob(f".{out.name}.converting-*") if (p / OWNER_MARKER).is_file()]
+        if temps:
+            return proc, temps[0]
+        time.sleep(0.005)
+    proc.kill()
+    raise AssertionError(f"no temporary directory appeared; exit {proc.wait()}: {proc.stderr.read()}")
+
+
+def test_sigterm_cleans_up_like_ctrl_c(synthetic_tiny, tmp_path):
+    out = tmp_path / "out"
+    proc, temp = _start_conversion(synthetic_tiny, out)
+    assert proc.poll() is None  # still converting
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert not temp.exists() and not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_next_run_removes_what_a_killed_run_left(synthetic_tiny, tmp_path, capsys):
+    """kill -9 leaves the temporary directory; the next conversion to the same --out removes it, and
+    only it: a look-alike without an owner marker, one whose owner is alive, and one made on another
+    host stay."""
+    out = tmp_path / "out"
+    proc, temp = _start_conversion(synthetic_tiny, out)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert temp.is_dir()  # what kill -9 leaves behind
+    dead_pid = json.loads((temp / OWNER_MARKER).read_text())["pid"]
+
+    unmarked = tmp_path / ".out.converting-unmarked"
+    unmarked.mkdir()
+    (unmarked / "data").write_text("someone else's")
+    alive = tmp_path / ".out.converting-alive"
+    alive.mkdir()
+    (alive / OWNER_MARKER).write_text(
+        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "start": None})
+    )
+    remote = tmp_path / ".out.converting-remote"
+    remote.mkdir()
+    (remote / OWNER_MARKER).write_text(json.dumps({"pid": dead_pid, "host": "another-host", "start": None}))
+    other = tmp_path / ".other.converting-1-2"  # a conversion to another --out
+    other.mkdir()
+    (other / OWNER_MARKER).write_text((temp / OWNER_MARKER).read_text())
+
+    assert convert_main(["--hf-dir", str(synthetic_tiny), "--out", str(out), "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["stale_temporaries_removed"] == [temp.name]
+    assert not temp.exists() and (out / MANIFEST_NAME).is_file()
+    assert unmarked.is_dir() and (unmarked / "data").is_file()
+    assert alive.is_dir() and remote.is_dir() and other.is_dir()
+
+
+def test_killed_while_replacing_restores_the_previous_conversion(synthetic_tiny, tmp_path, capsys):
+    """A run killed between moving the old --out aside and moving the new one in: the next run puts
+    the previous conversion back before it starts (and then replaces it as asked)."""
+    from conversion.convert import _make_own_directory
+
+    out = tmp_path / "out"
+    assert convert_main(["--hf-dir", str(synthetic_tiny), "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid that is certainly gone
+    aside = _make_own_directory(tmp_path, ".out.replaced-")
+    owner = json.loads((aside / OWNER_MARKER).read_text())
+    (aside / OWNER_MARKER).write_text(json.dumps({**owner, "pid": proc.pid, "start": None}))
+    os.rename(out, aside / "old")
+    from conversion.convert import _remove_stale_temporaries
+
+    assert _remove_stale_temporaries(out) == [aside.name]
+    assert (out / MANIFEST_NAME).is_file() and not aside.exists()
+
+
+# ---------------------------------------------------------------------- config values the tensors contradict
+@pytest.mark.parametrize(
+    ("key", "value", "needles"),
+    [
+        (
+            "hidden_size",
+            128,
+            ["text_config.hidden_size=128", "'embed.weight'", "hidden_size=256 would match"],
+        ),
+        ("hidden_size", 100, ["text_config.hidden_size=100", "multiple of 32", "layers.0.ffn.experts.0.w1"]),
+        ("moe_intermediate_size", 256, ["text_config.moe_intermediate_size=256", "'layers.0.", "=128 would"]),
+        ("o_lora_rank", 32, ["text_config.o_lora_rank=32", "'layers.0.attn.wo_a.", "o_lora_rank=64 would"]),
+        ("n_routed_experts", 4, ["text_config.n_routed_experts=4", "'layers.0.ffn.experts.4."]),
+        ("n_routed_experts", 16, ["text_config.n_routed_experts=16", "'layers.0.ffn.experts.8."]),
+        ("engram_num_embeddings", [100, 13416], ["engram_num_embeddings[0]=100", "'layers.1.engram.embed."]),
+    ],
+)
+def test_config_value_the_tensors_contradict(ckpt, tmp_path, capsys, key, value, needles):
+    """One line naming the config key and the tensor, exit 2 (an AssertionError traceback for
+    dimensions FP4 cannot pack; the tensor alone otherwise)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"][key] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    err = assert_fails(ckpt, tmp_path / "out", capsys, *needles)
+    assert err.count("\n") == 1, err
+
+
+# ---------------------------------------------------------------------- loading prints no warnings
+def test_loading_a_conversion_warns_of_nothing(converted, caplog, capsys):
+    """Orbax's 'This may be a sign of a malformed checkpoint' warning (it does not recognise zarr3
+    data files) is not printed for a valid conversion, compressed (zarr3) or not (OCDBT)..."""
+    import ced_jax
+
+    out, _ = converted
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO):
+        restore(out)
+        ced_jax.load(out)
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not messages, messages
+    captured = capsys.readouterr()
+    assert "malformed" not in captured.err + captured.out
+
+
+def test_loading_an_item_with_missing_data_fails(converted, tmp_path):
+    """...and a conversion whose array data is really missing is refused, naming the leaf."""
+    out, _ = converted
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    (broken / "params" / "state" / "embed.weight" / "zarr.json").unlink()
+    with pytest.raises(ConversionError, match=r"leaf embed\.weight has no data"):
+        restore(broken)
