@@ -1399,46 +1399,55 @@ def run(args: argparse.Namespace) -> int:
         compression=not args.no_compression,
     )
     try:
-        with _sigterm_interrupts():
+        with _signals_interrupt():
             summary = convert(args.hf_dir, args.out, options)
     except OSError as e:  # disk full, permissions: one line, like every other user-facing error
         raise ConversionError(f"{e.filename or args.out}: {e.strerror or e}") from None
-    except (KeyboardInterrupt, _Terminated) as e:
+    except _Interrupted as e:
         # convert() has removed its temporary directory on the way out (it re-raises after clean-up).
-        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         print(
-            f"{prog}: interrupted by {signal.Signals(signum).name}; --out {args.out} left as it was, "
+            f"{prog}: interrupted by {signal.Signals(e.signum).name}; --out {args.out} left as it was, "
             "temporary files removed",
             file=sys.stderr,
         )
-        return 128 + signum  # the shell's status for a process ended by that signal
+        return 128 + e.signum  # the shell's status for a process ended by that signal
     print(json.dumps(summary))
     return 0
 
 
-class _Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt (a BaseException, so no `except Exception` swallows it)
-    so that a terminated conversion cleans up exactly as one stopped with Ctrl-C."""
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT (Ctrl-C) during a conversion. A BaseException, so that no `except Exception`
+    swallows it and convert()'s clean-up runs as for any failure. Not KeyboardInterrupt: with it,
+    a Ctrl-C'd `ced-jax convert` printed this message and returned 130, yet the process still ended
+    by SIGINT (status -2, measured); CPython re-sends SIGINT at exit once it has seen an unhandled
+    KeyboardInterrupt, apparently somewhere inside the save's own event loop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """While converting, SIGTERM raises _Terminated in the main thread (Python's default for SIGTERM is
-    to die on the spot, leaving the temporary directory behind). Further SIGTERMs during the
-    clean-up are ignored; SIGKILL still ends it, and the next run removes what is left."""
+def _signals_interrupt():
+    """While converting, SIGTERM and SIGINT raise _Interrupted in the main thread (Python's default
+    for SIGTERM is to die on the spot, leaving the temporary directory behind). Further signals
+    during the clean-up are ignored; SIGKILL still ends it, and the next run removes what is left."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
+    signums = (signal.SIGTERM, signal.SIGINT)
 
-    def terminate(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise _Terminated()
+    def interrupt(signum, frame):
+        for s in signums:
+            signal.signal(s, signal.SIG_IGN)
+        raise _Interrupted(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {s: signal.signal(s, interrupt) for s in signums}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
 
 
 __all__ = [

@@ -620,14 +620,15 @@ def _start_conversion(src: Path, out: Path) -> tuple[subprocess.Popen, Path]:
     raise AssertionError(f"no temporary directory appeared; exit {proc.wait()}: {proc.stderr.read()}")
 
 
-def test_sigterm_cleans_up_like_ctrl_c(synthetic_tiny, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_cleans_up_like_ctrl_c(synthetic_tiny, tmp_path, sig):
     out = tmp_path / "out"
     proc, temp = _start_conversion(synthetic_tiny, out)
     assert proc.poll() is None  # still converting
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "interrupted by SIGTERM" in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert proc.returncode == 128 + sig, err
+    assert f"interrupted by {sig.name}" in err.strip().splitlines()[-1] and "Traceback" not in err, err
     assert not temp.exists() and not out.exists()
     assert list(tmp_path.iterdir()) == []
 
