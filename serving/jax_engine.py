@@ -5,15 +5,17 @@ rings and f32 compressor partial groups per slot), donated to every program. Hos
 the next position and the Engram n-gram history (`EngramHasher.next_history`); the hash rows a step
 needs are computed on the host and sent with the tokens, as `ced_jax.api.Session` does.
 
-Programs, all compiled ahead of time in `warmup()` (`jit(...).lower(...).compile()`), and called as
-compiled executables afterwards, so a call with a shape that was not compiled fails loudly instead
-of compiling; the `CompileCounter` still watches every serving call and stays at 0:
+Programs, jitted once and compiled by `warmup()`, which runs each of them through the serving code
+path (a one-token prefill and one decode step on slot 0, a restore), so that every later call finds
+its executable in jit's cache. The serving calls stay ordinary jit calls, watched by a
+`CompileCounter` that counts JAX's own compilation events: a call whose shapes, dtypes or shardings
+warm-up did not cover compiles, and shows in `compiles_after_warmup` (and on /metrics):
 - prefill: one chunk of up to `prefill_chunk` tokens (the one bucket) of one slot, as a
   `lax.while_loop` over its pages that runs `forward` on one page (T = page_size) per iteration, then
   samples the token after the chunk. The trip count is dynamic, so a short chunk costs only its own
   pages, and one program serves every chunk length.
 - decode: one token for each of the `max_slots` rows (inactive rows have length 0: they write
-  nothing), sampling inside (`serving.sampling`), so only tokens and log-probabilities come back.
+  nothing), sampling inside (`ced_jax.sampling`), so only tokens and log-probabilities come back.
 - restore: puts a snapshot's rings and partial groups into a slot.
 
 Why a page per iteration: it makes prefix-cache hits exact by construction. Every page of a prompt
@@ -62,8 +64,9 @@ from serving.engine_api import (
     PrefillChunk,
     PrefillResult,
     SampledToken,
+    SamplingParams,
 )
-from serving.sampling import sample
+from ced_jax.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -186,31 +189,57 @@ class JaxEngine:
         restore = jax.jit(
             cache_lib.restore_slot_state, donate_argnums=(0,), out_shardings=self._cache_shardings
         )
-        state = jax.eval_shape(cache_lib.slot_state, self._cache, jnp.int32(0))
-        with self._mesh_context():
-            self._programs = self._compile(prefill, decode, restore, state)
+        self._programs = {"prefill": prefill, "decode": decode, "restore": restore}
+        try:
+            self._warm_up_programs()
+        except BaseException:
+            self._programs = None
+            raise
+        # Warm-up's own compiles are not "after warm-up".
+        self._counter.count = 0
 
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-    def _compile(self, prefill, decode, restore, state) -> dict:
-        """Ahead-of-time compiles of the three programs at the engine's one set of shapes."""
-        S, C, P = self._spec.max_slots, self.prefill_chunk, self._spec.pages_per_slot
-        i32, f32, u32 = jnp.int32, jnp.float32, jnp.uint32
-        sd = jax.ShapeDtypeStruct
-        scalar = lambda dt: sd((), dt)
-        rows = lambda *lead: None if self.hasher is None else sd((*lead, *self._row_shape()), i32)
-        return {
-            "prefill": prefill.lower(
-                self.params, self._cache, sd((C,), i32), rows(C), scalar(i32), scalar(i32), scalar(i32),
-                sd((P,), i32), scalar(f32), scalar(f32), scalar(i32), scalar(u32),
-            ).compile(),  # fmt: skip
-            "decode": decode.lower(
-                self.params, self._cache, sd((S,), i32), sd((S,), i32), sd((S,), jnp.bool_), sd((S, P), i32),
-                rows(S, 1), sd((S,), f32), sd((S,), f32), sd((S,), i32), sd((S,), u32),
-            ).compile(),  # fmt: skip
-            "restore": restore.lower(self._cache, scalar(i32), state).compile(),
-        }
+    def _warm_up_programs(self) -> None:
+        """Compiles every program by calling it as serving does, with the same argument types.
+
+        A one-token prefill into slot 0 (page 0) and one decode step, then the slot is released and
+        given a zero state through `restore`. What they write is harmless: a fresh slot needs no reset
+        and a page's entries are always written before they are read (module docstring)."""
+        spec = self._spec
+        table = np.zeros(spec.pages_per_slot, np.int32)
+        greedy = SamplingParams(temperature=0.0)
+        first = self.prefill(
+            PrefillChunk(
+                token_ids=np.array([self.cfg.bos_token_id], np.int32), start_pos=0, slot=0,
+                page_table=table, history=np.zeros(0, np.int32), sampling=greedy, is_last_chunk=True,
+            )
+        )  # fmt: skip
+        S = spec.max_slots
+        active = np.zeros(S, bool)
+        active[0] = True
+        tokens = np.full(S, self.cfg.pad_token_id, np.int32)
+        tokens[0] = first.token.token_id
+        positions = np.zeros(S, np.int32)
+        positions[0] = 1
+        self.decode(
+            DecodeBatch(
+                token_ids=tokens, positions=positions, active=active,
+                page_tables=np.zeros((S, spec.pages_per_slot), np.int32),
+                temperature=np.zeros(S, np.float32), top_p=np.ones(S, np.float32),
+                top_k=np.zeros(S, np.int32), seed=np.zeros(S, np.uint32),
+            )
+        )  # fmt: skip
+        self.release(0)
+        zero = jax.tree.map(
+            lambda a: np.zeros(a.shape, a.dtype), jax.eval_shape(cache_lib.slot_state, self._cache, 0)
+        )
+        self._restore_slot(0, zero)
+
+    def _restore_slot(self, slot: int, state: dict) -> None:
+        with self._counter.watch(), self._mesh_context():
+            self._cache = self._programs["restore"](self._cache, np.int32(slot), state)
 
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         spec, ps = self._spec, self.page_size
@@ -225,12 +254,12 @@ class JaxEngine:
             raise ValueError(f"slot {s} is decoding")
         programs = self._require_warm()
         fresh = self._pos[s] < 0
-        with self._counter.watch():
+        with self._counter.watch(), self._mesh_context():
             if chunk.restore is not None:
                 snap = chunk.restore
                 if not fresh or snap.pos != start:
                     raise ValueError("restore only on a fresh slot at the snapshot's position")
-                self._cache = programs["restore"](self._cache, np.int32(s), snap.state)
+                self._restore_slot(s, snap.state)
                 if self.hasher is not None:
                     self._history[s] = snap.history
             elif fresh:
@@ -291,7 +320,7 @@ class JaxEngine:
         if self.hasher is not None:
             rows = self.hasher.hash_ids(self._history, tokens[:, None])
             self._history = self.hasher.next_history(self._history, tokens[:, None], active.astype(np.int64))
-        with self._counter.watch():
+        with self._counter.watch(), self._mesh_context():
             self._cache, out = programs["decode"](
                 self.params, self._cache, tokens, positions, active, np.asarray(batch.page_tables, np.int32),
                 rows, np.asarray(batch.temperature, np.float32), np.asarray(batch.top_p, np.float32),

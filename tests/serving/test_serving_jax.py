@@ -188,6 +188,31 @@ def test_engine_rejects_calls_it_was_not_compiled_for(engine):
         engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=16, **chunk))
 
 
+def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
+    """The counter counts JAX's own compilation events, so it moves when a serving call compiles.
+
+    A separate small engine, since this one is left with a compile on its record. A decode batch with
+    one page-table column more than warm-up used is a new input shape: jit compiles again."""
+    small = JaxEngine(model, max_slots=2, page_size=PAGE, max_context=2 * PAGE, prefill_chunk=PAGE)
+    small.warmup()
+    assert small.compiles_after_warmup == 0
+    S, P = small.spec.max_slots, small.spec.pages_per_slot
+
+    def idle_batch(pages: int) -> DecodeBatch:
+        return DecodeBatch(
+            active=np.zeros(S, bool), token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
+            page_tables=np.zeros((S, pages), np.int32), temperature=np.zeros(S, np.float32),
+            top_p=np.ones(S, np.float32), top_k=np.zeros(S, np.int32), seed=np.zeros(S, np.uint32),
+        )  # fmt: skip
+
+    small.decode(idle_batch(P))  # the warmed-up shapes: no compile
+    assert small.compiles_after_warmup == 0
+    small.decode(idle_batch(P + 1))
+    assert small.compiles_after_warmup == 1
+    small.decode(idle_batch(P + 1))  # now cached
+    assert small.compiles_after_warmup == 1
+
+
 # ------------------------------------------------------------------------------- over gRPC
 def _logprob_arrays(out):
     ids = [[t.token_id for t in lp.top] for lp in out.logprobs]
@@ -296,12 +321,19 @@ def test_stop_string_across_tokens_never_leaks(server, model):
     prompt = _prompt(12)
     free = client.generate(server.addr, prompt, max_tokens=16, temperature=0.0, ignore_eos=True, timeout=120)
     text = free.text
-    # A stop string that starts inside one token's text and ends inside a later one.
+    # A stop string that starts inside one token's text and ends inside a later one, and whose
+    # first occurrence in the text is there (real text repeats short strings).
     pieces = [model.decode_text(free.token_ids[: i + 1]) for i in range(len(free.token_ids))]
-    cut = next(i for i in range(2, len(pieces)) if len(pieces[i]) > len(pieces[i - 1]) + 1)
-    start = len(pieces[cut - 1]) - 1
-    stop = text[start : len(pieces[cut - 1]) + 1]
-    assert len(stop) == 2 and text.find(stop) == start
+    candidates = []
+    for i in range(2, len(pieces)):
+        complete = text.startswith(pieces[i - 1])  # no partial UTF-8 sequence at the boundary
+        if complete and len(pieces[i]) > len(pieces[i - 1]) + 1 and len(pieces[i - 1]) >= 1:
+            start = len(pieces[i - 1]) - 1
+            stop = text[start : start + 2]
+            if len(stop) == 2 and text.find(stop) == start:
+                candidates.append((start, stop))
+    assert candidates, f"no token boundary with a unique 2-character string across it in {text!r}"
+    start, stop = candidates[0]
     out = client.generate(server.addr, prompt, max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop],
                           timeout=120)  # fmt: skip
     assert out.finish_reason == "stop"
