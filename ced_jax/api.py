@@ -33,6 +33,7 @@ from ced_jax import ops, sharding
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.model import flatten_specs, forward, init_cache, param_specs
+from ced_jax.sampling import jitted_sample
 
 TINY_SEED = 1234  # the embedded tiny model's random weights
 
@@ -208,8 +209,8 @@ class Model:
         seed: int = 0,
         stop_at_eos: bool = True,
     ) -> dict:
-        """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise sampling is
-        the Gumbel-max trick keyed by (seed, position), so a seed reproduces its tokens."""
+        """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise a categorical
+        draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if temperature < 0:
@@ -359,12 +360,14 @@ def _check_ids(ids, field: str, vocab: int, allow_empty: bool = False) -> list[i
 
 
 def _sample(logits: np.ndarray, temperature: float, seed: int, position: int) -> int:
-    if temperature == 0:
-        return int(np.argmax(logits))
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
-    probs = jax.nn.softmax(jnp.asarray(logits, jnp.float32) / max(temperature, 1e-5))
-    noise = jax.random.exponential(key, probs.shape)
-    return int(jnp.argmax(probs / noise))
+    """One token from one row of logits with the server's sampler (`ced_jax.sampling`), so that a
+    seed means the same draw in `generate` as in `ced-jax serve` (keyed by seed and position)."""
+    token, *_ = jitted_sample(0)(
+        np.asarray(logits, np.float32)[None], np.array([position], np.int32),
+        np.array([temperature], np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
+        np.array([seed], np.uint32),
+    )  # fmt: skip
+    return int(token[0])
 
 
 def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: int) -> None:

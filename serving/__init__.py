@@ -5,7 +5,7 @@ Layout (request flow top to bottom):
 - `server.py`: grpc.aio servicer, health, reflection, graceful shutdown; proto <-> scheduler only.
 - `scheduler.py`: admission, continuous batching, chunked prefill, stop handling, on its own thread.
 - `pages.py`: page allocator and prefix cache; `text.py`: detokenization and stop strings.
-- `engine_api.py`: the interface a device engine implements; `sampling.py`: the JAX sampler it uses.
+- `engine_api.py`: the interface a device engine implements (sampling: `ced_jax.sampling`, shared with the library).
 - `mock_engine.py`: a hand-computable engine for tests; `metrics.py`: Prometheus metrics.
 - `config.py`: ServeConfig; `client.py`: Python client and the `ced-jax client` command.
 """

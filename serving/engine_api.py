@@ -39,7 +39,7 @@ and the Engram n-gram history at `b`. `EngineSpec.restore_mode` says which:
   `drop_snapshot`, so the engine can free whatever device memory the snapshot holds.
 Either way a hit must give exactly the logits of a cold run.
 
-Sampling is part of the engine's compiled programs (`serving/sampling.py`): per-row parameters arrive as
+Sampling is part of the engine's compiled programs (`ced_jax/sampling.py`): per-row parameters arrive as
 arrays, the key for the token at absolute position `p` is `fold_in(PRNGKey(seed), p)`, so a request's
 tokens depend only on its own seed, positions and logits, never on what else is in the batch.
 Top-n log-probabilities are always computed for `max_logprobs` alternatives (a static shape); the

@@ -9,7 +9,7 @@ prefix-cache bugs change the output. The most likely next token after a context 
 
 (`mock_target`). Logits put 0 on the target and fall by 0.7 per step around the ring of the
 `token_span` allowed tokens (so temperature sampling has something to choose from); everything else is
--30. Tokens are drawn by the real sampler (`serving/sampling.py`), so greedy streams are exactly
+-30. Tokens are drawn by the real sampler (`ced_jax/sampling.py`), so greedy streams are exactly
 `mock_greedy_stream` and seeded streams exercise the production sampling code.
 
 `restore_mode="snapshot"` emulates an engine with state outside the pages (V4.1's SWA ring and
@@ -163,7 +163,7 @@ class MockEngine:
         return self._compiles.count
 
     def warmup(self) -> None:
-        from serving.sampling import jitted_sample
+        from ced_jax.sampling import jitted_sample
 
         fn = jitted_sample(self._spec.max_logprobs)
         v = self._spec.vocab_size
@@ -301,7 +301,7 @@ class MockEngine:
         return mock_logits(mock_target(context, self.rule, ring), self.rule, self._spec.vocab_size)
 
     def _sample(self, logits, positions, temperature, top_p, top_k, seed) -> DecodeResult:
-        from serving.sampling import jitted_sample
+        from ced_jax.sampling import jitted_sample
 
         fn = jitted_sample(self._spec.max_logprobs)
         if self._warm:

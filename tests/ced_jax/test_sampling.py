@@ -1,9 +1,9 @@
-"""serving/sampling.py: greedy, top-k, top-p, seeding by position, row independence, logprobs."""
+"""ced_jax/sampling.py: greedy, top-k, top-p, seeding by position, row independence, logprobs."""
 
 import numpy as np
 import pytest
 
-from serving.sampling import filter_logits, jitted_sample
+from ced_jax.sampling import filter_logits, jitted_sample
 
 pytestmark = pytest.mark.timeout(120)
 
