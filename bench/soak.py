@@ -31,8 +31,9 @@ flight; and (if AbortRequest has `user` too) one user cannot abort another's req
 skipped.
 
 Reported: requests by class and answer (gRPC status; OK answers with their finish reason), TTFT
-(request sent -> first message) and total latency per class, the server's KV pages / slots / queue
-after the soak (from `--metrics`, the gauges of `serving/metrics.py`), its RSS before and after
+(request sent -> first message) and total latency (sent -> last message or error; RESOURCE_EXHAUSTED
+refusals left out) per class, the server's KV pages / slots / queue after the soak (from
+`--metrics`, the gauges of `serving/metrics.py`), its RSS before and after
 (`--pid`: /proc/PID/status VmRSS; otherwise the `process_resident_memory_bytes` metric when the
 server exports it), and the determinism check. Exit status 1 if any answer was UNKNOWN or INTERNAL
 or otherwise unacceptable, pages or slots leaked, determinism failed, or the server stopped
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import ipaddress
 import json
@@ -87,6 +89,8 @@ MIX = {
 CLASSES = (*MIX, "overload")
 FATAL_STATUSES = ("UNKNOWN", "INTERNAL")
 USERS = ("soak-alice", "soak-bob", "soak-carol")
+# The answers recorded by the current mix task (a task-local list; None outside the mix).
+_TASK_ANSWERS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("answers", default=None)
 LEAK_GAUGES = ("ced_kv_pages_used", "ced_active_slots", "ced_queue_depth")
 
 
@@ -332,6 +336,19 @@ class Soak:
         if problem is None and res.answer not in allowed and res.status not in allowed:
             problem = f"unexpected {res.answer}: {res.details}"
         self.records.append(Record(cls, res.answer, res.ttft_s, res.total_s, problem))
+        answers = _TASK_ANSWERS.get()
+        if answers is not None:
+            answers.append(res.answer)
+
+    async def _mix_one(self, cls: str, rng: random.Random) -> None:
+        """One request of the mix. A refused one (RESOURCE_EXHAUSTED) keeps its concurrency place for
+        --burst-hold s, as a client backing off would; otherwise an overload burst would make the mix
+        spin through its whole request budget in refusals."""
+        answers: list[str] = []
+        _TASK_ANSWERS.set(answers)  # this task's own context (asyncio copies it per task)
+        await getattr(self, cls)(rng)
+        if "RESOURCE_EXHAUSTED" in answers:
+            await asyncio.sleep(self.args.burst_hold)
 
     # ---- the classes ----
     async def normal(self, rng: random.Random, cls: str = "normal", **extra) -> StreamResult:
@@ -657,7 +674,7 @@ class Soak:
                 classes[i] if i < len(classes) else self.rng.choices(classes, weights)[0]
             )  # each at least once
             await gate.acquire()
-            task = asyncio.ensure_future(getattr(self, cls)(random.Random(self.rng.random())))
+            task = asyncio.ensure_future(self._mix_one(cls, random.Random(self.rng.random())))
             task.add_done_callback(lambda _: gate.release())
             tasks.append(task)
             sent += 1
@@ -699,7 +716,8 @@ def summarize(records: list[Record]) -> dict:
             "requests": len(rs),
             "answers": dict(collections.Counter(r.answer for r in rs)),
             "ttft": _percentiles([r.ttft_s for r in rs if r.ttft_s is not None]),
-            "total": _percentiles([r.total_s for r in rs]),
+            # Refusals for load answer in milliseconds and would hide the latency of the real answers.
+            "total": _percentiles([r.total_s for r in rs if r.answer != "RESOURCE_EXHAUSTED"]),
         }
     return by_class
 
@@ -727,6 +745,10 @@ def print_report(result: dict, out=None) -> None:
         cells = " | ".join(str(c["answers"].get(a, 0)) for a in answers)
         w(f"| {cls} | {c['requests']} | {cells} | {_fmt_ms(c['ttft'])} | {_fmt_ms(c['total'])} |")
     w()
+    mix = [c for cls, c in by_class.items() if cls != "overload"]
+    refused = sum(c["answers"].get("RESOURCE_EXHAUSTED", 0) for c in mix)
+    # Many refusals mean the soak mostly measured admission control: raise --max-queued or lower C.
+    w(f"mix requests refused RESOURCE_EXHAUSTED: {refused} of {sum(c['requests'] for c in mix)}")
     leak = result["leak"]
     if leak is None:
         w("leaks: not checked (no --metrics)")
