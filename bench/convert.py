@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from ced_jax.checkpoint.mapping import hf_inventory  # noqa: E402
 from ced_jax.config import ModelConfig  # noqa: E402
-from conversion.mapping import hf_inventory  # noqa: E402
 from conversion.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 MID = REPO / "bench" / "configs" / "mid"

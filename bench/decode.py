@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ced_jax.api import load  # noqa: E402
-from conversion.mapping import hf_inventory  # noqa: E402
+from ced_jax.checkpoint.mapping import hf_inventory  # noqa: E402
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:

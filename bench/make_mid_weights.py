@@ -20,8 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from ced_jax.checkpoint.hf_loader import INDEX_NAME, content_sha256  # noqa: E402
 from ced_jax.config import ModelConfig  # noqa: E402
-from conversion.hf_loader import INDEX_NAME, content_sha256  # noqa: E402
 from conversion.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 MID = REPO / "bench" / "configs" / "mid"

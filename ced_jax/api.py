@@ -10,9 +10,8 @@ by `sharding.cache_shardings`, and both programs are traced and run under the me
 (`sharding.activate`); logits and decisions come back replicated so that every process can read
 them.
 
-Loading a checkpoint directory needs the converter's declarative name table, so this module
-imports `conversion` lazily: it is the one place where ced_jax reaches above itself, and only to
-read weights.
+Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a directory written by
+`convert_weights`); the `tiny` preset's weights come from `ced_jax.testing.random_weights`.
 """
 
 from __future__ import annotations
@@ -29,13 +28,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ced_jax import cache as cache_lib
 from ced_jax import ops, sharding
+from ced_jax.checkpoint.converted import is_converted_checkpoint, load_flat
+from ced_jax.checkpoint.hf_loader import load_hf_checkpoint
+from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.model import flatten_specs, forward, init_cache, param_specs
 from ced_jax.sampling import jitted_sample
-
-TINY_SEED = 1234  # the embedded tiny model's random weights
+from ced_jax.testing.random_weights import tiny_params
 
 
 def _to_device(
@@ -449,8 +451,6 @@ def _cat_axis(name: str) -> int:
 # ---------------------------------------------------------------------- describe
 def describe(cfg: ModelConfig) -> dict:
     """Config summary, parameter counts, active parameters per token, KV bytes: all from the layout."""
-    from conversion.mapping import hf_inventory, parameter_counts
-
     counts = parameter_counts(cfg)
     inventory = hf_inventory(cfg)
     E, X = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -479,10 +479,12 @@ def describe(cfg: ModelConfig) -> dict:
         or name.startswith(f"layers.{decoder_start}.attn.indexer.k_norm")
     )
     prompt_active = sum(layer_active(i) for i in range(decoder_start)) + kv_projection
-    main_bytes = cfg.head_dim // 2 + cfg.head_dim // 16  # FP4 e2m1 + one e4m3 scale per 16
-    index_bytes = cfg.index_head_dim // 2 + cfg.index_head_dim // 32  # FP4 e2m1 + one ue8m0 per 32
-    kv_per_token = sum((main_bytes + index_bytes) / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
-    swa_entry = cfg.head_dim + cfg.head_dim // 32  # FP8 + one ue8m0 per 32
+    # KV sizes are read off the serving cache's own buffers (shapes only, nothing allocated): one
+    # slot, one page of the smallest size that holds whole entries of every KV source.
+    page = math.lcm(*(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
+    state = jax.eval_shape(
+        partial(cache_lib.init_paged_cache, cfg, max_slots=1, page_size=page, num_pages=1, max_context=page)
+    )
     return {
         "model": cfg.name,
         "config": {
@@ -514,8 +516,8 @@ def describe(cfg: ModelConfig) -> dict:
             "prompt_encoder_path": int(round(prompt_active)),
             "decode_path": int(round(decode_active)),
         },
-        "kv_bytes_per_token": kv_per_token,
-        "swa_bytes_per_sequence": cfg.num_layers * cfg.sliding_window * swa_entry,
+        "kv_bytes_per_token": cache_lib.kv_bytes_per_token(state),
+        "swa_bytes_per_sequence": cache_lib.buffer_bytes(state.window),
         "storage_bytes": {"weights": sum(spec.nbytes for spec in inventory.values())},
     }
 
@@ -530,7 +532,7 @@ def load(
     rules: str | dict = sharding.DEFAULT_RULES,
 ) -> Model:
     """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
-    directory written by `convert_weights` (conversion.convert).
+    directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
 
     mesh: place and run the model on this (data, expert, tensor) mesh under `rules` (see
     ced_jax.sharding); None runs on the default device."""
@@ -542,9 +544,7 @@ def load(
                 f"preset {name!r} has no embedded weights; pass a checkpoint directory "
                 f"(`ced-jax describe {name}` works without weights)"
             )
-        from conversion.synthetic import synthetic_params
-
-        flat = synthetic_params(cfg, TINY_SEED)
+        flat = tiny_params()
         hasher = EngramHasher.from_token_map_file(cfg, ASSETS / "tiny" / "engram_token_map.json")
         return Model(
             cfg,
@@ -560,9 +560,6 @@ def load(
     if not directory.is_dir():
         raise ValueError(f"{name!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
     cfg = ModelConfig.from_pretrained(directory)
-    from conversion.convert import is_converted_checkpoint, load_flat
-    from conversion.hf_loader import load_hf_checkpoint
-
     if is_converted_checkpoint(directory):  # convert_weights output: Orbax items + ced_manifest.json
         cfg, flat = load_flat(directory)
     else:

@@ -315,6 +315,12 @@ def _nbytes(a) -> int:
     return math.prod(a.shape) * np.dtype(a.dtype).itemsize
 
 
+def buffer_bytes(tree) -> int:
+    """Bytes held by the arrays (or ShapeDtypeStructs, under `jax.eval_shape`) of a pytree: a
+    PagedCache, or one of its buffer dicts."""
+    return sum(_nbytes(a) for a in jax.tree.leaves(tree))
+
+
 def kv_bytes_per_token(cache: PagedCache) -> float:
     """Global compressed-KV bytes per token held by the page buffers (arrays or ShapeDtypeStructs):
     main entries plus index keys of every KV source, divided by the tokens the pages hold."""

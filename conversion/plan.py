@@ -3,7 +3,7 @@
 Four ledgers per device, each from the real layout rather than a bytes-per-parameter guess:
 
 - weights: every tensor of the released checkpoint in the dtype it is actually stored in
-  (`conversion.mapping.hf_inventory`: FP4 experts packed two per byte, FP8 with ue8m0 scales,
+  (`ced_jax.checkpoint.mapping.hf_inventory`: FP4 experts packed two per byte, FP8 with ue8m0 scales,
   BF16 / F32 for the rest), mapped to our parameter tree (`our_param_specs`: experts stacked,
   `wo_a` dequantised to BF16 as the model keeps it) and divided over the mesh by the very rules
   the runtime places them with (`ced_jax.sharding.logical_to_spec` over the parameters' logical
@@ -35,9 +35,9 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import sharding
+from ced_jax.checkpoint.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.model import flatten_specs, param_specs
-from conversion.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 
 GIB = 1024**3
 GB = 1000**3

@@ -1,50 +1,30 @@
-"""Synthetic random-weight checkpoints in the released layout, by the `mid` generation scheme.
+"""Synthetic random-weight checkpoints in the released layout (sharded safetensors + index + config),
+for the conversion tests and benchmarks.
 
-The scheme is bench/configs/mid/README.md, "How to regenerate the weights"; it is reproduced
-exactly so that `bench/make_mid_weights.py` yields the published content hash:
-- every tensor has its own generator, `numpy.random.default_rng(int.from_bytes(SHA-256(
-  f"{seed}:{name}")[:8], "little"))`, keyed by the HF name (a quantised pair by its `.weight`
-  name; the `.scale` comes from quantising the same draw), so tensors can be made in any order;
-- normal: `standard_normal(shape, float32) *= float32(std)`, then `+= float32(mean)` if mean != 0;
-  uniform: `random(shape, float32) * float32(high - low) + float32(low)`; hc_base: normal std 0.5
-  plus 1.0 on the comb diagonal. Stds per tensor kind live in `conversion.mapping`;
-- FP8 (dense B x B blocks, Engram tables 1 x B per row): scale = the smallest power of two
-  >= max(amax, 2^-100) / 448 (float32 division), weight = e4m3fn(RNE(clamp(w / scale, +-448)));
-- FP4 experts (1 x 32 groups): scale = smallest power of two >= max(amax, 2^-100) / 6; codes are
-  E2M1 of clamp(w / scale, +-6), round to nearest with ties to the even code, sign bit from
-  signbit (so small negatives give code 8, "-0"); two codes per byte, even index in the low nibble;
-- BF16: round to nearest even from float32.
-The e4m3 cast is ml_dtypes' float32 -> float8_e4m3fn, which rounds to nearest even (subnormals
-included) but does not saturate (past 464 it gives NaN). The clamp is kept as the README states it;
-it never acts, because with a power-of-two scale >= amax/448 no float32 |w / scale| exceeds 448
-(the float32 spacing near 448 * 2^k is wider than the rounding of amax / 448).
-`tests/conversion/test_synthetic.py` checks the rounding against an independent e4m3 grid.
-
-Shards follow the release: embed + the first half of the layers, then the other half + norm + head
-(+ mtp.*, vision), and the Engram tables alone in the last shard. Each shard is generated and
-written on its own (safetensors.numpy.save_file, metadata {"format": "pt"}), so memory is bounded
-by one shard.
+The tensors are `ced_jax.testing.random_weights` draws (the `mid` generation scheme of
+bench/configs/mid/README.md, so that `bench/make_mid_weights.py` yields the published content hash),
+in the stored dtypes. Shards follow the release: embed + the first half of the layers, then the
+other half + norm + head (+ mtp.*, vision), and the Engram tables alone in the last shard. Each
+shard is generated and written on its own (safetensors.numpy.save_file, metadata {"format": "pt"}),
+so memory is bounded by one shard.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from ced_jax.checkpoint.hf_loader import INDEX_NAME
+from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig
-from conversion.hf_loader import INDEX_NAME, ParamAssembler
-from conversion.mapping import FP4_GROUP, STORAGE_DTYPES, TEXT_GROUPS, TensorSpec, hf_inventory
+from ced_jax.testing.random_weights import iter_hf_tensors
 
-FP8_MAX = np.float32(448.0)
-FP4_MAX = np.float32(6.0)
-AMAX_FLOOR = np.float32(2.0**-100)
 # What safetensors.numpy.save_file needs to write each safetensors dtype code.
 FILE_DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -53,123 +33,6 @@ FILE_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F32": np.dtype(np.float32),
 }
-# E2M1: midpoints between consecutive magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} (codes 0..7).
-_E2M1_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
-
-
-# ---------------------------------------------------------------------- draws
-def tensor_rng(seed: int, name: str) -> np.random.Generator:
-    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return np.random.default_rng(int.from_bytes(h[:8], "little"))
-
-
-def draw(spec: TensorSpec, seed: int) -> np.ndarray:
-    """The float32 values of a weight (logical shape), before any rounding or quantisation."""
-    init = spec.init
-    assert init is not None, f"{spec.name} has no draw of its own"
-    rng = tensor_rng(seed, spec.name)
-    shape = spec.logical_shape
-    if init.kind == "uniform":
-        x = rng.random(shape, dtype=np.float32) * np.float32(init.high - init.low) + np.float32(init.low)
-        return x
-    x = rng.standard_normal(shape, dtype=np.float32)
-    x *= np.float32(init.std)
-    if init.mean != 0:
-        x += np.float32(init.mean)
-    if init.kind == "hc_base":
-        x[list(init.diag)] += np.float32(1.0)
-    return x
-
-
-# ---------------------------------------------------------------------- formats
-def pow2_ceil_exponent_byte(x: np.ndarray) -> np.ndarray:
-    """For positive normal float32 x: the ue8m0 byte of the smallest power of two >= x, read from
-    the bits (exact, unlike ceil(log2(x)) in floating point): exponent field, +1 if any mantissa bit."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
-    exponent = (bits >> 23) & 0xFF
-    assert np.all((exponent > 0) & (exponent < 254)), "scale input outside the normal range"
-    return (exponent + ((bits & 0x7FFFFF) != 0)).astype(np.uint8)
-
-
-def _scale_of(byte: np.ndarray) -> np.ndarray:
-    return np.ldexp(np.float32(1.0), byte.astype(np.int32) - 127).astype(np.float32)
-
-
-def quantize_fp8(w: np.ndarray, block_rows: int, block_cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [out, in] -> (float8_e4m3fn [out, in], ue8m0 bytes [ceil(out/br), ceil(in/bc)])."""
-    out, inn = w.shape
-    ob, ib = -(-out // block_rows), -(-inn // block_cols)
-    # Zero padding leaves every block's amax unchanged.
-    padded = np.zeros((ob * block_rows, ib * block_cols), np.float32)
-    padded[:out, :inn] = w
-    tiles = padded.reshape(ob, block_rows, ib, block_cols)
-    amax = np.maximum(np.abs(tiles).max(axis=(1, 3)), AMAX_FLOOR)
-    byte = pow2_ceil_exponent_byte(amax / FP8_MAX)
-    scaled = tiles / _scale_of(byte)[:, None, :, None]
-    q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return q.reshape(padded.shape)[:out, :inn].copy(), byte
-
-
-def e2m1_codes(v: np.ndarray) -> np.ndarray:
-    """float32 in [-6, 6] -> 4-bit codes: nearest magnitude, ties to the even code; bit 3 = signbit."""
-    mag = np.abs(v)
-    lo = np.searchsorted(_E2M1_MIDS, mag, side="left")  # midpoints strictly below
-    hi = np.searchsorted(_E2M1_MIDS, mag, side="right")  # ... or equal
-    # On a midpoint between codes lo and lo + 1, take the even one.
-    code = np.where(hi != lo, lo + (lo & 1), lo).astype(np.uint8)
-    return code | (np.signbit(v).astype(np.uint8) << 3)
-
-
-def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [out, in] -> (packed uint8 [out, in/2], ue8m0 bytes [out, in/32])."""
-    out, inn = w.shape
-    groups = w.reshape(out, inn // FP4_GROUP, FP4_GROUP)
-    amax = np.maximum(np.abs(groups).max(axis=2), AMAX_FLOOR)
-    byte = pow2_ceil_exponent_byte(amax / FP4_MAX)
-    v = np.clip(groups / _scale_of(byte)[:, :, None], -FP4_MAX, FP4_MAX)
-    codes = e2m1_codes(v).reshape(out, inn)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, byte
-
-
-def generate(spec: TensorSpec, seed: int, block: int) -> dict[str, np.ndarray]:
-    """The stored tensor(s) made from one draw, in our storage dtypes (`mapping.STORAGE_DTYPES`):
-    {weight, scale} for a quantised pair (`spec` is its weight), else {name}. `block` is the FP8
-    block size (cfg.weight_block_size)."""
-    x = draw(spec, seed)
-    if spec.quant is None:
-        return {spec.name: x.astype(STORAGE_DTYPES[spec.dtype])}
-    scale_name = spec.name[: -len(".weight")] + ".scale"
-    if spec.quant == "fp4":
-        q, s = quantize_fp4(x)
-    elif spec.quant == "fp8_rows":
-        q, s = quantize_fp8(x, 1, block)
-    else:
-        q, s = quantize_fp8(x, block, block)
-    return {spec.name: q, scale_name: s}
-
-
-def iter_hf_tensors(
-    cfg: ModelConfig, seed: int, names: Iterable[str] | None = None
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array in our storage dtype) for `names` (default: the whole inventory), in the
-    order given. A pair's weight and scale come from one draw, made once when both are asked for."""
-    inventory = hf_inventory(cfg)
-    order = list(inventory if names is None else names)
-    unknown = [n for n in order if n not in inventory]
-    if unknown:
-        raise KeyError(f"not in the inventory of this config: {unknown[:10]}")
-    pending = set(order)
-    partners: dict[str, np.ndarray] = {}
-    for name in order:
-        pending.discard(name)
-        if name in partners:
-            yield name, partners.pop(name)
-            continue
-        made = generate(inventory[inventory[name].weight_name], seed, cfg.weight_block_size)
-        arr = made.pop(name)
-        partners.update((k, v) for k, v in made.items() if k in pending)
-        yield name, arr
 
 
 # ---------------------------------------------------------------------- checkpoint files
@@ -242,14 +105,3 @@ def write_synthetic_checkpoint(
     for f in tokenizer_files:
         shutil.copyfile(f, out / Path(f).name)
     return {"files": files, "total_size": total, "tensors": len(weight_map)}
-
-
-def synthetic_params(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Our params in memory: the same arrays as `write_synthetic_checkpoint` then
-    `load_hf_checkpoint` (same draws, same `ParamAssembler`), for small configs such as `tiny`."""
-    assembler = ParamAssembler(cfg, TEXT_GROUPS)
-    names = [n for n, s in hf_inventory(cfg).items() if s.group in TEXT_GROUPS]
-    for name, arr in iter_hf_tensors(cfg, seed, names):
-        assembler.add(name, arr)
-    return assembler.finish()
-

@@ -27,7 +27,7 @@ from ced_jax import ops
 from ced_jax.api import Model, load
 from ced_jax.config import preset
 from ced_jax.quant import fp8_fake_quant
-from conversion.synthetic import synthetic_params
+from ced_jax.testing.random_weights import random_params
 from pallas_kernels import formats
 from tests.ced_jax.test_parity import MODES, assert_mode_a_gate, mode_a_metrics
 from tests.conftest import GOLDEN_TINY_A
@@ -147,7 +147,7 @@ def _one_layer_tiny():
         engram_layer_ids=(),
         engram_num_embeddings=(),
     )
-    return cfg, synthetic_params(cfg, 0)
+    return cfg, random_params(cfg, 0)
 
 
 def test_one_layer_prefill_pallas_equals_reference(kernel_calls):

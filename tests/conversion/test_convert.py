@@ -26,22 +26,19 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ced_cli.main import convert_main, main
+from ced_jax.checkpoint.converted import MANIFEST_NAME, load_flat, restore, target_specs
+from ced_jax.checkpoint.hf_loader import (
+    CheckpointError,
+    dequantize_fp8_blocks,
+    iter_raw_tensors,
+    load_hf_checkpoint,
+)
+from ced_jax.checkpoint.mapping import hf_inventory, our_target
 from ced_jax.config import ModelConfig, VisionConfig, preset
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.quant import FP4_TABLE
 from ced_jax.sharding import make_mesh
-from conversion.convert import (
-    MANIFEST_NAME,
-    OWNER_MARKER,
-    ConversionError,
-    ConvertOptions,
-    convert,
-    load_flat,
-    restore,
-    target_specs,
-)
-from conversion.hf_loader import dequantize_fp8_blocks, iter_raw_tensors, load_hf_checkpoint
-from conversion.mapping import hf_inventory, our_target
+from conversion.convert import OWNER_MARKER, ConversionError, ConvertOptions, convert
 from conversion.synthetic import write_synthetic_checkpoint
 from tests.conftest import GOLDEN_TINY_A, REPO
 
@@ -255,7 +252,7 @@ def test_engram_inline_and_skip(tmp_path, hf_params):
     )
     assert all("--engram skip" in i["reason"] for i in m["tensors"]["ignored"])
     assert summary["leaves"] == len(hf_params) - 4
-    with pytest.raises(ConversionError, match="--engram skip"):
+    with pytest.raises(CheckpointError, match="--engram skip"):
         load_flat(skip)
 
 
@@ -296,7 +293,7 @@ def test_bf16_dequantises_everything_exactly(tmp_path, cfg, hf_params):
     t_w = hf_params["layers.2.engram.embed.weight"].astype(np.float64)
     t_s = hf_params["layers.2.engram.embed.scale"].astype(np.float64)
     np.testing.assert_array_equal(table.astype(np.float64), t_w * np.repeat(2.0 ** (t_s - 127), 32, axis=1))
-    with pytest.raises(ConversionError, match="weights-dtype bf16"):
+    with pytest.raises(CheckpointError, match="weights-dtype bf16"):
         load_flat(out)
 
 
@@ -738,5 +735,5 @@ def test_loading_an_item_with_missing_data_fails(converted, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     (broken / "params" / "state" / "embed.weight" / "zarr.json").unlink()
-    with pytest.raises(ConversionError, match=r"leaf embed\.weight has no data"):
+    with pytest.raises(CheckpointError, match=r"leaf embed\.weight has no data"):
         restore(broken)

@@ -12,19 +12,18 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from ced_jax.checkpoint.hf_loader import content_sha256, load_hf_checkpoint
+from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig, preset
-from conversion.hf_loader import content_sha256, load_hf_checkpoint
-from conversion.mapping import hf_inventory
-from conversion.synthetic import (
-    default_shard_plan,
+from ced_jax.testing.random_weights import (
     draw,
     e2m1_codes,
     generate,
     iter_hf_tensors,
     quantize_fp8,
-    synthetic_params,
-    write_synthetic_checkpoint,
+    random_params,
 )
+from conversion.synthetic import default_shard_plan, write_synthetic_checkpoint
 from tests.conftest import GOLDEN_TINY_A, REPO
 
 MID = REPO / "bench" / "configs" / "mid"
@@ -214,7 +213,7 @@ def test_tiny_checkpoint_round_trip(tmp_path):
             assert f.metadata() == {"format": "pt"}
     assert ModelConfig.from_pretrained(tmp_path) == cfg
     params, report = load_hf_checkpoint(tmp_path, cfg)
-    expected = synthetic_params(cfg, 7)
+    expected = random_params(cfg, 7)
     assert set(params) == set(expected)
     for k, v in expected.items():
         assert params[k].dtype == v.dtype and params[k].tobytes() == v.tobytes(), k

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from ced_jax.config import ModelConfig, preset
-from conversion.mapping import (
+from ced_jax.checkpoint.mapping import (
     hf_inventory,
     optional_group_of,
     our_param_specs,
     our_target,
     parameter_counts,
 )
+from ced_jax.config import ModelConfig, preset
 from tests.conftest import GOLDEN_TINY_A, REPO
 
 

@@ -1,7 +1,7 @@
 """Load a released-layout DeepSeek-V4.1 HF checkpoint (index + safetensors shards) into our params.
 
 `load_hf_checkpoint(directory, cfg)` returns `(params, report)`: `params` maps our parameter paths
-(see `conversion.mapping`) to numpy arrays in our storage dtypes, with the stored bytes unchanged
+(see `ced_jax.checkpoint.mapping`) to numpy arrays in our storage dtypes, with the stored bytes unchanged
 except where the mapping says otherwise (experts stacked, `attn.wo_a` dequantised to bf16).
 
 Conventions
@@ -35,8 +35,7 @@ import ml_dtypes  # also registers "bfloat16" with numpy, which safetensors' num
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from ced_jax.config import ConfigError, ModelConfig
-from conversion.mapping import (
+from ced_jax.checkpoint.mapping import (
     GROUPS,
     ITEMSIZE,
     SKIP_NOTES,
@@ -48,6 +47,7 @@ from conversion.mapping import (
     our_param_specs,
     our_target,
 )
+from ced_jax.config import ConfigError, ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 _RAW_DTYPES = ("F8_E4M3", "F8_E8M0")  # safetensors' numpy reader cannot build these
@@ -70,7 +70,7 @@ class LoadReport:
 
 
 # ---------------------------------------------------------------------- small readers
-def _read_index_json(directory: Path) -> dict:
+def read_index_json(directory: Path) -> dict:
     path = directory / INDEX_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: missing index file (expected {INDEX_NAME} in {directory})")
@@ -88,7 +88,7 @@ def _read_index_json(directory: Path) -> dict:
 
 def read_index(directory: Path) -> dict[str, str]:
     """The index's weight_map (tensor name -> shard file name), validated for form."""
-    return _read_index_json(Path(directory))["weight_map"]
+    return read_index_json(Path(directory))["weight_map"]
 
 
 def _read_header(path: Path) -> tuple[int, dict[str, dict]]:
@@ -100,7 +100,7 @@ def _read_header(path: Path) -> tuple[int, dict[str, dict]]:
     return 8 + n, header
 
 
-class _Shard:
+class Shard:
     """One open shard: safe_open for validation and the dtypes it can read, raw reads for F8."""
 
     def __init__(self, directory: Path, file: str) -> None:
@@ -123,7 +123,7 @@ class _Shard:
         if self._fh is not None:
             self._fh.close()
 
-    def __enter__(self) -> _Shard:
+    def __enter__(self) -> Shard:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -181,7 +181,7 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale: np.ndarray, block: int) -> 
 
 class ParamAssembler:
     """Turns HF tensors (storage dtypes, any order) into our param tree: copies, expert stacking,
-    the wo_a dequantisation. Shared by the loader and `synthetic.synthetic_params`."""
+    the wo_a dequantisation. Shared by the loader and `ced_jax.testing.random_weights`."""
 
     def __init__(self, cfg: ModelConfig, groups: Iterable[str] = TEXT_GROUPS) -> None:
         self.cfg = cfg
@@ -253,12 +253,13 @@ def _check_config(directory: Path, cfg: ModelConfig, report: LoadReport) -> None
         if f.compare and getattr(cfg, f.name) != getattr(found, f.name)
     ]
     if diffs:
-        raise CheckpointError(f"{directory / 'config.json'}: config mismatch with the given ModelConfig: "
-                              + "; ".join(diffs))
+        raise CheckpointError(
+            f"{directory / 'config.json'}: config mismatch with the given ModelConfig: " + "; ".join(diffs)
+        )
     report.config_checked = True
 
 
-def _classify(
+def classify_tensors(
     weight_map: dict[str, str], inventory: dict[str, TensorSpec], groups: tuple[str, ...], report: LoadReport
 ) -> dict[str, list[str]]:
     """Shard file -> names in it that are checked against the inventory (all known ones)."""
@@ -289,7 +290,7 @@ def _classify(
     return by_shard
 
 
-def _check_shard(shard: _Shard, names: list[str], inventory: dict[str, TensorSpec]) -> None:
+def check_shard_header(shard: Shard, names: list[str], inventory: dict[str, TensorSpec]) -> None:
     present = set(shard.keys())
     for name in names:
         if name not in present:
@@ -318,16 +319,16 @@ def load_hf_checkpoint(
     groups = _resolve_include(include)
     report = LoadReport(str(directory))
     _check_config(directory, cfg, report)
-    index = _read_index_json(directory)
+    index = read_index_json(directory)
     weight_map = index["weight_map"]
     inventory = hf_inventory(cfg)
-    by_shard = _classify(weight_map, inventory, groups, report)
+    by_shard = classify_tensors(weight_map, inventory, groups, report)
     report.shards = sorted(set(weight_map.values()))
 
     # Pass 1: headers only, so a bad file is reported before gigabytes are read.
     for file in report.shards:
-        with _Shard(directory, file) as shard:
-            _check_shard(shard, by_shard.get(file, []), inventory)
+        with Shard(directory, file) as shard:
+            check_shard_header(shard, by_shard.get(file, []), inventory)
     meta = index.get("metadata")
     declared = meta.get("total_size") if isinstance(meta, dict) else None
     payload = sum(inventory[n].nbytes for names in by_shard.values() for n in names)
@@ -341,7 +342,7 @@ def load_hf_checkpoint(
         wanted = {n for n in by_shard.get(file, []) if inventory[n].group in groups}
         if not wanted:
             continue
-        with _Shard(directory, file) as shard:
+        with Shard(directory, file) as shard:
             for name in shard.keys():
                 if name not in wanted:
                     continue
@@ -362,12 +363,12 @@ def iter_raw_tensors(
     not read) until the end."""
     directory = Path(directory)
     weight_map = read_index(directory)
-    shards: dict[str, tuple[_Shard, set[str]]] = {}
+    shards: dict[str, tuple[Shard, set[str]]] = {}
     try:
         for name in sorted(weight_map) if names is None else names:
             file = weight_map[name]
             if file not in shards:
-                shard = _Shard(directory, file)
+                shard = Shard(directory, file)
                 shards[file] = (shard, set(shard.keys()))
             shard, present = shards[file]
             if name not in present:

@@ -1,8 +1,10 @@
 """The one declarative table of the released DeepSeek-V4.1 HF checkpoint, derived from a ModelConfig.
 
 `hf_inventory(cfg)` lists every tensor the release stores for `cfg` (spec sections 5.1 / 5.2): its
-name, stored shape, safetensors dtype, the group it belongs to, and, for the synthetic generator,
-how its values are drawn (`Init`) and how they are quantised (`TensorSpec.quant`).
+name, stored shape, safetensors dtype, the group it belongs to, and, for the random-weight generator
+(`ced_jax.testing.random_weights`), how its values are drawn (`Init`) and how they are quantised
+(`TensorSpec.quant`). It describes the model's checkpoint layout, so it lives with the model: the
+loader, `describe`, the converter and the serving capacity planner all read it.
 
 Conventions
 - Names are the released ones: no `model.` prefix; quantised weights are `<w>.weight` + `<w>.scale`.
@@ -69,7 +71,7 @@ FP4_GROUP = 32  # FP4 experts: one ue8m0 scale per 32 inputs, fixed by the forma
 
 @dataclass(frozen=True)
 class Init:
-    """How the synthetic generator draws a tensor's float32 values (before any quantisation).
+    """How the random-weight generator draws a tensor's float32 values (before any quantisation).
 
     normal: std * N(0, 1) + mean. uniform: [low, high). hc_base: a normal draw with `std`, then
     +1.0 at `diag` (the comb-matrix diagonal of the mHC mix vector).

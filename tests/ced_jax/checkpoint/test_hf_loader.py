@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from ced_jax.checkpoint.hf_loader import CheckpointError, content_sha256, load_hf_checkpoint
+from ced_jax.checkpoint.mapping import our_param_specs
 from ced_jax.config import ModelConfig, preset
-from conversion.hf_loader import CheckpointError, content_sha256, load_hf_checkpoint
-from conversion.mapping import our_param_specs
 from tests.conftest import GOLDEN_TINY_A
 
 SHARD1, SHARD2, SHARD3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
