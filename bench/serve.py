@@ -89,14 +89,12 @@ def _start_local(args):
     model = ced_jax.load(args.model)
     max_slots = max(args.concurrency)
     context = args.max_context
-    engine = JaxEngine(
-        model, max_slots=max_slots, page_size=args.page_size, max_context=context, prefill_chunk=args.chunk
-    )
     config = ServeConfig(
-        max_slots=max_slots, page_size=args.page_size, num_pages=max_slots * context // args.page_size,
-        max_context=context, prefill_buckets=(args.chunk,), max_tokens_limit=context, metrics_port=0,
+        max_slots=max_slots, page_size=args.page_size, max_context=context, prefill_buckets=(args.chunk,),
+        max_tokens_limit=context, metrics_port=0,
         enable_prefix_cache=False,  # random prompts share nothing but BOS; keep the work honest
     )  # fmt: skip
+    engine = JaxEngine(model, config)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     server = Server(config)

@@ -209,6 +209,13 @@ def _check_serve_options(args) -> None:
         _check_at_least(flag, value, minimum)
 
 
+def _serve_defaults():
+    """ServeConfig(): the one declaration of a server's shapes and limits and their defaults."""
+    from serving.config import ServeConfig
+
+    return ServeConfig()
+
+
 def cmd_describe(args) -> int:
     from ced_jax.api import describe
     from ced_jax.config import PRESETS, ModelConfig, preset
@@ -315,18 +322,17 @@ def cmd_serve(args) -> int:
     _check_port_option("--metrics-port", args.metrics_port, off=-1)
     _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
     _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
-    defaults = ServeConfig()
     chunk = args.prefill_chunk
     config = ServeConfig(
         max_slots=args.max_slots,
         page_size=args.page_size,
-        num_pages=args.num_pages or args.max_slots * (args.max_context // args.page_size),
+        num_pages=args.num_pages,  # None: ServeConfig's default for these shapes
         max_context=args.max_context,
         prefill_buckets=(chunk,),
         max_running=args.max_running,
         max_queued=args.max_queued,
         max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=min(defaults.default_max_tokens, args.max_tokens_limit),
+        default_max_tokens=min(_serve_defaults().default_max_tokens, args.max_tokens_limit),
         max_prompt_bytes=args.max_prompt_bytes,
         max_tokenize_bytes=args.max_tokenize_bytes,
         enable_prefix_cache=not args.no_prefix_cache,
@@ -338,8 +344,6 @@ def cmd_serve(args) -> int:
         metrics_host=args.host,
         grace_period_s=args.grace_period,
     )  # validates the shapes before anything is loaded
-    if chunk % args.page_size:
-        raise ValueError(f"--prefill-chunk {chunk} must be a multiple of --page-size {args.page_size}")
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
         raise ValueError("serve runs in one process (--mesh over its devices); multi-host is not supported")
 
@@ -347,15 +351,7 @@ def cmd_serve(args) -> int:
         from serving.jax_engine import JaxEngine, ModelTokenizer
 
         model = _load_sharded(args)
-        engine = JaxEngine(
-            model,
-            max_slots=config.max_slots,
-            page_size=config.page_size,
-            num_pages=config.num_pages,
-            max_context=config.max_context,
-            prefill_chunk=chunk,
-            max_logprobs=config.max_logprobs,
-        )
+        engine = JaxEngine(model, config)
         print(
             f"ced-jax: compiling prefill ({chunk}-token chunks) and decode ({config.max_slots} slots) ...",
             flush=True,
@@ -366,21 +362,28 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from serving.capacity import Hardware, format_plan, plan
+
     from ced_jax import sharding
     from ced_jax.config import PRESETS, ModelConfig, preset
-    from conversion.plan import Hardware, format_plan, plan
-    from serving.config import ServeConfig
 
     cfg = preset(args.model) if args.model in PRESETS else ModelConfig.from_pretrained(args.model)
-    serve = ServeConfig()  # the shapes a server starts with, unless given here
+    workload = {  # what is not given here is a server's default (ServeConfig, through plan's defaults)
+        name: value
+        for name, value in (
+            ("max_seqs", args.max_seqs),
+            ("context", args.context),
+            ("prefill_bucket", args.prefill_bucket),
+            ("page_size", args.page_size),
+        )
+        if value is not None
+    }
     result = plan(
         cfg,
         Hardware(args.devices, args.device_memory, args.host_memory),
         mesh=None if args.mesh is None else sharding.parse_mesh(args.mesh),
         rules=args.rules,
-        max_seqs=args.max_seqs or serve.max_slots,
-        context=args.context or serve.max_context,
-        prefill_bucket=args.prefill_bucket or max(serve.prefill_buckets),
+        **workload,
     )
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0 if result["fits"] else 1
@@ -501,24 +504,44 @@ def build_parser() -> argparse.ArgumentParser:
         "at start-up. SIGTERM stops admitting, lets streams finish for --grace-period, then exits 0.",
     )
     p.add_argument("model", help="preset name (tiny) or checkpoint directory")
+    serve = _serve_defaults()  # every default below is ServeConfig's (serving/config.py)
     g = p.add_argument_group("shapes (static: compiled at start-up)")
-    g.add_argument("--max-slots", type=int, default=32, help="concurrent sequences in the decode batch")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--max-context", type=int, default=2048, help="prompt + generated tokens per request")
+    g.add_argument(
+        "--max-slots", type=int, default=serve.max_slots, help="concurrent sequences in the decode batch"
+    )
+    g.add_argument("--page-size", type=int, default=serve.page_size, help="tokens per KV page")
+    g.add_argument(
+        "--max-context", type=int, default=serve.max_context, help="prompt + generated tokens per request"
+    )
     g.add_argument(
         "--num-pages", type=int, help="KV pages in the buffer (default: max-slots x max-context / page-size)"
     )
-    g.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill call")
+    g.add_argument(
+        "--prefill-chunk", type=int, default=max(serve.prefill_buckets), help="prompt tokens per prefill call"
+    )
     g = p.add_argument_group("admission")
     g.add_argument("--max-running", type=int, help="requests holding a slot (default: --max-slots)")
-    g.add_argument("--max-queued", type=int, default=256, help="waiting requests; beyond: RESOURCE_EXHAUSTED")
-    g.add_argument("--max-tokens-limit", type=int, default=1024, help="largest accepted max_tokens")
-    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
     g.add_argument(
-        "--max-prompt-bytes", type=int, default=1 << 20, help="largest text prompt (UTF-8 bytes) of Generate"
+        "--max-queued",
+        type=int,
+        default=serve.max_queued,
+        help="waiting requests; beyond: RESOURCE_EXHAUSTED",
     )
     g.add_argument(
-        "--max-tokenize-bytes", type=int, default=1 << 20, help="largest text (UTF-8 bytes) of Tokenize"
+        "--max-tokens-limit", type=int, default=serve.max_tokens_limit, help="largest accepted max_tokens"
+    )
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
+    g.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=serve.max_prompt_bytes,
+        help="largest text prompt (UTF-8 bytes) of Generate",
+    )
+    g.add_argument(
+        "--max-tokenize-bytes",
+        type=int,
+        default=serve.max_tokenize_bytes,
+        help="largest text (UTF-8 bytes) of Tokenize",
     )
     g = p.add_argument_group("tenants")
     g.add_argument(
@@ -533,13 +556,18 @@ def build_parser() -> argparse.ArgumentParser:
         "from cached_prompt_tokens and latency whether another tenant sent a prefix",
     )
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default=serve.host)
+    # The command listens on the well-known ports; ServeConfig's own default (0, any free port) suits
+    # servers started in-process (tests, benchmarks), which must not collide.
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     g.add_argument(
         "--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free, -1: off)"
     )
     g.add_argument(
-        "--grace-period", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM"
+        "--grace-period",
+        type=float,
+        default=serve.grace_period_s,
+        help="seconds in-flight streams get on SIGTERM",
     )
     _add_impl_options(p)
     _add_mesh_options(p)
@@ -572,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-bucket", type=int, help="prefill chunk length (default: the server's largest bucket)"
     )
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default: the server's page_size)")
     p.add_argument("--json", action="store_true", help="the full plan as JSON")
     p.set_defaults(func=cmd_plan)
     return parser

@@ -7,5 +7,8 @@ Layout (request flow top to bottom):
 - `pages.py`: page allocator and prefix cache; `text.py`: detokenization and stop strings.
 - `engine_api.py`: the interface a device engine implements (sampling: `ced_jax.sampling`, shared with the library).
 - `mock_engine.py`: a hand-computable engine for tests; `metrics.py`: Prometheus metrics.
-- `config.py`: ServeConfig; `client.py`: Python client and the `ced-jax client` command.
+- `config.py`: ServeConfig, the one declaration of serving shapes and limits with their defaults
+  (`jax_engine.JaxEngine` is built from it, `ced-jax serve` takes its flag defaults from it).
+- `capacity.py`: the `ced-jax plan` memory planner (KV sized from `jax.eval_shape` of the engine's state).
+- `client.py`: Python client and the `ced-jax client` command.
 """

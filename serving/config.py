@@ -1,8 +1,11 @@
 """ServeConfig: the runtime knobs of a server (shapes, buckets, limits, ports), never model structure.
 
-The shape fields (`max_slots`, `page_size`, `num_pages`, `max_context`, `prefill_buckets`) are what an
-engine is built with; `check_engine` verifies that the engine actually was, so the scheduler's
-host-side tables and the engine's device buffers cannot disagree. The policy fields only concern the
+The one place serving shapes and their defaults are declared: `ced-jax serve` takes its flags'
+defaults from these fields, and `serving.jax_engine.JaxEngine` is built from a ServeConfig. The shape
+fields (`max_slots`, `page_size`, `num_pages`, `max_context`, `prefill_buckets`) are what an engine
+is built with; `check_engine` verifies that the engine actually was, so the scheduler's host-side
+tables and the engine's device buffers cannot disagree (an engine not built from this config, such
+as `serving.mock_engine.MockEngine`, is checked all the same). The policy fields only concern the
 scheduler and server.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from serving.engine_api import EngineSpec
+from serving.engine_api import EngineSpec, check_shapes
 from serving.tenants import ApiKeys
 
 # The fields that name a TCP port the server listens on (checked to be in 0..65535).
@@ -22,15 +25,17 @@ PORT_FIELDS = ("port", "metrics_port")
 class ServeConfig:
     # Shapes (static; every program is compiled for them at start-up).
     max_slots: int = 32  # decode batch
-    page_size: int = 64  # tokens per KV page
-    num_pages: int = 2048
-    max_context: int = 8192  # prompt + generated tokens of one request; a multiple of page_size
-    prefill_buckets: tuple[int, ...] = (64, 128, 256, 512)  # chunk lengths; largest % page_size == 0
+    page_size: int = 16  # tokens per KV page
+    # KV pages in the buffer; None: enough for every slot at max_context (max_slots * max_context /
+    # page_size), filled in at construction, so `num_pages` of a ServeConfig is always a number.
+    num_pages: int | None = None
+    max_context: int = 2048  # prompt + generated tokens of one request; a multiple of page_size
+    prefill_buckets: tuple[int, ...] = (128,)  # chunk lengths; largest % page_size == 0
 
     # Admission and request limits.
     max_running: int | None = None  # requests holding a slot; None = max_slots
     max_queued: int = 256  # requests waiting for a slot; beyond running + queued: RESOURCE_EXHAUSTED
-    max_tokens_limit: int = 4096  # largest accepted GenerateRequest.max_tokens
+    max_tokens_limit: int = 1024  # largest accepted GenerateRequest.max_tokens
     default_max_tokens: int = 256  # when the request leaves max_tokens at 0
     max_logprobs: int = 20  # largest accepted GenerateRequest.logprobs (<= the engine's)
     max_stop_strings: int = 16
@@ -64,11 +69,16 @@ class ServeConfig:
     tokenize_workers: int = 2
 
     def __post_init__(self):
+        check_shapes(
+            max_slots=self.max_slots,
+            page_size=self.page_size,
+            num_pages=1 if self.num_pages is None else self.num_pages,  # the default is >= 1 (below)
+            max_context=self.max_context,
+            prefill_buckets=self.prefill_buckets,
+        )
+        if self.num_pages is None:  # frozen: the default is filled in once, here
+            object.__setattr__(self, "num_pages", self.max_slots * (self.max_context // self.page_size))
         positive = (
-            "max_slots",
-            "page_size",
-            "num_pages",
-            "max_context",
             "max_tokens_limit",
             "default_max_tokens",
             "max_prompt_bytes",
@@ -79,19 +89,8 @@ class ServeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_context % self.page_size:
-            raise ValueError(
-                f"max_context {self.max_context} must be a multiple of page_size {self.page_size}"
-            )
         if self.num_pages * self.page_size < self.max_context:
             raise ValueError("num_pages * page_size must hold at least one request of max_context tokens")
-        b = self.prefill_buckets
-        if not b or list(b) != sorted(set(b)) or b[0] < 1:
-            raise ValueError(f"prefill_buckets must be ascending and positive, got {b}")
-        if b[-1] % self.page_size:
-            raise ValueError(
-                f"the largest prefill bucket {b[-1]} must be a multiple of page_size {self.page_size}"
-            )
         if self.max_running is not None and not 1 <= self.max_running <= self.max_slots:
             raise ValueError(
                 f"max_running must be in 1..max_slots ({self.max_slots}), got {self.max_running}"

@@ -80,6 +80,28 @@ class SamplingParams:
             raise ValueError(f"seed must be a uint32, got {self.seed}")
 
 
+def check_shapes(
+    *, max_slots: int, page_size: int, num_pages: int, max_context: int, prefill_buckets: tuple[int, ...]
+) -> None:
+    """The rules every engine's shapes obey, for `EngineSpec` and `serving.config.ServeConfig` alike
+    (ValueError naming the field)."""
+    for name, value in (
+        ("max_slots", max_slots),
+        ("page_size", page_size),
+        ("num_pages", num_pages),
+        ("max_context", max_context),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if max_context % page_size:
+        raise ValueError(f"max_context {max_context} must be a multiple of page_size {page_size}")
+    b = prefill_buckets
+    if not b or list(b) != sorted(set(b)) or b[0] < 1:
+        raise ValueError(f"prefill_buckets must be ascending and positive, got {b}")
+    if b[-1] % page_size:
+        raise ValueError(f"the largest prefill bucket {b[-1]} must be a multiple of page_size {page_size}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSpec:
     """The static shapes and model facts an engine was built with."""
@@ -98,19 +120,13 @@ class EngineSpec:
     config_summary: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if self.max_slots < 1 or self.page_size < 1 or self.num_pages < 1:
-            raise ValueError("max_slots, page_size and num_pages must be >= 1")
-        if self.max_context % self.page_size:
-            raise ValueError(
-                f"max_context {self.max_context} is not a multiple of page_size {self.page_size}"
-            )
-        b = self.prefill_buckets
-        if not b or list(b) != sorted(set(b)) or b[0] < 1:
-            raise ValueError(f"prefill_buckets must be ascending and positive, got {b}")
-        if b[-1] % self.page_size:
-            raise ValueError(
-                f"largest prefill bucket {b[-1]} is not a multiple of page_size {self.page_size}"
-            )
+        check_shapes(
+            max_slots=self.max_slots,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            max_context=self.max_context,
+            prefill_buckets=self.prefill_buckets,
+        )
         if self.restore_mode not in ("pages", "snapshot"):
             raise ValueError(f"restore_mode must be 'pages' or 'snapshot', got {self.restore_mode!r}")
 

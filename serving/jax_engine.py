@@ -56,6 +56,8 @@ import numpy as np
 from ced_jax import cache as cache_lib
 from ced_jax import sharding
 from ced_jax.model import forward
+from ced_jax.sampling import sample
+from serving.config import ServeConfig
 from serving.engine_api import (
     CompileCounter,
     DecodeBatch,
@@ -66,7 +68,6 @@ from serving.engine_api import (
     SampledToken,
     SamplingParams,
 )
-from ced_jax.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,22 +95,18 @@ class ModelTokenizer:
 class JaxEngine:
     """`serving.engine_api.Engine` over a `ced_jax.api.Model` (see the module docstring)."""
 
-    def __init__(
-        self,
-        model,
-        *,
-        max_slots: int = 32,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_context: int = 512,
-        prefill_chunk: int = 64,
-        max_logprobs: int = 20,
-    ):
+    def __init__(self, model, config: ServeConfig):
+        """Built with `config`'s shapes (max_slots, page_size, num_pages, max_context, its one prefill
+        bucket: the chunk length) and max_logprobs; the rest of `config` is the server's."""
+        if len(config.prefill_buckets) != 1:
+            raise ValueError(
+                "prefill_buckets: JaxEngine runs one prefill chunk length, got "
+                f"{list(config.prefill_buckets)}"
+            )
         cfg = model.cfg
-        if prefill_chunk % page_size:
-            raise ValueError(f"prefill_chunk {prefill_chunk} must be a multiple of page_size {page_size}")
-        if num_pages is None:
-            num_pages = max_slots * (max_context // page_size)
+        max_slots, page_size, max_context = config.max_slots, config.page_size, config.max_context
+        num_pages, max_logprobs = config.num_pages, config.max_logprobs
+        (prefill_chunk,) = config.prefill_buckets
         self.model = model
         self.cfg = cfg
         self.params = model.params

@@ -61,15 +61,15 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = JaxEngine(model, max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_chunk=CHUNK)
+    eng = JaxEngine(model, _config())
     eng.warmup()
     return eng
 
 
 def _config(**kw) -> ServeConfig:
     base = dict(
-        max_slots=SLOTS, page_size=PAGE, num_pages=SLOTS * CONTEXT // PAGE, max_context=CONTEXT,
-        prefill_buckets=(CHUNK,), max_tokens_limit=96, default_max_tokens=16, max_queued=64,
+        max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_buckets=(CHUNK,), max_tokens_limit=96,
+        default_max_tokens=16, max_queued=64,
         metrics_port=0,
     )  # fmt: skip
     base.update(kw)
@@ -193,7 +193,9 @@ def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
 
     A separate small engine, since this one is left with a compile on its record. A decode batch with
     one page-table column more than warm-up used is a new input shape: jit compiles again."""
-    small = JaxEngine(model, max_slots=2, page_size=PAGE, max_context=2 * PAGE, prefill_chunk=PAGE)
+    small = JaxEngine(
+        model, ServeConfig(max_slots=2, page_size=PAGE, max_context=2 * PAGE, prefill_buckets=(PAGE,))
+    )
     small.warmup()
     assert small.compiles_after_warmup == 0
     S, P = small.spec.max_slots, small.spec.pages_per_slot

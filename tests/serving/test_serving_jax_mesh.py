@@ -32,12 +32,12 @@ PROMPTS = [[0, *range(40, 77)], [0, 5, 9, 200, 300, 17], [0, *range(300, 320)]]
 
 def _serve_all(mesh) -> list:
     model = ced_jax.load("tiny", mesh=mesh)
-    engine = JaxEngine(model, max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_chunk=CHUNK)
-    engine.warmup()  # minutes on CPU: before the server thread, whose start waits 30 s at most
     config = ServeConfig(
-        max_slots=SLOTS, page_size=PAGE, num_pages=SLOTS * CONTEXT // PAGE, max_context=CONTEXT,
-        prefill_buckets=(CHUNK,), max_tokens_limit=32, default_max_tokens=8, metrics_port=None,
+        max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_buckets=(CHUNK,), max_tokens_limit=32,
+        default_max_tokens=8, metrics_port=None,
     )  # fmt: skip
+    engine = JaxEngine(model, config)
+    engine.warmup()  # minutes on CPU: before the server thread, whose start waits 30 s at most
     st = ServerThread(engine, ModelTokenizer(model), config)
     try:
         outs = []

@@ -1,27 +1,32 @@
-"""Memory planner: will DeepSeek-V4.1-Flash fit on N devices of G GiB, and on which mesh?
+"""Capacity planner: will DeepSeek-V4.1-Flash fit on N devices of G GiB, and on which mesh?
 
 Four ledgers per device, each from the real layout rather than a bytes-per-parameter guess:
 
 - weights: every tensor of the released checkpoint in the dtype it is actually stored in
-  (`ced_jax.checkpoint.mapping.hf_inventory`: FP4 experts packed two per byte, FP8 with ue8m0 scales,
-  BF16 / F32 for the rest), mapped to our parameter tree (`our_param_specs`: experts stacked,
-  `wo_a` dequantised to BF16 as the model keeps it) and divided over the mesh by the very rules
-  the runtime places them with (`ced_jax.sharding.logical_to_spec` over the parameters' logical
-  axes). The two Engram hash tables either live in host memory (their rows are gathered per
+  (`ced_jax.checkpoint.mapping.hf_inventory`: FP4 experts packed two per byte, FP8 with ue8m0
+  scales, BF16 / F32 for the rest), mapped to our parameter tree (`our_param_specs`: experts
+  stacked, `wo_a` dequantised to BF16 as the model keeps it) and divided over the mesh by the very
+  rules the runtime places them with (`ced_jax.sharding.logical_to_spec` over the parameters'
+  logical axes). The two Engram hash tables either live in host memory (their rows are gathered per
   token, spec 5.5) or on every device (the rules do not split them);
 - activations: the live set of the reference path (impl="reference") at the configured buckets,
   one prefill chunk and one decode batch, from the shapes the model materialises (see
   `activation_ledger` for the terms);
-- KV: 890 bytes per token (the deployment formats of spec 2.4, computed from the config) times
-  the context, plus each sequence's sliding-window rings and compressor states, over the
-  sequences a device holds (`batch` is split over `data`);
+- KV: the serving engine's device state itself, `jax.eval_shape` of `ced_jax.cache.init_paged_cache`
+  at the server's shapes (nothing allocated): the page buffers in the deployment formats (890 bytes
+  per token for v41-flash) for every sequence's context in whole pages, and each slot's
+  sliding-window rings, compressor partial groups and page table; each buffer divided over the mesh
+  as the engine lays it out (`ced_jax.cache.paged_cache_axes` under the rules: per-slot state over
+  the batch axis, page buffers on every device);
 - framework overhead: max(1 GiB, 5 % of device memory) for the runtime, compiled programs,
   collective scratch and allocator slack (an assumption, stated as such).
 
-`plan()` evaluates one mesh, or every (data, expert, tensor) factorisation of the device count,
-and recommends a fitting mesh: one that leaves 10 % of each device free if any does, then the
-most data-parallel replicas, Engram tables on device rather than host, the widest expert axis.
-It also restates the naive estimate of the deployment article (every parameter in BF16).
+The workload (sequences, context, prefill chunk, page size) defaults to a server's:
+`serving.config.ServeConfig`. `plan()` evaluates one mesh, or every (data, expert, tensor)
+factorisation of the device count, and recommends a fitting mesh: one that leaves 10 % of each
+device free if any does, then the most data-parallel replicas, Engram tables on device rather than
+host, the widest expert axis. It also restates the naive estimate of the deployment article (every
+parameter in BF16).
 """
 
 from __future__ import annotations
@@ -31,13 +36,18 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+import jax
 import ml_dtypes
 import numpy as np
 
+from ced_jax import cache as cache_lib
 from ced_jax import sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.model import flatten_specs, param_specs
+from serving.config import ServeConfig
+
+SERVE = ServeConfig()  # the shapes a server starts with: the default workload
 
 GIB = 1024**3
 GB = 1000**3
@@ -216,37 +226,64 @@ def _sequences_per_device(mesh: dict[str, int], rules: sharding.Rules, max_seqs:
 
 
 # ---------------------------------------------------------------------- KV
-def kv_bytes_per_token(cfg: ModelConfig) -> float:
-    """Compressed main KV (FP4 + e4m3 per 16) and index keys (FP4 + ue8m0 per 32) of every KV
-    source, per token (spec 2.4: 890 for V4.1-Flash)."""
-    main = cfg.head_dim // 2 + cfg.head_dim // 16
-    index = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
-    return sum((main + index) / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
+def engine_state(
+    cfg: ModelConfig, *, max_slots: int, page_size: int, max_context: int
+) -> cache_lib.PagedCache:
+    """The serving engine's device state for these shapes, every sequence's pages included, as
+    ShapeDtypeStructs: `jax.eval_shape` of the `init_paged_cache` that `JaxEngine` runs."""
+    num_pages = max_slots * (max_context // page_size)
+    return jax.eval_shape(
+        lambda: cache_lib.init_paged_cache(
+            cfg, max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
+        )
+    )
+
+
+def kv_bytes_per_token(cfg: ModelConfig, page_size: int = SERVE.page_size) -> float:
+    """Compressed main KV and index keys of every KV source per token, as the page buffers hold them
+    (spec 2.4: 890 for V4.1-Flash)."""
+    state = engine_state(cfg, max_slots=1, page_size=page_size, max_context=page_size)
+    return cache_lib.kv_bytes_per_token(state)
+
+
+def _per_device_bytes(state: cache_lib.PagedCache, mesh: dict[str, int], rules: sharding.Rules) -> int:
+    """Bytes one device holds of `state` laid out as the engine lays it (`paged_cache_axes`)."""
+    axes = jax.tree.leaves(cache_lib.paged_cache_axes(state), is_leaf=lambda a: isinstance(a, tuple))
+    total = 0
+    for buf, buf_axes in zip(jax.tree.leaves(state), axes, strict=True):
+        spec = sharding.logical_to_spec(buf_axes, rules, buf.shape, mesh)
+        total += math.prod(sharding.shard_shape(buf.shape, spec, mesh)) * np.dtype(buf.dtype).itemsize
+    return total
 
 
 def kv_ledger(
-    cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules, *, max_seqs: int, context: int
+    cfg: ModelConfig,
+    mesh: dict[str, int],
+    rules: sharding.Rules,
+    *,
+    max_seqs: int,
+    context: int,
+    page_size: int = SERVE.page_size,
 ) -> dict:
-    """KV of `max_seqs` sequences of `context` tokens in the deployment formats."""
-    main = cfg.head_dim // 2 + cfg.head_dim // 16
-    index = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
-    compressed = sum(-(-context // cfg.compress_ratios[s]) * (main + index) for s in cfg.kv_source_layer_ids)
-    swa_entry = cfg.head_dim + cfg.head_dim // 32  # FP8 + ue8m0 per 32 (528 B)
-    rings = cfg.num_layers * cfg.sliding_window * swa_entry
-    states = sum(
-        2 * cfg.compress_ratios[s] * cfg.head_dim * F32
-        for s in cfg.kv_source_layer_ids
-        if cfg.compress_ratios[s] > 1
-    )
-    per_seq = compressed + rings + states
-    seqs_per_device = _sequences_per_device(mesh, rules, max_seqs)
+    """The engine's state for `max_seqs` slots of `context` tokens (rounded up to whole pages, as a
+    server's max_context is), in total and per device."""
+    max_context = -(-context // page_size) * page_size
+    state = engine_state(cfg, max_slots=max_seqs, page_size=page_size, max_context=max_context)
+    per_seq = {  # every buffer holds max_seqs equal shares (num_pages: max_context's pages per slot)
+        "compressed": cache_lib.buffer_bytes((state.kv, state.index_k)) // max_seqs,
+        "swa_rings": cache_lib.buffer_bytes(state.window) // max_seqs,
+        "compressor_states": cache_lib.buffer_bytes((state.state_kv, state.state_score)) // max_seqs,
+        "page_table": cache_lib.buffer_bytes((state.page_tables, state.slots)) // max_seqs,
+    }
     return {
-        "bytes_per_token": kv_bytes_per_token(cfg),
-        "per_sequence": {"compressed": compressed, "swa_rings": rings, "compressor_states": states},
-        "per_sequence_total": per_seq,
-        "sequences_per_device": seqs_per_device,
-        "total": per_seq * max_seqs,
-        "per_device": per_seq * seqs_per_device,
+        "bytes_per_token": cache_lib.kv_bytes_per_token(state),
+        "page_size": page_size,
+        "pages": max_seqs * (max_context // page_size),
+        "per_sequence": per_seq,
+        "per_sequence_total": sum(per_seq.values()),
+        "sequences_per_device": _sequences_per_device(mesh, rules, max_seqs),
+        "total": cache_lib.buffer_bytes(state),
+        "per_device": _per_device_bytes(state, mesh, rules),
     }
 
 
@@ -276,6 +313,7 @@ def evaluate(
     max_seqs: int,
     context: int,
     prefill_bucket: int,
+    page_size: int,
 ) -> dict:
     """The four ledgers of one mesh and placement, and whether they fit."""
     table = sharding.get_rules(rules)
@@ -283,7 +321,7 @@ def evaluate(
     acts = activation_ledger(
         cfg, mesh, table, prefill_bucket=prefill_bucket, max_seqs=max_seqs, context=context
     )
-    kv = kv_ledger(cfg, mesh, table, max_seqs=max_seqs, context=context)
+    kv = kv_ledger(cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size)
     overhead = overhead_bytes(hw.device_bytes)
     per_device = weights["per_device"] + acts["per_device"] + kv["per_device"] + overhead
     host_need = weights["host"]
@@ -338,21 +376,24 @@ def plan(
     *,
     mesh: dict[str, int] | None = None,
     rules: str = sharding.DEFAULT_RULES,
-    max_seqs: int = 32,
-    context: int = 8192,
-    prefill_bucket: int = 512,
+    max_seqs: int = SERVE.max_slots,
+    context: int = SERVE.max_context,
+    prefill_bucket: int = max(SERVE.prefill_buckets),
+    page_size: int = SERVE.page_size,
 ) -> dict:
     """Evaluate `mesh` (or every candidate), recommend a mesh and Engram placement, and correct
     the naive BF16 estimate. Engram tables are tried on device first, then (given host memory)
     in host memory."""
     if hw.devices < 1 or hw.device_memory_gib <= 0:
         raise ValueError("--devices must be >= 1 and --device-memory > 0")
-    if max_seqs < 1 or context < 1 or prefill_bucket < 1:
-        raise ValueError("--max-seqs, --context and the prefill bucket must be >= 1")
+    if max_seqs < 1 or context < 1 or prefill_bucket < 1 or page_size < 1:
+        raise ValueError("--max-seqs, --context, --prefill-bucket and --page-size must be >= 1")
     if mesh is not None and math.prod(mesh.values()) != hw.devices:
         raise ValueError(f"mesh {mesh} has {math.prod(mesh.values())} devices, --devices is {hw.devices}")
     placements = [False] + ([True] if hw.host_memory_gib is not None else [])
-    kw = dict(rules=rules, max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket)
+    kw = dict(
+        rules=rules, max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket, page_size=page_size
+    )
     candidates = [
         evaluate(cfg, hw, m, engram_on_host=host, **kw)
         for m in (mesh_candidates(hw.devices) if mesh is None else [mesh])
@@ -390,7 +431,12 @@ def plan(
             "device_memory_bytes": hw.device_bytes,
             "host_memory_bytes": None if hw.host_memory_gib is None else int(hw.host_memory_gib * GIB),
         },
-        "workload": {"max_seqs": max_seqs, "context": context, "prefill_bucket": prefill_bucket},
+        "workload": {
+            "max_seqs": max_seqs,
+            "context": context,
+            "prefill_bucket": prefill_bucket,
+            "page_size": page_size,
+        },
         "checkpoint_bytes": checkpoint_bytes(cfg),
         "article_estimate": article_estimate(cfg, hw),
         "fits": bool(fitting),
@@ -419,7 +465,7 @@ def format_plan(p: dict) -> str:
         f"{p['model']}: {hw['devices']} devices x {hw['device_memory_bytes'] / GIB:g} GiB"
         + (f", host {hw['host_memory_bytes'] / GIB:g} GiB" if hw["host_memory_bytes"] else ""),
         f"workload: {p['workload']['max_seqs']} sequences x {p['workload']['context']} tokens, "
-        f"prefill chunk {p['workload']['prefill_bucket']}",
+        f"prefill chunk {p['workload']['prefill_bucket']}, {p['workload']['page_size']}-token pages",
         "",
         "naive estimate (every parameter BF16): "
         f"{a['backbone_parameters'] / 1e9:.1f}B x 2 B = {a['bf16_bytes'] / GB:.0f} GB -> "
@@ -445,9 +491,9 @@ def format_plan(p: dict) -> str:
         f"(prefill {led['activations']['prefill']['peak'] / GIB:.2f} GiB, "
         f"decode {led['activations']['decode']['peak'] / GIB:.2f} GiB)",
         f"  KV           {_g(led['kv']['per_device'])} per device "
-        f"({led['kv']['bytes_per_token']:g} B/token + "
+        f"({led['kv']['bytes_per_token']:g} B/token in {led['kv']['pages']} pages on every device + "
         f"{led['kv']['per_sequence']['swa_rings'] / 2**20:.2f} MiB "
-        f"SWA rings per sequence, {led['kv']['sequences_per_device']} sequences per device)",
+        f"SWA rings per sequence, {led['kv']['sequences_per_device']} sequences' slots per device)",
         f"  overhead     {_g(led['overhead']['per_device'])} per device",
         f"  total        {_g(c['per_device_total'])} of {_g(hw['device_memory_bytes'])} per device"
         f" -> {'fits' if c['fits'] else 'does NOT fit'}",

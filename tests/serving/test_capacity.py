@@ -1,5 +1,5 @@
-"""The memory planner's byte counts, pinned to the released tensor inventory (spec 4.3 / 5.2 / 2.4),
-and its verdicts on the deployment article's example (8 x 80 GiB)."""
+"""The capacity planner's byte counts, pinned to the released tensor inventory (spec 4.3 / 5.2 / 2.4)
+and to the engine's state layout, and its verdicts on the deployment article's example (8 x 80 GiB)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from ced_cli.main import main
 from ced_jax import sharding
 from ced_jax.config import preset
-from conversion.plan import (
+from serving.capacity import (
     GIB,
     Hardware,
     activation_ledger,
@@ -87,16 +87,32 @@ def test_per_device_weights_follow_the_rules(flash):
     assert dp["per_device_by_dtype"]["I8"] == 2 * ep8["per_device_by_dtype"]["I8"]
 
 
-def test_kv_ledger_890_bytes_per_token_plus_rings(flash):
+def test_kv_ledger_is_the_engine_state_890_bytes_per_token_plus_slots(flash):
     assert kv_bytes_per_token(flash) == 890
     mesh = {"data": 2, "expert": 4, "tensor": 1}
-    kv = kv_ledger(flash, mesh, EP, max_seqs=32, context=1 << 20)
+    context, page = 1 << 20, 16
+    kv = kv_ledger(flash, mesh, EP, max_seqs=32, context=context, page_size=page)
+    assert kv["bytes_per_token"] == 890
     per_seq = kv["per_sequence"]
-    assert per_seq["compressed"] == 890 * (1 << 20)
+    assert per_seq["compressed"] == 890 * context
     assert per_seq["swa_rings"] == 40 * 128 * 528  # 512 FP8 + 16 ue8m0 per entry, every layer
     assert per_seq["compressor_states"] == 3 * 2 * 2 * 512 * 4  # ratio-2 sources, f32 kv + score
-    assert kv["sequences_per_device"] == 16  # batch split over data
-    assert kv["per_device"] == 16 * kv["per_sequence_total"]
+    assert per_seq["page_table"] == 4 * (context // page) + 4  # an i32 page-table row and slot id
+    assert kv["total"] == 32 * kv["per_sequence_total"]
+    assert kv["sequences_per_device"] == 16  # the slots split over data
+    # The engine keeps every page on every device (the prefix cache shares pages between slots);
+    # only the per-slot state (rings, partial groups, page table) is split with the slots.
+    slot_state = per_seq["swa_rings"] + per_seq["compressor_states"] + per_seq["page_table"]
+    assert kv["per_device"] == 32 * per_seq["compressed"] + 16 * slot_state
+
+
+def test_kv_ledger_takes_whole_pages(flash):
+    """A context that is not a whole number of pages holds whole pages, as a server's max_context."""
+    one = {"data": 1, "expert": 1, "tensor": 1}
+    odd = kv_ledger(flash, one, EP, max_seqs=1, context=17, page_size=16)
+    assert odd["pages"] == 2 and odd["per_sequence"]["compressed"] == 890 * 32
+    with pytest.raises(ValueError, match="page_size 15 is not a multiple"):
+        kv_ledger(flash, one, EP, max_seqs=1, context=30, page_size=15)
 
 
 def test_activations_grow_with_the_buckets(flash):
