@@ -184,6 +184,8 @@ def _check_generate_options(args) -> None:
     _check_mesh_and_hosts(args)
     _check_at_least("--max-tokens", args.max_tokens, 1)
     _check_at_least("--temperature", args.temperature, 0.0)
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; give the text to continue")
     if not 0 <= args.seed < SEED_LIMIT:
         raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
     context = _context_length(args.model)
@@ -207,6 +209,18 @@ def _check_serve_options(args) -> None:
     )
     for flag, value, minimum in at_least:
         _check_at_least(flag, value, minimum)
+    page = args.page_size
+    if args.max_context % page:
+        raise ValueError(f"--max-context {args.max_context} must be a multiple of --page-size {page}")
+    if args.prefill_chunk % page:
+        raise ValueError(f"--prefill-chunk {args.prefill_chunk} must be a multiple of --page-size {page}")
+    if args.num_pages is not None and args.num_pages * page < args.max_context:
+        raise ValueError(
+            f"--num-pages {args.num_pages} x --page-size {page} must hold one request of --max-context "
+            f"{args.max_context} tokens (at least {-(-args.max_context // page)} pages)"
+        )
+    if args.max_running is not None and args.max_running > args.max_slots:
+        raise ValueError(f"--max-running {args.max_running} must not exceed --max-slots {args.max_slots}")
 
 
 def _serve_defaults():
@@ -231,6 +245,8 @@ def cmd_logits(args) -> int:
     _check_logits_options(args)
     _setup_distributed(args)
     prompt = _read_ids(args.prompt_ids, "--prompt-ids")
+    if not prompt:
+        raise ValueError(f"--prompt-ids: {args.prompt_ids} holds no token ids; the prompt needs at least one")
     decode = _read_ids(args.decode_ids, "--decode-ids") if args.decode_ids else []
     replay = _read_arrays(args.replay, "--replay")
     patch = _read_arrays(args.patch, "--patch")
@@ -361,7 +377,26 @@ def cmd_serve(args) -> int:
     return serve(config, load)
 
 
+def _check_plan_options(args) -> None:
+    _check_at_least("--devices", args.devices, 1)
+    if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+        raise ValueError(f"--device-memory must be a finite number of GiB > 0, got {args.device_memory}")
+    _check_at_least("--host-memory", args.host_memory, 0.0)
+    for flag, value in (
+        ("--max-seqs", args.max_seqs),
+        ("--context", args.context),
+        ("--prefill-bucket", args.prefill_bucket),
+        ("--page-size", args.page_size),
+    ):
+        _check_at_least(flag, value, 1)
+    if args.mesh is not None:
+        from ced_jax.sharding import parse_mesh  # parsing only (its errors name --mesh)
+
+        parse_mesh(args.mesh)
+
+
 def cmd_plan(args) -> int:
+    _check_plan_options(args)
     from serving.capacity import Hardware, format_plan, plan
 
     from ced_jax import sharding
@@ -622,8 +657,14 @@ def _run(args, prog: str) -> int:
     # ValueError covers the project's own input errors (ConfigError, CheckpointError, EngramConfigError,
     # ...); OSError a file the user named that cannot be read or written.
     except (ValueError, NotImplementedError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+
+
+def _one_line(message: str) -> str:
+    """`message` with control characters escaped (a name the user typed may hold a newline), so that
+    an error is always one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def convert_main(argv: list[str] | None = None) -> int:
