@@ -6,9 +6,9 @@ cache pytree is donated to both. Engram hash rows are computed on the host from 
 
 With `mesh=` (a `ced_jax.sharding.make_mesh` mesh, possibly spanning several processes after
 `jax.distributed.initialize`) the parameters are placed by `sharding.param_shardings`, the caches
-by `sharding.cache_shardings`, and both programs are traced and run under the mesh and the rules
-(`sharding.activate`); logits and decisions come back replicated so that every process can read
-them.
+by `sharding.cache_shardings`, and both programs are traced with the mesh and the rules passed to
+`forward` (`sharding.make_layout`); logits and decisions come back replicated so that every process
+can read them.
 
 Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a directory written by
 `convert_weights`); the `tiny` preset's weights come from `ced_jax.testing.random_weights`.
@@ -313,20 +313,20 @@ def _step(
     mesh=None,
     rules=None,
 ):
-    with sharding.activate(mesh, rules or sharding.DEFAULT_RULES):
-        logits, cache, aux = forward(
-            params,
-            cfg,
-            tokens,
-            cache,
-            start,
-            lens,
-            engram_rows,
-            forced,
-            capture_blocks=capture_blocks,
-            index_k_mode=index_k_mode,
-            impl=impl,
-        )
+    logits, cache, aux = forward(
+        params,
+        cfg,
+        tokens,
+        cache,
+        start,
+        lens,
+        engram_rows,
+        forced,
+        capture_blocks=capture_blocks,
+        index_k_mode=index_k_mode,
+        impl=impl,
+        layout=sharding.make_layout(mesh, rules or sharding.DEFAULT_RULES),
+    )
     if mesh is not None:
         # Caches keep their layout from step to step (donated in place); what the host reads is
         # replicated, so every process of a multi-host run holds all of it.

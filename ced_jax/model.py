@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from ced_jax import sharding
 from ced_jax.config import ModelConfig
 from ced_jax.layers import moe as moe_lib
 from ced_jax.layers.attention import attention
@@ -189,7 +190,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 
 
 # ---------------------------------------------------------------------------------- forward
-def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str):
+def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str, layout: sharding.Layout | None):
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     scores = moe_lib.router_scores(flat, p["gate"]["weight"])
@@ -202,7 +203,9 @@ def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str):
         cfg.norm_topk_prob,
         forced,
     )
-    routed = moe_lib.routed_experts(flat, ids, weights, p["experts"], limit=cfg.swiglu_limit, impl=impl)
+    routed = moe_lib.routed_experts(
+        flat, ids, weights, p["experts"], limit=cfg.swiglu_limit, impl=impl, layout=layout
+    )
     shared = moe_lib.shared_expert(flat, p["shared_experts"], limit=cfg.swiglu_limit)
     return round_bf16(routed + shared).reshape(b, t, d), own.reshape(b, t, -1)
 
@@ -233,6 +236,7 @@ def forward(
     capture_blocks: bool = False,
     index_k_mode: str = "intended",
     impl: str = "reference",
+    layout: sharding.Layout | None = None,
 ):
     """Run one chunk of tokens for every sequence of the batch.
 
@@ -243,7 +247,9 @@ def forward(
 
     Returns (logits f32 [B, T, V], new cache, aux) with aux = {'topk': {layer: own top-k},
     'experts': own expert ids [L, B, T, X], 'block_output' (if capture_blocks): [L, B, T, M, D],
-    what each block produced, after the next layer's Engram}."""
+    what each block produced, after the next layer's Engram}. layout: the mesh and rules the
+    parameters are laid out by (`sharding.make_layout`; None on one device), for the layers that
+    lay out their own work (the MoE's expert-parallel dispatch)."""
     if index_k_mode not in ("intended", "reference"):
         raise ValueError(f"index_k_mode must be 'intended' or 'reference', got {index_k_mode!r}")
     forced = forced or {}
@@ -297,7 +303,7 @@ def forward(
         ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
         f_in = rms_norm(hc_collapse(x, attn_pre), p["ffn_norm"]["weight"], cfg.rms_norm_eps)
         forced_ids = forced["experts"][i] if "experts" in forced else None
-        y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl)
+        y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout)
         own_experts.append(ids)
         x = hc_expand(y, residual, ffn_post, ffn_comb)
         pre = ffn_pre

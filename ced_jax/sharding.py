@@ -21,16 +21,20 @@ Logical axes:
 - engram_rows  Engram hash-table rows
 - batch        sequences (cache and activations)
 
-At run time the api enters `activate(mesh, rules)` while tracing; code that needs the layout
-explicitly (the MoE's shard_map dispatch) reads it back with `current()` and derives its
-PartitionSpecs through `logical_to_spec`, never writing one by hand.
+A rules table is a complete, explicit decision: `None` replicates a logical axis on purpose. A spec
+is never quietly weaker than its rules: a dimension that its mesh axis does not divide, or two
+dimensions of one array on the same mesh axis, raise `ShardingError` naming the array, the logical
+axis, the mesh axis and the sizes (a layout that silently replicates wastes memory the user sized
+the mesh for). Only a mesh axis of size 1 (or one the mesh lacks) is dropped: it splits nothing.
+
+Code that needs the layout at trace time (the MoE's shard_map dispatch) receives it as an argument
+(`make_layout(mesh, rules)`, passed down by `ced_jax.model.forward`) and derives its PartitionSpecs
+through `logical_to_spec`, never writing one by hand.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
@@ -88,13 +92,24 @@ def get_rules(rules: str | Rules) -> Rules:
     return rules
 
 
+class ShardingError(ValueError):
+    """A rules table, mesh and array shape that cannot be laid out as the rules say."""
+
+
 def check_rules(rules: Rules) -> None:
+    """Every logical axis has an explicit rule (a mesh axis, or None: replicated on purpose)."""
     unknown = sorted(set(rules) - set(LOGICAL_AXES))
     if unknown:
-        raise ValueError(f"sharding rules name unknown logical axes {unknown}")
+        raise ShardingError(f"sharding rules name unknown logical axes {unknown}")
+    missing = [a for a in LOGICAL_AXES if a not in rules]
+    if missing:
+        raise ShardingError(
+            f"sharding rules give no rule for logical axes {missing}; map each to a mesh axis or to "
+            "None (replicated)"
+        )
     bad = sorted({v for v in rules.values() if v is not None} - set(MESH_AXES))
     if bad:
-        raise ValueError(f"sharding rules name unknown mesh axes {bad}; known: {MESH_AXES}")
+        raise ShardingError(f"sharding rules name unknown mesh axes {bad}; known: {MESH_AXES}")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -143,45 +158,83 @@ def logical_to_spec(
     rules: Rules,
     shape: tuple[int, ...] | None = None,
     mesh: MeshLike | None = None,
+    *,
+    name: str = "array",
 ) -> PartitionSpec:
-    """Logical axes -> PartitionSpec. A mesh axis is used at most once per array; a dimension that
-    the mesh axis does not divide stays replicated (checked, never silently wrong); a mesh axis the
-    mesh lacks, or of size 1, is dropped so that specs stay comparable across meshes."""
+    """Logical axes -> PartitionSpec of the array `name` (named in errors).
+
+    Raises ShardingError when two dimensions map to one mesh axis (a bug in the rules table,
+    whatever the mesh) or when a mesh axis does not divide its dimension (given `shape` and `mesh`).
+    A mesh axis the mesh lacks, or of size 1, is dropped so that specs stay comparable across
+    meshes."""
     sizes = None if mesh is None else mesh_sizes(mesh)
-    used: set[str] = set()
+    if shape is not None and len(shape) != len(axes):
+        raise ShardingError(
+            f"{name}: shape {tuple(shape)} has {len(shape)} dimensions, axes {axes} name {len(axes)}"
+        )
+    used: dict[str, str] = {}  # mesh axis -> the logical axis that took it
     out: list[str | None] = []
     for i, axis in enumerate(axes):
-        mesh_axis = None if axis is None else rules.get(axis)
-        if mesh_axis is not None and sizes is not None and sizes.get(mesh_axis, 1) == 1:
-            mesh_axis = None
-        if mesh_axis is not None and (
-            mesh_axis in used
-            or (sizes is not None and shape is not None and shape[i] % sizes[mesh_axis] != 0)
-        ):
-            mesh_axis = None
-        if mesh_axis is not None:
-            used.add(mesh_axis)
+        if axis is not None and axis not in rules:
+            raise ShardingError(f"{name}: logical axis {axis!r} has no rule (known: {sorted(rules)})")
+        mesh_axis = None if axis is None else rules[axis]
+        if mesh_axis is None:
+            out.append(None)
+            continue
+        if mesh_axis in used:
+            raise ShardingError(
+                f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} (of {axes}) both map to mesh "
+                f"axis {mesh_axis!r}; an array can be split over a mesh axis once: fix the rules table"
+            )
+        used[mesh_axis] = axis
+        size = 1 if sizes is None else sizes.get(mesh_axis, 1)
+        if size == 1:
+            out.append(None)
+            continue
+        if shape is not None and shape[i] % size:
+            raise ShardingError(
+                f"{name} {tuple(shape)}: dimension {i} (logical axis {axis!r}, size {shape[i]}) does "
+                f"not divide over mesh axis {mesh_axis!r} of size {size}; use a mesh whose {mesh_axis} "
+                f"axis divides {shape[i]}, or rules with {axis!r}: None to replicate it"
+            )
         out.append(mesh_axis)
     return PartitionSpec(*out)
+
+
+def _path_name(path) -> str:
+    """A pytree key path as the dotted name the project uses for parameters ('layers.0.attn.wq_b')."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
 
 
 def param_shardings(specs: dict, mesh: Mesh, rules: Rules) -> dict:
     """Nested ParamSpec tree (ced_jax.model.param_specs) -> matching tree of NamedShardings."""
     check_rules(rules)
 
-    def go(node):
+    def go(node, path: str):
         if isinstance(node, dict):
-            return {k: go(v) for k, v in node.items()}
-        return NamedSharding(mesh, logical_to_spec(node.axes, rules, node.shape, mesh))
+            return {k: go(v, f"{path}.{k}" if path else k) for k, v in node.items()}
+        spec = logical_to_spec(node.axes, rules, node.shape, mesh, name=f"parameter {path}")
+        return NamedSharding(mesh, spec)
 
-    return go(specs)
+    return go(specs, "")
 
 
 def cache_shardings(cache: dict, mesh: Mesh, rules: Rules) -> dict:
     """Every cache array is [batch, ...]: sharded over sequences only."""
-    return jax.tree.map(
-        lambda a: NamedSharding(
-            mesh, logical_to_spec(("batch",) + (None,) * (a.ndim - 1), rules, a.shape, mesh)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(
+            mesh,
+            logical_to_spec(
+                ("batch",) + (None,) * (a.ndim - 1), rules, a.shape, mesh, name=f"cache {_path_name(path)}"
+            ),
         ),
         cache,
     )
@@ -190,8 +243,10 @@ def cache_shardings(cache: dict, mesh: Mesh, rules: Rules) -> dict:
 def logical_shardings(axes, arrays, mesh: Mesh, rules: Rules):
     """Shardings for a tree of arrays (or ShapeDtypeStructs) given a same-shaped tree of logical-axis
     tuples (e.g. `ced_jax.cache.paged_cache_axes`)."""
-    return jax.tree.map(
-        lambda ax, a: NamedSharding(mesh, logical_to_spec(ax, rules, a.shape, mesh)),
+    return jax.tree_util.tree_map_with_path(
+        lambda path, ax, a: NamedSharding(
+            mesh, logical_to_spec(ax, rules, a.shape, mesh, name=f"cache {_path_name(path)}")
+        ),
         axes,
         arrays,
         is_leaf=lambda x: isinstance(x, tuple),
@@ -214,10 +269,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-# ------------------------------------------------------------------ the active layout (trace time)
+# ------------------------------------------------------------------ the layout a program is traced under
 @dataclass(frozen=True)
 class Layout:
-    """The mesh and rules a program is traced under."""
+    """The mesh and rules a program is traced under (passed to the code that needs them)."""
 
     mesh: Mesh | jax.sharding.AbstractMesh
     rules: Rules
@@ -226,38 +281,18 @@ class Layout:
     def sizes(self) -> dict[str, int]:
         return mesh_sizes(self.mesh)
 
-    def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> PartitionSpec:
-        return logical_to_spec(axes, self.rules, shape, self.mesh)
+    def spec(
+        self, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None, *, name: str = "array"
+    ) -> PartitionSpec:
+        return logical_to_spec(axes, self.rules, shape, self.mesh, name=name)
 
 
-_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("ced_jax_layout", default=None)
-
-
-@contextlib.contextmanager
-def activate(mesh: Mesh | None, rules: str | Rules = DEFAULT_RULES) -> Iterator[None]:
-    """Make (mesh, rules) the layout that `current()` reports while tracing. mesh None: no-op."""
-    if mesh is None:
-        yield
-        return
-    token = _ACTIVE.set(Layout(mesh, get_rules(rules)))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def current() -> Layout | None:
-    """The active layout: the one `activate` set, else the ambient mesh (jax.set_mesh) with the
-    default rules; None on a single device (no mesh, or a mesh of one device)."""
-    layout = _ACTIVE.get()
-    if layout is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh is None or mesh.empty:
-            return None
-        layout = Layout(mesh, RULES[DEFAULT_RULES])
-    if int(np.prod(list(layout.sizes.values()))) == 1:
+def make_layout(mesh: Mesh | None, rules: str | Rules = DEFAULT_RULES) -> Layout | None:
+    """The Layout of (mesh, rules); None on a single device (no mesh, or a mesh of one device),
+    where nothing is laid out."""
+    if mesh is None or int(np.prod(list(mesh_sizes(mesh).values()))) == 1:
         return None
-    return layout
+    return Layout(mesh, get_rules(rules))
 
 
 # ------------------------------------------------------------------ MoE expert parallelism
@@ -291,7 +326,10 @@ def moe_layout(layout: Layout, expert_axes: tuple[str | None, ...], experts: dic
     """The expert-parallel layout for stacked experts {'w1'|'w2'|'w3': {'weight', 'scale'}} whose
     dimensions carry `expert_axes` (ced_jax.layers.moe.EXPERT_AXES)."""
     specs = {
-        name: {part: layout.spec(expert_axes, tuple(arr.shape)) for part, arr in w.items()}
+        name: {
+            part: layout.spec(expert_axes, tuple(arr.shape), name=f"routed experts {name}.{part}")
+            for part, arr in w.items()
+        }
         for name, w in experts.items()
     }
 

@@ -114,13 +114,13 @@ def weight_ledger(
     per_device_part: dict[str, int] = defaultdict(int)
     total_dtype: dict[str, int] = defaultdict(int)
     host = 0
-    for _path, shape, itemsize, stored, part, axes in _resident_tensors(cfg):
+    for path, shape, itemsize, stored, part, axes in _resident_tensors(cfg):
         nbytes = math.prod(shape) * itemsize
         total_dtype[stored] += nbytes
         if part == "engram_tables" and engram_on_host:
             host += nbytes
             continue
-        spec = sharding.logical_to_spec(axes, rules, shape, mesh)
+        spec = sharding.logical_to_spec(axes, rules, shape, mesh, name=f"parameter {path}")
         shard = math.prod(sharding.shard_shape(shape, spec, mesh)) * itemsize
         per_device_dtype[stored] += shard
         per_device_part[part] += shard
@@ -136,9 +136,10 @@ def weight_ledger(
 
 
 # ---------------------------------------------------------------------- activations
-def _local(size: int, axis: str, rules: sharding.Rules, mesh: dict[str, int]) -> int:
-    """Per-device extent of a dimension of `size` carrying logical `axis`, by the rules."""
-    spec = sharding.logical_to_spec((axis,), rules, (size,), mesh)
+def _local(size: int, axis: str, rules: sharding.Rules, mesh: dict[str, int], what: str) -> int:
+    """Per-device extent of a dimension of `size` carrying logical `axis` (of the activation
+    `what`), by the rules."""
+    spec = sharding.logical_to_spec((axis,), rules, (size,), mesh, name=what)
     return sharding.shard_shape((size,), spec, mesh)[0]
 
 
@@ -150,8 +151,8 @@ def _step_activations(
     The sublayers run one after another, so the peak is the residual streams plus the largest of
     attention, indexer, MoE and head."""
     D, M, hd, W = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.sliding_window
-    heads = _local(cfg.num_heads, "q_heads", rules, mesh)
-    index_heads = _local(cfg.index_n_heads, "index_heads", rules, mesh)
+    heads = _local(cfg.num_heads, "q_heads", rules, mesh, "attention heads")
+    index_heads = _local(cfg.index_n_heads, "index_heads", rules, mesh, "indexer heads")
     streams = 3 * n * M * D * F32  # input, residual, output of an mHC site
     # q and o; logits over window ring + chunk keys and over the selected compressed entries.
     attention = n * (2 * heads * hd + heads * (W + chunk + cfg.index_topk) + cfg.index_topk * hd) * F32
@@ -170,7 +171,7 @@ def _step_activations(
         dequant = e_loc * max(f_loc * D, d_loc * F) * F32
     else:
         dequant = rows * max(f_loc * D, d_loc * F) * F32
-    vocab = _local(cfg.vocab_size, "vocab", rules, mesh)
+    vocab = _local(cfg.vocab_size, "vocab", rules, mesh, "logits")
     head = n * (vocab + cfg.vocab_size) * F32  # sharded logits, then replicated for the host
     parts = {"attention": attention, "indexer": indexer, "moe": buffers + dequant, "head": head}
     return {
@@ -187,8 +188,8 @@ def _moe_split(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) ->
     from ced_jax.layers.moe import EXPERT_AXES
 
     E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    w1 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, F, D // 2), mesh)
-    w2 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, D, F // 2), mesh)
+    w1 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, F, D // 2), mesh, name="routed experts w1")
+    w2 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, D, F // 2), mesh, name="routed experts w2")
     ep = mesh.get(w1[0], 1) if w1[0] else 1
     width_axes = {a for a in (w1[1], w2[1]) if a}
     token_shards = math.prod(s for a, s in mesh.items() if a not in width_axes)
@@ -219,10 +220,12 @@ def activation_ledger(
 
 
 def _sequences_per_device(mesh: dict[str, int], rules: sharding.Rules, max_seqs: int) -> int:
-    """Sequences one device holds: the batch split over its mesh axis (a server pads the batch to
-    a multiple of it, hence the ceiling)."""
-    axis = rules["batch"]
-    return -(-max_seqs // (mesh.get(axis, 1) if axis else 1))
+    """Sequences one device holds: the server's slots split over the batch's mesh axis, which must
+    divide them (the engine lays its cache out by the same rule)."""
+    spec = sharding.logical_to_spec(
+        ("batch",), rules, (max_seqs,), mesh, name="--max-seqs (the server's slots)"
+    )
+    return sharding.shard_shape((max_seqs,), spec, mesh)[0]
 
 
 # ---------------------------------------------------------------------- KV
@@ -394,11 +397,21 @@ def plan(
     kw = dict(
         rules=rules, max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket, page_size=page_size
     )
-    candidates = [
-        evaluate(cfg, hw, m, engram_on_host=host, **kw)
-        for m in (mesh_candidates(hw.devices) if mesh is None else [mesh])
-        for host in placements
-    ]
+    # A mesh the rules cannot lay the model out on (a mesh axis that does not divide a dimension it
+    # splits) is refused, never evaluated as if it replicated: the runtime refuses it alike.
+    candidates, refused = [], []
+    for m in mesh_candidates(hw.devices) if mesh is None else [mesh]:
+        try:
+            candidates += [evaluate(cfg, hw, m, engram_on_host=host, **kw) for host in placements]
+        except sharding.ShardingError as e:
+            if mesh is not None:
+                raise sharding.ShardingError(f"mesh {_mesh_text(m)}: {e}") from None
+            refused.append({"mesh": dict(m), "reason": str(e)})
+    if not candidates:
+        raise sharding.ShardingError(
+            f"no (data, expert, tensor) mesh of {hw.devices} devices lays out {cfg.name} by the "
+            f"{rules} rules; e.g. {_mesh_text(refused[0]['mesh'])}: {refused[0]['reason']}"
+        )
     fitting = [c for c in candidates if c["fits"]]
     # Layouts that leave HEADROOM of the device free come first (KV growth beyond the planned
     # workload, fragmentation); then the most replicas (throughput), tables on device (no host
@@ -451,7 +464,12 @@ def plan(
             }
             for c in candidates
         ],
+        "refused": refused,
     }
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())
 
 
 # ---------------------------------------------------------------------- text report
@@ -478,7 +496,7 @@ def format_plan(p: dict) -> str:
     ]
     c = p.get("recommended") or p["closest"]
     led = c["ledgers"]
-    mesh = ",".join(f"{k}={v}" for k, v in c["mesh"].items())
+    mesh = _mesh_text(c["mesh"])
     head = "recommended" if p["fits"] else "nothing fits; closest"
     lines += [
         f"{head}: --mesh {mesh} (rules {c['rules']}), Engram tables on {c['engram_tables']}",
@@ -501,4 +519,5 @@ def format_plan(p: dict) -> str:
     if c["host_total"]:
         lines.append(f"  host         {_g(c['host_total'])} (Engram tables)")
     lines += [f"advice: {a}" for a in p["advice"]]
+    lines += [f"refused: --mesh {_mesh_text(r['mesh'])}: {r['reason']}" for r in p["refused"]]
     return "\n".join(lines)

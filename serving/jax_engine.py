@@ -360,17 +360,7 @@ def _prefill(
     impl, mesh, rules,
 ):  # fmt: skip
     """One chunk of one slot, a page per loop iteration; returns (cache, sample, per-page states)."""
-    with sharding.activate(mesh, rules):
-        return _prefill_pages(
-            params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed,
-            cfg=cfg, spec=spec, impl=impl,
-        )  # fmt: skip
-
-
-def _prefill_pages(
-    params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed, *, cfg, spec,
-    impl,
-):  # fmt: skip
+    layout = sharding.make_layout(mesh, rules)
     ps = spec.page_size
     slots, tables = cache.slots, cache.page_tables  # the carried view; restored after every page
     view = (slot[None], page_table[None])
@@ -385,8 +375,9 @@ def _prefill_pages(
         page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps)[None]
         lens = jnp.minimum(n - off, ps)[None]
         logits, cache, _ = forward(
-            params, cfg, page_tokens, cache.view(*view), (start + off)[None], lens, page_rows, impl=impl
-        )
+            params, cfg, page_tokens, cache.view(*view), (start + off)[None], lens, page_rows, impl=impl,
+            layout=layout,
+        )  # fmt: skip
         cache = cache.view(slots, tables)
         i = n - 1 - off  # the chunk's last token, if it is on this page
         last = jnp.where((i >= 0) & (i < ps), logits[0, jnp.clip(i, 0, ps - 1)], last)
@@ -411,8 +402,10 @@ def _decode(
     slots, tables = cache.slots, cache.page_tables
     view = cache.view(jnp.arange(spec.max_slots, dtype=jnp.int32), page_tables)
     lens = active.astype(jnp.int32)
-    with sharding.activate(mesh, rules):
-        logits, cache, _ = forward(params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl)
+    logits, cache, _ = forward(
+        params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl,
+        layout=sharding.make_layout(mesh, rules),
+    )  # fmt: skip
     out = sample(
         logits[:, 0], positions + 1, temperature, top_p, top_k, seed, num_logprobs=spec.max_logprobs
     )

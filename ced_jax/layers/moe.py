@@ -78,7 +78,14 @@ def _sum_in_order(out: jax.Array) -> jax.Array:
 
 
 def routed_experts(
-    x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, *, limit: float, impl: str
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    experts: dict,
+    *,
+    limit: float,
+    impl: str,
+    layout: sharding.Layout | None = None,
 ) -> jax.Array:
     """sum over the X selected experts of w2(weight * swiglu(w1 x, w3 x)), f32 [N, D].
 
@@ -88,8 +95,7 @@ def routed_experts(
     order = jnp.argsort(ids, axis=-1)
     ids = jnp.take_along_axis(ids, order, axis=-1)
     weights = jnp.take_along_axis(weights, order, axis=-1)
-    layout = sharding.current()
-    if layout is not None:
+    if layout is not None:  # on a mesh (sharding.make_layout): expert-parallel dispatch
         return _routed_experts_sharded(x, ids, weights, experts, layout, limit=limit, impl=impl)
     xq = fp8_fake_quant(x)  # one activation quantisation serves every expert of the token
     rows = jnp.repeat(xq, top_k, axis=0)

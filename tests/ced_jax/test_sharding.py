@@ -18,11 +18,12 @@ import pytest
 from jax.sharding import NamedSharding
 from safetensors.numpy import load_file
 
+from ced_jax import cache as cache_lib
 from ced_jax import sharding
 from ced_jax.api import load
-from ced_jax.config import ModelConfig
+from ced_jax.config import ModelConfig, preset
 from ced_jax.layers.moe import EXPERT_AXES
-from ced_jax.model import flatten_specs, param_specs
+from ced_jax.model import flatten_specs, forward, init_cache, param_specs
 from tests.ced_jax.test_parity import assert_mode_a_gate, mode_a_metrics, mode_a_run
 from tests.conftest import GOLDEN_TINY_A, REPO
 
@@ -53,9 +54,13 @@ def test_rules_tables_name_every_logical_axis():
         assert set(table) == set(sharding.LOGICAL_AXES), name
         sharding.check_rules(table)
     with pytest.raises(ValueError, match="unknown mesh axes"):
-        sharding.check_rules({"vocab": "model"})
+        sharding.check_rules({**sharding.EP_TP_RULES, "vocab": "model"})
     with pytest.raises(ValueError, match="unknown sharding rules"):
         sharding.get_rules("fsdp")
+    # A table decides every logical axis: a missing one is an error, not a quiet replication.
+    partial_table = {k: v for k, v in sharding.EP_TP_RULES.items() if k != "vocab"}
+    with pytest.raises(sharding.ShardingError, match=r"no rule for logical axes \['vocab'\]"):
+        sharding.get_rules(partial_table)
 
 
 def test_parse_and_make_mesh():
@@ -67,17 +72,101 @@ def test_parse_and_make_mesh():
         _mesh(2, 4, 2)
 
 
-def test_logical_to_spec_keeps_indivisible_dims_replicated():
+def test_logical_to_spec_splits_what_the_rules_say():
     sizes = {"data": 1, "expert": 4, "tensor": 8}
     rules = sharding.EP_TP_RULES
-    assert sharding.logical_to_spec(("q_heads",), rules, (4,), sizes) == jax.P(None)  # 4 heads / 8
     assert sharding.logical_to_spec(("vocab", "embed"), rules, (512, 256), sizes) == jax.P("tensor", None)
     spec = sharding.logical_to_spec(EXPERT_AXES, rules, (8, 128, 128), sizes)
     assert spec == jax.P("expert", "tensor", None)
     assert sharding.shard_shape((8, 128, 128), spec, sizes) == (2, 16, 128)
-    # A size-1 mesh axis is dropped, and a mesh axis is used once per array.
+    # A size-1 mesh axis, or one the mesh lacks, splits nothing and is dropped.
     assert sharding.logical_to_spec(("experts",), rules, (8,), {"expert": 1}) == jax.P(None)
-    assert sharding.logical_to_spec(("vocab", "q_heads"), rules, (8, 8), sizes) == jax.P("tensor", None)
+    assert sharding.logical_to_spec(("experts",), rules, (8,), {"tensor": 8}) == jax.P(None)
+    # A rule of None replicates on purpose, whatever the sizes: 3 experts on expert=4 is then fine.
+    assert sharding.logical_to_spec(("experts",), sharding.TP_RULES, (3,), sizes) == jax.P(None)
+
+
+def test_indivisible_dimension_raises_naming_array_axes_and_sizes():
+    sizes = {"data": 1, "expert": 4, "tensor": 8}
+    with pytest.raises(sharding.ShardingError) as err:
+        sharding.logical_to_spec(
+            ("q_heads",), sharding.EP_TP_RULES, (4,), sizes, name="parameter x.attn_sink"
+        )
+    message = str(err.value)
+    for part in ("parameter x.attn_sink (4,)", "dimension 0", "'q_heads', size 4", "'tensor' of size 8",
+                 "'q_heads': None"):  # fmt: skip
+        assert part in message, (part, message)
+    # Each dimension is checked against its own mesh axis: 6 experts do not divide over expert=4.
+    with pytest.raises(sharding.ShardingError, match=r"dimension 0 \(logical axis 'experts', size 6\)"):
+        sharding.logical_to_spec(EXPERT_AXES, sharding.EP_TP_RULES, (6, 128, 128), sizes)
+
+
+def test_colliding_rules_raise_whatever_the_mesh():
+    """Two dimensions of one array on one mesh axis is a bug in the rules table: it raises with or
+    without a mesh, even where that mesh axis has size 1."""
+    bad = {**sharding.EP_TP_RULES, "embed": "tensor"}
+    for sizes in (None, {"data": 1, "expert": 8, "tensor": 1}, {"data": 1, "expert": 1, "tensor": 8}):
+        with pytest.raises(sharding.ShardingError) as err:
+            sharding.logical_to_spec(
+                ("vocab", "embed"), bad, (512, 256), sizes, name="parameter embed.weight"
+            )
+        message = str(err.value)
+        assert "parameter embed.weight" in message and "'vocab' and 'embed'" in message, message
+        assert "mesh axis 'tensor'" in message, message
+
+
+@pytest.mark.parametrize("model", ["tiny", "v41-flash"])
+def test_shipped_rules_never_collide_on_a_parameter(model):
+    """Every parameter's logical axes map to distinct mesh axes under every shipped table (checked
+    without a mesh, so no size can hide a collision)."""
+    for name, table in sharding.RULES.items():
+        for path, spec in flatten_specs(param_specs(preset(model))).items():
+            sharding.logical_to_spec(spec.axes, table, spec.shape, name=f"{name}: {path}")
+
+
+def test_param_shardings_name_the_parameter_a_mesh_cannot_split(cfg):
+    """tiny-a has 4 attention heads: a tensor axis of 8 cannot split them (the old layout replicated
+    attn_sink silently). Loading on that mesh refuses with the parameter named."""
+    with pytest.raises(sharding.ShardingError, match=r"parameter layers\.0\.attn\.attn_sink \(4,\)"):
+        sharding.param_shardings(param_specs(cfg), _mesh(1, 1, 8), sharding.EP_TP_RULES)
+    with pytest.raises(ValueError, match=r"attn_sink \(4,\).*'q_heads', size 4.*'tensor' of size 8"):
+        load(str(GOLDEN_TINY_A), mesh=_mesh(1, 1, 8))
+
+
+def test_cache_batch_must_divide_over_data(cfg):
+    """One sequence cannot be split over data=2: the dense cache (Session) and the engine's paged
+    cache refuse it by name unless the rules replicate the batch on purpose."""
+    mesh = _mesh(2, 2, 2)
+    dense = jax.eval_shape(lambda: init_cache(cfg, 1, 64))
+    with pytest.raises(sharding.ShardingError, match=r"cache .*\(1, .*'batch', size 1.*'data' of size 2"):
+        sharding.cache_shardings(dense, mesh, sharding.EP_TP_RULES)
+    replicate_batch = {**sharding.EP_TP_RULES, "batch": None}
+    got = sharding.cache_shardings(dense, mesh, replicate_batch)
+    assert all(s.spec == jax.P(None, None, None) for s in jax.tree.leaves(got))
+    two = jax.eval_shape(lambda: init_cache(cfg, 2, 64))
+    got = sharding.cache_shardings(two, mesh, sharding.EP_TP_RULES)
+    assert all(s.spec[0] == "data" for s in jax.tree.leaves(got))
+    paged = jax.eval_shape(
+        lambda: cache_lib.init_paged_cache(cfg, max_slots=3, page_size=16, num_pages=8, max_context=64)
+    )
+    with pytest.raises(
+        sharding.ShardingError, match=r"cache window\.0 \(3, .*'batch', size 3.*'data' of size 2"
+    ):
+        sharding.logical_shardings(cache_lib.paged_cache_axes(paged), paged, mesh, sharding.EP_TP_RULES)
+    # Through the public API: a one-sequence run on data=2 is refused before anything compiles.
+    model = load(str(GOLDEN_TINY_A), mesh=mesh)
+    with pytest.raises(ValueError, match=r"'batch', size 1.*'data' of size 2"):
+        model.logits([0, 5, 9])
+
+
+def test_make_layout():
+    assert sharding.make_layout(None) is None
+    one = sharding.make_mesh({"data": 1, "expert": 1, "tensor": 1}, devices=jax.devices()[:1])
+    assert sharding.make_layout(one) is None  # one device: nothing to lay out
+    layout = sharding.make_layout(_mesh(1, 4, 2), "tp")
+    assert layout.rules is sharding.TP_RULES and layout.sizes == {"data": 1, "expert": 4, "tensor": 2}
+    with pytest.raises(ValueError, match="unknown sharding rules"):
+        sharding.make_layout(_mesh(1, 4, 2), "fsdp")
 
 
 def test_param_shardings_place_every_parameter(cfg):
@@ -113,9 +202,29 @@ def test_moe_layout(cfg, shape, ep, f, d, token_axes):
         "w3": {"weight": zeros(E, F, D // 2), "scale": zeros(E, F, D // 32)},
         "w2": {"weight": zeros(E, D, F // 2), "scale": zeros(E, D, F // 32)},
     }
-    layout = sharding.Layout(_mesh(*shape), sharding.EP_TP_RULES)
-    ml = sharding.moe_layout(layout, EXPERT_AXES, experts)
+    ml = sharding.moe_layout(sharding.make_layout(_mesh(*shape)), EXPERT_AXES, experts)
     assert (ml.ep_axis, ml.f_axis, ml.d_axis, ml.token_axes) == (ep, f, d, token_axes)
+
+
+def test_the_layout_is_passed_to_the_moe_dispatch(cfg):
+    """The mesh and rules reach the MoE as an argument of forward (no ambient global): with a layout
+    the traced step carries the expert-parallel all_to_all, without one (even under an ambient
+    jax.set_mesh) it does not."""
+    model = load(str(GOLDEN_TINY_A))
+    hasher = model.hasher
+    tokens = np.zeros((1, 1), np.int32)
+    rows = None if hasher is None else hasher.hash_ids(hasher.empty_history(1), tokens)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 1, 64))
+    start = lens = np.zeros(1, np.int32)
+
+    def traced(layout) -> str:
+        step = jax.jit(lambda p, c: forward(p, cfg, tokens, c, start, lens + 1, rows, layout=layout))
+        return step.lower(model.params, cache).as_text()
+
+    mesh = _mesh(1, 4, 2)
+    assert "all_to_all" in traced(sharding.make_layout(mesh))
+    with jax.set_mesh(mesh):
+        assert "all_to_all" not in traced(None)
 
 
 def test_no_partition_specs_outside_the_rules_module():
@@ -163,18 +272,30 @@ def _check_against_single(got: dict, want: dict) -> None:
                 assert rel <= BLOCK_REL, (key, layer, rel)
 
 
+# The mode-A run is one sequence, so a data axis cannot split it: (2, 2, 2) replicates the batch on
+# purpose (its data axis still splits the MoE's tokens). Pure tensor parallelism runs (1, 2, 4) under
+# the shipped "tp" table: tiny-a's 4 heads cannot fill tensor=8 (see
+# test_param_shardings_name_the_parameter_a_mesh_cannot_split).
+MESH_RULES = {
+    (1, 8, 1): sharding.EP_TP_RULES,
+    (1, 4, 2): sharding.EP_TP_RULES,
+    (2, 2, 2): {**sharding.EP_TP_RULES, "batch": None},
+    (1, 2, 4): sharding.TP_RULES,
+}
+
+
 @pytest.mark.parametrize(
     "shape",
     [
         pytest.param((1, 8, 1), marks=pytest.mark.slow),
         (1, 4, 2),
         pytest.param((2, 2, 2), marks=pytest.mark.slow),
-        pytest.param((1, 1, 8), marks=pytest.mark.slow),
+        pytest.param((1, 2, 4), marks=pytest.mark.slow),
     ],
     ids=lambda s: "x".join(map(str, s)),
 )
 def test_mesh_mode_a_matches_single_device(golden, single, shape):
-    model = load(str(GOLDEN_TINY_A), mesh=_mesh(*shape))
+    model = load(str(GOLDEN_TINY_A), mesh=_mesh(*shape), rules=MESH_RULES[shape])
     w1 = model.params["layers"]["0"]["ffn"]["experts"]["w1"]["weight"]
     assert len(w1.sharding.device_set) == 8
     got = mode_a_run(model, golden, MODE)

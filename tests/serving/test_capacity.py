@@ -16,6 +16,7 @@ from serving.capacity import (
     Hardware,
     activation_ledger,
     checkpoint_bytes,
+    format_plan,
     kv_bytes_per_token,
     kv_ledger,
     mesh_candidates,
@@ -154,6 +155,35 @@ def test_plan_checks_its_inputs(flash):
         plan(flash, Hardware(8, 80), mesh={"data": 1, "expert": 4, "tensor": 1})
     with pytest.raises(ValueError, match="--devices"):
         plan(flash, Hardware(0, 80))
+
+
+def test_plan_refuses_meshes_the_rules_cannot_lay_out(flash):
+    """64 devices: tensor=64 would split V4.1-Flash's 32 indexer heads and data=64 the 32 server
+    slots. Both meshes are refused with the reason (never priced as if replicated, which the
+    runtime refuses too); every other factorisation is evaluated and one is recommended."""
+    p = plan(flash, Hardware(64, 80, 512), max_seqs=32)
+    refused = {tuple(r["mesh"].values()): r["reason"] for r in p["refused"]}
+    assert set(refused) == {(1, 1, 64), (64, 1, 1)}
+    assert "weights_proj.weight (32, 5120)" in refused[(1, 1, 64)]
+    assert "'index_heads', size 32" in refused[(1, 1, 64)] and "'tensor' of size 64" in refused[(1, 1, 64)]
+    assert "'batch', size 32" in refused[(64, 1, 1)] and "'data' of size 64" in refused[(64, 1, 1)]
+    evaluated = {tuple(c["mesh"].values()) for c in p["candidates"]}
+    assert evaluated == {tuple(m.values()) for m in mesh_candidates(64)} - set(refused)
+    assert p["fits"] and tuple(p["recommended"]["mesh"].values()) in evaluated
+    assert "refused: --mesh data=1,expert=1,tensor=64" in format_plan(p)
+    # 7 devices: 7 divides neither the vocabulary, the 384 experts nor 32 slots.
+    with pytest.raises(ValueError, match=r"no \(data, expert, tensor\) mesh of 7 devices lays out"):
+        plan(flash, Hardware(7, 80, 512), max_seqs=32)
+
+
+def test_cli_plan_names_the_parameter_a_mesh_cannot_split(capsys):
+    argv = ["plan", "--model", "v41-flash", "--devices", "64", "--device-memory", "80", "--mesh", "tensor=64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    for part in ("data=1,expert=1,tensor=64", "weights_proj.weight (32, 5120)", "'index_heads', size 32",
+                 "'tensor' of size 64"):  # fmt: skip
+        assert part in err, (part, err)
 
 
 def test_cli_plan(capsys):
