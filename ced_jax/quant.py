@@ -162,12 +162,16 @@ def dequant_fp8_weight(weight: jax.Array, scale: jax.Array, block: int = 32) -> 
     return weight.astype(jnp.float32) * s
 
 
+# Both e2m1 values of every packed byte: row b is (FP4_TABLE[b & 15], FP4_TABLE[b >> 4]). One
+# gather of a value pair per byte is about twice as fast on XLA:CPU as two nibble gathers and an
+# interleave, and reads the same table entries (bit for bit).
+FP4_BYTE_PAIRS = np.stack([FP4_TABLE[np.arange(256) & 15], FP4_TABLE[np.arange(256) >> 4]], axis=-1)
+
+
 def unpack_fp4(packed: jax.Array) -> jax.Array:
     """uint8 [..., K/2] (low nibble = even index) -> f32 e2m1 values [..., K]."""
-    table = jnp.asarray(FP4_TABLE)
-    lo = table[(packed & 0x0F).astype(jnp.int32)]
-    hi = table[(packed >> 4).astype(jnp.int32)]
-    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    pairs = jnp.asarray(FP4_BYTE_PAIRS)[packed.astype(jnp.int32)]  # [..., K/2, 2]
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def dequant_fp4_weight(packed: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:

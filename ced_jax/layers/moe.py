@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ced_jax import ops, sharding
 from ced_jax.layers.common import f32_linear, fp8_linear
-from ced_jax.quant import exact_div, fp8_fake_quant, round_bf16
+from ced_jax.quant import dequant_fp4_weight, exact_div, fp8_fake_quant, round_bf16
 
 
 def router_scores(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
@@ -61,12 +61,74 @@ def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: str,
     rows [R, D] FP8-dequantised, eids [R] expert ids into `experts`, weights [R]. Under shard_map
     with w1/w3 split along F over `f_axis`, the hidden activation is all-gathered before its FP8
     quantisation, so the quantisation blocks and the w2 contraction are the unsplit ones."""
+    if f_axis is None and ops.parse_impl(impl)[0] == "reference":
+        num_experts = experts["w1"]["weight"].shape[0]
+        # Decode (a few rows per expert) runs row by row; prefill fills tiles of up to 32 rows.
+        tile = min(EXPERT_ROW_TILE, max(1, rows.shape[0] // num_experts))
+        return _expert_rows_by_expert(rows, eids, weights, experts, limit=limit, tile=tile)
     gate = round_bf16(ops.expert_matmul(rows, eids, experts["w1"], impl=impl))
     up = round_bf16(ops.expert_matmul(rows, eids, experts["w3"], impl=impl))
     hidden = round_bf16(weights[:, None] * swiglu(gate, up, limit))
     if f_axis is not None:
         hidden = jax.lax.all_gather(hidden, f_axis, axis=1, tiled=True)
     return round_bf16(ops.expert_matmul(fp8_fake_quant(hidden), eids, experts["w2"], impl=impl))
+
+
+# Rows per step of the loop over one expert's rows in `_expert_rows_by_expert`: small enough that
+# the padding (at most one partial tile per expert) costs little, large enough for a real GEMM.
+EXPERT_ROW_TILE = 32
+
+
+def _expert_rows_by_expert(rows, eids, weights, experts: dict, *, limit: float, tile: int = EXPERT_ROW_TILE):
+    """`_expert_rows` on the reference path: one expert at a time.
+
+    The rows are sorted by expert; a loop over the experts dequantises one expert's w1/w3/w2 (skipped
+    when no row chose it) and runs its rows through them `tile` rows at a time. Transient memory is
+    one expert's f32 weights instead of the whole layer's, and the FLOPs are the rows' own (plus at
+    most one partial tile per expert), whereas `lax.ragged_dot` on CPU expands the rows into a
+    dense [experts, rows, K] masked operand and multiplies every row by every expert; in decode an
+    expert chosen by several rows is dequantised once, not once per row as a gather would. Each row's
+    arithmetic is unchanged (the same f32 products, bf16 rounding points and FP8 quantisation
+    blocks); only the summation order inside a GEMM may differ, as between any two GEMM shapes."""
+    m, d = rows.shape
+    num_experts = experts["w1"]["weight"].shape[0]
+    order = jnp.argsort(eids, stable=True)
+    counts = jnp.bincount(eids, length=num_experts)
+    starts = jnp.cumsum(counts) - counts
+    # `tile` rows of padding so that the last tile of the last expert stays in bounds.
+    rows_sorted = jnp.pad(rows[order], ((0, tile), (0, 0)))
+    weights_sorted = jnp.pad(weights[order], (0, tile))
+    out_dim = experts["w2"]["weight"].shape[1]
+    hi = jax.lax.Precision.HIGHEST
+    contract_in = (((1,), (1,)), ((), ()))  # [R, K] x [N, K] -> [R, N]
+
+    def expert_step(e, out):
+        def run(out):
+            w = {
+                k: dequant_fp4_weight(experts[k]["weight"][e], experts[k]["scale"][e])
+                for k in ("w1", "w2", "w3")
+            }
+
+            def tile_step(i, out):
+                start = starts[e] + i * tile
+                r = jax.lax.dynamic_slice(rows_sorted, (start, 0), (tile, d))
+                wt = jax.lax.dynamic_slice(weights_sorted, (start,), (tile,))
+                gate = round_bf16(jax.lax.dot_general(r, w["w1"], contract_in, precision=hi))
+                up = round_bf16(jax.lax.dot_general(r, w["w3"], contract_in, precision=hi))
+                hidden = round_bf16(wt[:, None] * swiglu(gate, up, limit))
+                y = round_bf16(
+                    jax.lax.dot_general(fp8_fake_quant(hidden), w["w2"], contract_in, precision=hi)
+                )
+                mine = (i * tile + jnp.arange(tile)) < counts[e]  # the tail belongs to the next expert
+                old = jax.lax.dynamic_slice(out, (start, 0), (tile, out_dim))
+                return jax.lax.dynamic_update_slice(out, jnp.where(mine[:, None], y, old), (start, 0))
+
+            return jax.lax.fori_loop(0, (counts[e] + tile - 1) // tile, tile_step, out)
+
+        return jax.lax.cond(counts[e] > 0, run, lambda out: out, out)
+
+    out_sorted = jax.lax.fori_loop(0, num_experts, expert_step, jnp.zeros((m + tile, out_dim), jnp.float32))
+    return jnp.zeros((m, out_dim), jnp.float32).at[order].set(out_sorted[:m])
 
 
 def _sum_in_order(out: jax.Array) -> jax.Array:
