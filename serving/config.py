@@ -21,6 +21,15 @@ from serving.tenants import ApiKeys
 PORT_FIELDS = ("port", "metrics_port")
 
 
+def default_decode_buckets(max_slots: int) -> tuple[int, ...]:
+    """Powers of two from min(8, max_slots) below max_slots, then max_slots (see `decode_buckets`)."""
+    sizes, b = [], min(8, max_slots)
+    while b < max_slots:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_slots)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     # Shapes (static; every program is compiled for them at start-up).
@@ -31,6 +40,13 @@ class ServeConfig:
     num_pages: int | None = None
     max_context: int = 2048  # prompt + generated tokens of one request; a multiple of page_size
     prefill_buckets: tuple[int, ...] = (128,)  # chunk lengths; largest % page_size == 0
+    # Decode batch sizes compiled at start-up; a step runs the smallest that holds its active rows.
+    # None: powers of two from min(8, max_slots) up, and max_slots. Why not from 1: on XLA:CPU a row's
+    # result differs between batches of fewer than 8 rows and of 8 or more (matmul kernels), and
+    # from 8 rows up it is the same in every batch (measured on tiny; tests/serving/test_serving_jax
+    # checks a request alone against it among 31 others), so a stream's tokens never depend on how
+    # many others run beside it.
+    decode_buckets: tuple[int, ...] | None = None
 
     # Admission and request limits.
     max_running: int | None = None  # requests holding a slot; None = max_slots
@@ -78,6 +94,13 @@ class ServeConfig:
         )
         if self.num_pages is None:  # frozen: the default is filled in once, here
             object.__setattr__(self, "num_pages", self.max_slots * (self.max_context // self.page_size))
+        if self.decode_buckets is None:
+            object.__setattr__(self, "decode_buckets", default_decode_buckets(self.max_slots))
+        d = tuple(self.decode_buckets)
+        if not d or list(d) != sorted(set(d)) or d[0] < 1 or d[-1] != self.max_slots:
+            raise ValueError(
+                f"decode_buckets must be ascending, positive and end at max_slots ({self.max_slots}), got {d}"
+            )
         positive = (
             "max_tokens_limit",
             "default_max_tokens",

@@ -6,7 +6,8 @@ compiled program per shape (a prefill program per bucket length and one decode p
 the prefix cache, stop conditions and text. The engine never allocates pages or sees a request id.
 
 Shapes are static, so nothing compiles after `warmup()`:
-- `max_slots` decode slots; `decode` always steps a `[max_slots]` batch, inactive rows masked.
+- `max_slots` decode slots; `decode` is handed a `[max_slots]` batch, inactive rows masked (an
+  engine may run only the active rows, e.g. JaxEngine's decode buckets).
 - `num_pages` pages of `page_size` tokens; each slot has a page table of `pages_per_slot` entries
   (`max_context / page_size`), one row of `page_tables[max_slots, pages_per_slot]` on the host.
 - a prefill chunk is padded to the smallest of `prefill_buckets` that holds it; the scheduler never

@@ -6,7 +6,8 @@ the next position and the Engram n-gram history (`EngramHasher.next_history`); t
 needs are computed on the host and sent with the tokens, as `ced_jax.api.Session` does.
 
 Programs, jitted once and compiled by `warmup()`, which runs each of them through the serving code
-path (a one-token prefill and one decode step on slot 0, a restore), so that every later call finds
+path (a one-token prefill and one decode step on slot 0, idle steps of the other decode batch
+sizes, a restore), so that every later call finds
 its executable in jit's cache. The serving calls stay ordinary jit calls, watched by a
 `CompileCounter` that counts JAX's own compilation events: a call whose shapes, dtypes or shardings
 warm-up did not cover compiles, and shows in `compiles_after_warmup` (and on /metrics):
@@ -14,8 +15,11 @@ warm-up did not cover compiles, and shows in `compiles_after_warmup` (and on /me
   `lax.while_loop` over its pages that runs `forward` on one page (T = page_size) per iteration, then
   samples the token after the chunk. The trip count is dynamic, so a short chunk costs only its own
   pages, and one program serves every chunk length.
-- decode: one token for each of the `max_slots` rows (inactive rows have length 0: they write
-  nothing), sampling inside (`ced_jax.sampling`), so only tokens and log-probabilities come back.
+- decode: one token for each row of a batch of the smallest `decode_buckets` size that holds the
+  active slots (ServeConfig: 8, 16, 32 for 32 slots), padded with distinct idle slots of length 0
+  (they write nothing), sampling inside (`ced_jax.sampling`), so only tokens and log-probabilities
+  come back. A lone stream thus pays for 8 rows, not `max_slots`; why not 1, see
+  `ServeConfig.decode_buckets`.
 - restore: puts a snapshot's rings and partial groups into a slot.
 
 Why a page per iteration: it makes prefix-cache hits exact by construction. Every page of a prompt
@@ -113,6 +117,7 @@ class JaxEngine:
         self.hasher = model.hasher
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
+        self.decode_buckets = tuple(config.decode_buckets)
         self.mesh, self.rules = model.mesh, model.rules
         make_cache = partial(
             cache_lib.init_paged_cache,
@@ -229,10 +234,28 @@ class JaxEngine:
             )
         )  # fmt: skip
         self.release(0)
+        for size in self.decode_buckets:  # the step above compiled the smallest; idle rows for the rest
+            if size == self.decode_buckets[0]:
+                continue
+            self._decode_idle_rows(size)
         zero = jax.tree.map(
             lambda a: np.zeros(a.shape, a.dtype), jax.eval_shape(cache_lib.slot_state, self._cache, 0)
         )
         self._restore_slot(0, zero)
+
+    def _decode_idle_rows(self, size: int) -> None:
+        """A decode step of `size` idle rows (length 0: nothing is written), with the argument types of
+        `decode`, to compile that batch size."""
+        slots = np.arange(size, dtype=np.int32)
+        tokens = np.full(size, self.cfg.pad_token_id, np.int32)
+        rows = None
+        if self.hasher is not None:
+            rows = self.hasher.hash_ids(self._empty_history(size), tokens[:, None])
+        self._decode_rows(
+            slots, tokens, np.zeros(size, np.int32), np.zeros(size, bool),
+            np.zeros((size, self._spec.pages_per_slot), np.int32), rows, np.zeros(size, np.float32),
+            np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
+        )  # fmt: skip
 
     def _restore_slot(self, slot: int, state: dict) -> None:
         with self._counter.watch(), self._mesh_context():
@@ -301,7 +324,7 @@ class JaxEngine:
         return PrefillResult(token=token, snapshots=snapshots)
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
-        programs = self._require_warm()
+        self._require_warm()
         active = np.asarray(batch.active, bool)
         tokens = np.asarray(batch.token_ids, np.int32)
         positions = np.asarray(batch.positions, np.int32)
@@ -317,15 +340,35 @@ class JaxEngine:
         if self.hasher is not None:
             rows = self.hasher.hash_ids(self._history, tokens[:, None])
             self._history = self.hasher.next_history(self._history, tokens[:, None], active.astype(np.int64))
-        with self._counter.watch(), self._mesh_context():
-            self._cache, out = programs["decode"](
-                self.params, self._cache, tokens, positions, active, np.asarray(batch.page_tables, np.int32),
-                rows, np.asarray(batch.temperature, np.float32), np.asarray(batch.top_p, np.float32),
-                np.asarray(batch.top_k, np.int32), np.asarray(batch.seed, np.uint32),
-            )  # fmt: skip
-            tok, lp, ids, tlp = jax.device_get(out)
+        # The step runs the smallest decode bucket that holds the active rows: the active slots, then
+        # distinct idle ones (length 0: they write nothing; distinct, so no two rows of the step
+        # scatter into one slot). Results go back to their slots' rows; idle rows are garbage.
+        idle = np.flatnonzero(~active)
+        n_active = len(active) - len(idle)
+        size = next(b for b in self.decode_buckets if b >= n_active)
+        slots = np.concatenate([np.flatnonzero(active), idle[: size - n_active]]).astype(np.int32)
+        take = lambda a, dtype: np.asarray(a, dtype)[slots]
+        out = self._decode_rows(
+            slots, tokens[slots], positions[slots], active[slots], take(batch.page_tables, np.int32),
+            None if rows is None else rows[slots], take(batch.temperature, np.float32),
+            take(batch.top_p, np.float32), take(batch.top_k, np.int32), take(batch.seed, np.uint32),
+        )  # fmt: skip
         self._pos[active] += 1
+        full = lambda a: np.zeros((len(active), *a.shape[1:]), a.dtype)
+        result = [full(a) for a in out]
+        for dst, src in zip(result, out, strict=True):
+            dst[slots] = src
+        tok, lp, ids, tlp = result
         return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
+
+    def _decode_rows(self, slots, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed):
+        """The decode program over the rows `slots` (one compiled program per batch size)."""
+        with self._counter.watch(), self._mesh_context():
+            self._cache, out = self._programs["decode"](
+                self.params, self._cache, slots, tokens, positions, active, page_tables, rows, temperature,
+                top_p, top_k, seed,
+            )  # fmt: skip
+            return jax.device_get(out)
 
     def release(self, slot: int) -> None:
         self._pos[slot] = -1
@@ -395,12 +438,13 @@ def _prefill(
 
 
 def _decode(
-    params, cache, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed, *, cfg,
-    spec, impl, mesh, rules,
+    params, cache, rows_slots, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed,
+    *, cfg, spec, impl, mesh, rules,
 ):  # fmt: skip
-    """One token for every slot (rows = slots); returns (cache, (token, logprob, top ids, top logprobs))."""
+    """One token for each row (row i is slot rows_slots[i]); returns (cache, (token, logprob, top ids,
+    top logprobs)) per row."""
     slots, tables = cache.slots, cache.page_tables
-    view = cache.view(jnp.arange(spec.max_slots, dtype=jnp.int32), page_tables)
+    view = cache.view(rows_slots, page_tables)
     lens = active.astype(jnp.int32)
     logits, cache, _ = forward(
         params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl,
