@@ -1,12 +1,16 @@
 """Prefill and decode throughput of ced_jax on one model, with the memory-bandwidth roofline.
 
     python bench/decode.py MODEL [--prefill 128 512] [--batch 1 8] [--decode-steps 16] [--repeats 3]
+                                 [--generate-tokens 64]
 
 MODEL is a preset ('tiny') or a checkpoint directory (e.g. the `mid` checkpoint made by
 `python bench/make_mid_weights.py --out /tmp/mid-ckpt`). Reports, as one JSON document:
 - prefill tokens/s for each prompt length (batch 1, one chunk, median of `repeats`);
 - decode tokens/s at each batch size (median per-step time over `decode-steps` after warm-up);
-- peak RSS of the process;
+- peak RSS of the process after the prefills (before anything else ran) and at the end;
+- `Model.generate` tokens/s at batch 1 (greedy, a 16-token prompt, `generate-tokens` new tokens,
+  median of `repeats`; prefill and sampling included, as a user sees it);
+- the machine's load average at the start and the end (the machine is shared);
 - bytes of weights a decode step must read, in the stored formats (everything a token touches:
   attention, shared experts, router, mHC, norms, head, Engram projections and rows, plus the
   routed experts the batch actually selected, counted from the run), and the ratio of the implied
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import sys
@@ -70,11 +75,13 @@ def decode_weight_bytes(cfg, expert_ids: np.ndarray) -> float:
     return dense + experts + engram_rows
 
 
-def bench(model_name: str, prefill_lens, batches, decode_steps: int, repeats: int) -> dict:
+def bench(
+    model_name: str, prefill_lens, batches, decode_steps: int, repeats: int, generate_tokens: int
+) -> dict:
     model = load(model_name)
     cfg = model.cfg
     rng = np.random.default_rng(0)
-    result: dict = {"model": model_name, "prefill": {}, "decode": {}}
+    result: dict = {"model": model_name, "load_average_start": os.getloadavg(), "prefill": {}, "decode": {}}
     for length in prefill_lens:
         prompt = np.concatenate([[cfg.bos_token_id], rng.integers(8, cfg.vocab_size, length - 1)])[None]
         times = []
@@ -88,6 +95,7 @@ def bench(model_name: str, prefill_lens, batches, decode_steps: int, repeats: in
             "seconds": float(np.median(times)),
             "tokens_per_s": length / float(np.median(times)),
         }
+    result["peak_rss_after_prefill_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     bandwidth = measure_bandwidth()
     result["machine_read_bandwidth_gb_s"] = bandwidth / 1e9
     for batch in batches:
@@ -116,6 +124,21 @@ def bench(model_name: str, prefill_lens, batches, decode_steps: int, repeats: in
             "implied_read_gb_s": read / t / 1e9,
             "ratio_to_measured_bandwidth": read / t / bandwidth,
         }
+    if generate_tokens:
+        prompt = [cfg.bos_token_id] + rng.integers(8, cfg.vocab_size, 15).tolist()
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = model.generate(prompt, generate_tokens, stop_at_eos=False)
+            if i:  # the first run compiles
+                times.append(time.perf_counter() - t0)
+        result["generate"] = {
+            "prompt_tokens": len(prompt),
+            "new_tokens": len(out["token_ids"]),
+            "seconds": float(np.median(times)),
+            "tokens_per_s": len(out["token_ids"]) / float(np.median(times)),
+        }
+    result["load_average_end"] = os.getloadavg()
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["machine"] = {
         "cpus": jax.device_count(),
@@ -133,8 +156,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generate-tokens", type=int, default=64, help="0 skips the generate measurement")
     args = parser.parse_args()
-    print(json.dumps(bench(args.model, args.prefill, args.batch, args.decode_steps, args.repeats), indent=2))
+    result = bench(
+        args.model, args.prefill, args.batch, args.decode_steps, args.repeats, args.generate_tokens
+    )
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.model import flatten_specs, forward, init_cache, param_specs
-from ced_jax.sampling import jitted_sample
+from ced_jax.sampling import jitted_sample, sample
 from ced_jax.testing.random_weights import tiny_params
 
 
@@ -115,6 +115,13 @@ class Model:
         )
         self.decode_program = jax.jit(
             step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
+        )
+        # generate's decode step: the forward and the sampler in one program, so a token costs one
+        # dispatch and brings back one id per row instead of the logits and every decision.
+        self.decode_sample_program = jax.jit(
+            partial(_step_and_sample, cfg=cfg, mesh=mesh, rules=self.rules),
+            static_argnames=("impl",),
+            donate_argnames=("cache",),
         )
 
     def _put_input(self, arr) -> jax.Array:
@@ -226,17 +233,9 @@ class Model:
         chunk = self.prefill_chunk
         for s in range(0, len(ids), chunk):
             logits, _ = session.step(np.asarray(ids[s : s + chunk])[None])
-        last = logits[0, -1]
-        out: list[int] = []
-        for _ in range(max_tokens):
-            tok = _sample(last, temperature, seed, len(ids) + len(out))
-            out.append(tok)
-            if stop_at_eos and tok == self.cfg.eos_token_id:
-                break
-            if len(out) == max_tokens:
-                break
-            logits, _ = session.step(np.asarray([[tok]]))
-            last = logits[0, -1]
+        out = [_sample(logits[0, -1], temperature, seed, len(ids))]
+        while len(out) < max_tokens and not (stop_at_eos and out[-1] == self.cfg.eos_token_id):
+            out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), temperature, seed)[0]))
         result = {"prompt_ids": ids, "token_ids": out}
         if self.tokenizer_path is not None:
             result["text"] = self.decode_text(out)
@@ -259,6 +258,40 @@ class Session:
         self.positions = np.zeros(batch, np.int32)
         self.history = model.hasher.empty_history(batch) if model.hasher is not None else None
 
+    def step_and_sample(self, tokens: np.ndarray, temperature: float, seed: int) -> np.ndarray:
+        """Feed one token per row [B, 1] and draw each row's next token with `ced_jax.sampling`
+        (keyed by seed and the new token's position, top-p / top-k off): int32 [B]."""
+        tokens, lens, rows = self._prepare(tokens, None)
+        put = self.model._put_input
+        b = tokens.shape[0]
+        with _mesh_context(self.model.mesh):
+            drawn, self.cache = self.model.decode_sample_program(
+                self.model.params,
+                put(tokens),
+                self.cache,
+                put(self.positions),
+                put(lens),
+                None if rows is None else put(rows),
+                put(np.full(b, temperature, np.float32)),
+                put(np.full(b, seed, np.uint32)),
+                impl=self.model.impl,
+            )
+        self.positions = self.positions + lens
+        return np.asarray(drawn)
+
+    def _prepare(self, tokens, lens):
+        """Checked tokens and lens, and the Engram rows of the chunk (the history moves past it)."""
+        tokens = np.asarray(tokens, np.int32)
+        b, t = tokens.shape
+        lens = np.full(b, t, np.int32) if lens is None else np.asarray(lens, np.int32)
+        if np.any(self.positions + lens > self.max_len):
+            raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
+        rows = None
+        if self.model.hasher is not None:
+            rows = self.model.hasher.hash_ids(self.history, tokens)
+            self.history = self.model.hasher.next_history(self.history, tokens, lens)
+        return tokens, lens, rows
+
     def step(
         self,
         tokens: np.ndarray,
@@ -269,15 +302,8 @@ class Session:
         index_k_mode: str = "intended",
     ):
         """Feed tokens [B, T] (lens[b] valid). Returns (logits np [B, T, V], aux as numpy)."""
-        tokens = np.asarray(tokens, np.int32)
-        b, t = tokens.shape
-        lens = np.full(b, t, np.int32) if lens is None else np.asarray(lens, np.int32)
-        if np.any(self.positions + lens > self.max_len):
-            raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
-        rows = None
-        if self.model.hasher is not None:
-            rows = self.model.hasher.hash_ids(self.history, tokens)
-            self.history = self.model.hasher.next_history(self.history, tokens, lens)
+        tokens, lens, rows = self._prepare(tokens, lens)
+        t = tokens.shape[1]
         program = self.model.decode_program if t == 1 else self.model.prefill_program
         put = self.model._put_input
         with _mesh_context(self.model.mesh):
@@ -335,6 +361,22 @@ def _step(
         logits = jax.lax.with_sharding_constraint(logits, whole)
         aux = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), aux)
     return logits, cache, aux
+
+
+def _step_and_sample(
+    params, tokens, cache, start, lens, engram_rows, temperature, seed, *, cfg, impl, mesh, rules
+):
+    """`_step` on one token per row, then `sampling.sample` on the last logits: (tokens [B], cache)."""
+    logits, cache, _aux = _step(
+        params, tokens, cache, start, lens, engram_rows, None,
+        cfg=cfg, capture_blocks=False, index_k_mode="intended", impl=impl, mesh=mesh, rules=rules,
+    )  # fmt: skip
+    b = tokens.shape[0]
+    drawn, *_ = sample(
+        logits[:, -1], start + lens, temperature, jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32), seed,
+        num_logprobs=0,
+    )  # fmt: skip
+    return drawn, cache
 
 
 # ---------------------------------------------------------------------- helpers
