@@ -61,10 +61,11 @@ def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: str,
     rows [R, D] FP8-dequantised, eids [R] expert ids into `experts`, weights [R]. Under shard_map
     with w1/w3 split along F over `f_axis`, the hidden activation is all-gathered before its FP8
     quantisation, so the quantisation blocks and the w2 contraction are the unsplit ones."""
-    if f_axis is None and ops.parse_impl(impl)[0] == "reference":
-        num_experts = experts["w1"]["weight"].shape[0]
-        # Decode (a few rows per expert) runs row by row; prefill fills tiles of up to 32 rows.
-        tile = min(EXPERT_ROW_TILE, max(1, rows.shape[0] // num_experts))
+    num_experts = experts["w1"]["weight"].shape[0]
+    if f_axis is None and ops.parse_impl(impl)[0] == "reference" and rows.shape[0] >= num_experts:
+        # Prefill. Decode (fewer rows than experts) keeps the per-row gather of ops.expert_matmul:
+        # the expert loop measured 2x slower inside the whole mid decode step (BENCHMARKS.md).
+        tile = min(EXPERT_ROW_TILE, rows.shape[0] // num_experts)
         return _expert_rows_by_expert(rows, eids, weights, experts, limit=limit, tile=tile)
     gate = round_bf16(ops.expert_matmul(rows, eids, experts["w1"], impl=impl))
     up = round_bf16(ops.expert_matmul(rows, eids, experts["w3"], impl=impl))
@@ -80,14 +81,13 @@ EXPERT_ROW_TILE = 32
 
 
 def _expert_rows_by_expert(rows, eids, weights, experts: dict, *, limit: float, tile: int = EXPERT_ROW_TILE):
-    """`_expert_rows` on the reference path: one expert at a time.
+    """`_expert_rows` for many rows (prefill) on the reference path: one expert at a time.
 
     The rows are sorted by expert; a loop over the experts dequantises one expert's w1/w3/w2 (skipped
     when no row chose it) and runs its rows through them `tile` rows at a time. Transient memory is
     one expert's f32 weights instead of the whole layer's, and the FLOPs are the rows' own (plus at
     most one partial tile per expert), whereas `lax.ragged_dot` on CPU expands the rows into a
-    dense [experts, rows, K] masked operand and multiplies every row by every expert; in decode an
-    expert chosen by several rows is dequantised once, not once per row as a gather would. Each row's
+    dense [experts, rows, K] masked operand and multiplies every row by every expert. Each row's
     arithmetic is unchanged (the same f32 products, bf16 rounding points and FP8 quantisation
     blocks); only the summation order inside a GEMM may differ, as between any two GEMM shapes."""
     m, d = rows.shape
