@@ -113,7 +113,6 @@ from ced_jax.checkpoint.hf_loader import (
     Shard,
     check_shard_header,
     classify_tensors,
-    dequantize_fp8_blocks,
     read_index_json,
 )
 from ced_jax.checkpoint.mapping import (
@@ -128,7 +127,7 @@ from ced_jax.checkpoint.mapping import (
 )
 from ced_jax.config import ConfigError, ModelConfig
 from ced_jax.model import ParamSpec
-from ced_jax.quant import FP4_TABLE
+from pallas_kernels.formats import np_dequant_fp4_weight, np_dequant_fp8_weight
 
 CONVERTER_VERSION = "1.0"
 # Copied beside the checkpoint when the source has them (config.json is required).
@@ -574,30 +573,14 @@ class _StreamReader:
 
 
 # ---------------------------------------------------------------------- dequantisation (bf16 mode)
-def _pow2(scale: np.ndarray) -> np.ndarray:
-    f = np.ldexp(np.float32(1.0), scale.astype(np.int32) - 127).astype(np.float32)
-    f[scale == 255] = np.nan  # the format's NaN byte
-    return f
-
-
-def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Packed e2m1 uint8 [out, in/2] (even index in the low nibble) with ue8m0 [out, in/32] -> f32."""
-    out, half = packed.shape
-    values = np.empty((out, half, 2), np.float32)
-    values[..., 0] = FP4_TABLE[packed & 0x0F]
-    values[..., 1] = FP4_TABLE[packed >> 4]
-    values = values.reshape(out, half * 2)
-    return values * np.repeat(_pow2(scale), FP4_GROUP, axis=1)
-
-
 def _dequantize_rows_into(weight: np.ndarray, scale: np.ndarray, block: int, out: np.ndarray) -> None:
     """FP8 rows with one ue8m0 per `block` columns (Engram tables) -> bf16 `out`, a slab at a time
     so the f32 temporary stays small."""
     rows, cols = weight.shape
     step = max(1, (64 << 20) // (4 * cols))
     for r in range(0, rows, step):
-        f = np.repeat(_pow2(scale[r : r + step]), block, axis=1)[:, :cols]
-        out[r : r + step] = (weight[r : r + step].astype(np.float32) * f).astype(ml_dtypes.bfloat16)
+        f32 = np_dequant_fp8_weight(weight[r : r + step], scale[r : r + step], block, block_rows=1)
+        out[r : r + step] = f32.astype(ml_dtypes.bfloat16)
 
 
 # ---------------------------------------------------------------------- groups
@@ -663,11 +646,11 @@ class _GroupBuilder:
         leaf = self._leaf(t.path)
         dest = leaf[t.expert] if t.kind == "stack" else leaf
         if spec.quant == "fp4":
-            dest[...] = dequantize_fp4(weight, scale).astype(ml_dtypes.bfloat16)
+            dest[...] = np_dequant_fp4_weight(weight, scale).astype(ml_dtypes.bfloat16)
         elif spec.quant == "fp8_rows":
             _dequantize_rows_into(weight, scale, block, dest)
         else:
-            dest[...] = dequantize_fp8_blocks(weight, scale, block).astype(ml_dtypes.bfloat16)
+            dest[...] = np_dequant_fp8_weight(weight, scale, block).astype(ml_dtypes.bfloat16)
 
     def finish(self) -> dict[str, np.ndarray]:
         """The group's leaves, each checked against the model's spec."""

@@ -48,6 +48,7 @@ from ced_jax.checkpoint.mapping import (
     our_target,
 )
 from ced_jax.config import ConfigError, ModelConfig
+from pallas_kernels.formats import np_dequant_fp8_weight
 
 INDEX_NAME = "model.safetensors.index.json"
 _RAW_DTYPES = ("F8_E4M3", "F8_E8M0")  # safetensors' numpy reader cannot build these
@@ -166,19 +167,6 @@ class Shard:
 
 
 # ---------------------------------------------------------------------- conversion steps
-def dequantize_fp8_blocks(weight: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
-    """FP8 e4m3 [out, in] with ue8m0 bytes [ceil(out/B), ceil(in/B)] -> float32 weight.
-
-    Each B x B block is multiplied by 2^(e-127), as DeepSeek's convert.py does for wo_a; byte 255
-    is NaN. The product is exact in float32 (and in bf16: 4 significant bits times a power of two).
-    """
-    out, inn = weight.shape
-    factor = np.ldexp(np.float32(1.0), scale.astype(np.int32) - 127).astype(np.float32)
-    factor[scale == 255] = np.nan
-    factor = np.repeat(np.repeat(factor, block, axis=0), block, axis=1)[:out, :inn]
-    return weight.astype(np.float32) * factor
-
-
 class ParamAssembler:
     """Turns HF tensors (storage dtypes, any order) into our param tree: copies, expert stacking,
     the wo_a dequantisation. Shared by the loader and `ced_jax.testing.random_weights`."""
@@ -205,7 +193,9 @@ class ParamAssembler:
             pending = self._wo_a.setdefault(t.path, {})
             pending["weight" if t.kind == "wo_a" else "scale"] = arr
             if len(pending) == 2:
-                w = dequantize_fp8_blocks(pending["weight"], pending["scale"], self.cfg.weight_block_size)
+                # As DeepSeek's convert.py does for wo_a; exact in f32 and in bf16 (4 significant bits
+                # times a power of two).
+                w = np_dequant_fp8_weight(pending["weight"], pending["scale"], self.cfg.weight_block_size)
                 self.params[t.path] = w.astype(ml_dtypes.bfloat16)
                 del self._wo_a[t.path]
 

@@ -37,13 +37,13 @@ import numpy as np
 from ced_jax.checkpoint.hf_loader import ParamAssembler
 from ced_jax.checkpoint.mapping import FP4_GROUP, STORAGE_DTYPES, TEXT_GROUPS, TensorSpec, hf_inventory
 from ced_jax.config import ModelConfig, preset
+from pallas_kernels import formats
+from pallas_kernels.formats import np_e2m1_codes, np_pack_nibbles, np_ue8m0_byte_ceil, np_ue8m0_to_f32
 
 TINY_SEED = 1234  # the embedded tiny model's weights
-FP8_MAX = np.float32(448.0)
-FP4_MAX = np.float32(6.0)
+FP8_MAX = np.float32(formats.FP8_MAX)  # float32, so amax / FP8_MAX is the README's float32 division
+FP4_MAX = np.float32(formats.FP4_MAX)
 AMAX_FLOOR = np.float32(2.0**-100)
-# E2M1: midpoints between consecutive magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} (codes 0..7).
-_E2M1_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
 
 
 # ---------------------------------------------------------------------- draws
@@ -71,17 +71,8 @@ def draw(spec: TensorSpec, seed: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- formats
-def pow2_ceil_exponent_byte(x: np.ndarray) -> np.ndarray:
-    """For positive normal float32 x: the ue8m0 byte of the smallest power of two >= x, read from
-    the bits (exact, unlike ceil(log2(x)) in floating point): exponent field, +1 if any mantissa bit."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
-    exponent = (bits >> 23) & 0xFF
-    assert np.all((exponent > 0) & (exponent < 254)), "scale input outside the normal range"
-    return (exponent + ((bits & 0x7FFFFF) != 0)).astype(np.uint8)
-
-
-def _scale_of(byte: np.ndarray) -> np.ndarray:
-    return np.ldexp(np.float32(1.0), byte.astype(np.int32) - 127).astype(np.float32)
+# The codecs (ue8m0 ceiling byte, e2m1 rounding, nibble packing) are `pallas_kernels.formats`'; the
+# recipe (amax floor, float32 division by the format's maximum, block shapes) is the README's.
 
 
 def quantize_fp8(w: np.ndarray, block_rows: int, block_cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,20 +84,10 @@ def quantize_fp8(w: np.ndarray, block_rows: int, block_cols: int) -> tuple[np.nd
     padded[:out, :inn] = w
     tiles = padded.reshape(ob, block_rows, ib, block_cols)
     amax = np.maximum(np.abs(tiles).max(axis=(1, 3)), AMAX_FLOOR)
-    byte = pow2_ceil_exponent_byte(amax / FP8_MAX)
-    scaled = tiles / _scale_of(byte)[:, None, :, None]
+    byte = np_ue8m0_byte_ceil(amax / FP8_MAX)
+    scaled = tiles / np_ue8m0_to_f32(byte)[:, None, :, None]
     q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(padded.shape)[:out, :inn].copy(), byte
-
-
-def e2m1_codes(v: np.ndarray) -> np.ndarray:
-    """float32 in [-6, 6] -> 4-bit codes: nearest magnitude, ties to the even code; bit 3 = signbit."""
-    mag = np.abs(v)
-    lo = np.searchsorted(_E2M1_MIDS, mag, side="left")  # midpoints strictly below
-    hi = np.searchsorted(_E2M1_MIDS, mag, side="right")  # ... or equal
-    # On a midpoint between codes lo and lo + 1, take the even one.
-    code = np.where(hi != lo, lo + (lo & 1), lo).astype(np.uint8)
-    return code | (np.signbit(v).astype(np.uint8) << 3)
 
 
 def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,11 +95,9 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     out, inn = w.shape
     groups = w.reshape(out, inn // FP4_GROUP, FP4_GROUP)
     amax = np.maximum(np.abs(groups).max(axis=2), AMAX_FLOOR)
-    byte = pow2_ceil_exponent_byte(amax / FP4_MAX)
-    v = np.clip(groups / _scale_of(byte)[:, :, None], -FP4_MAX, FP4_MAX)
-    codes = e2m1_codes(v).reshape(out, inn)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, byte
+    byte = np_ue8m0_byte_ceil(amax / FP4_MAX)
+    v = np.clip(groups / np_ue8m0_to_f32(byte)[:, :, None], -FP4_MAX, FP4_MAX)
+    return np_pack_nibbles(np_e2m1_codes(v).reshape(out, inn)), byte
 
 
 def generate(spec: TensorSpec, seed: int, block: int) -> dict[str, np.ndarray]:

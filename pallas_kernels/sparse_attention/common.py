@@ -110,15 +110,9 @@ def resolve_rows(pages: jax.Array, table: jax.Array, idx: jax.Array) -> jax.Arra
     return rows.reshape(idx.shape)
 
 
-def exact_div(x: jax.Array, y: jax.Array) -> jax.Array:
-    """Correctly rounded x / y: the divisor gets x's full shape through a data dependency, so XLA
-    cannot rewrite the division into a reciprocal multiply."""
-    return x / (jnp.zeros_like(x) * x + y)
-
-
 def finalize(acc: jax.Array, denom: jax.Array) -> jax.Array:
     """acc f32 [..., H, D], denom f32 [..., H] -> bf16-rounded output f32 [..., H, D]."""
-    return formats.round_bf16(exact_div(acc, denom[..., None]))
+    return formats.round_bf16(formats.exact_div(acc, denom[..., None]))
 
 
 def flatten_rows(q, segments, decode: bool):

@@ -27,19 +27,14 @@ from safetensors.numpy import load_file, save_file
 
 from ced_cli.main import convert_main, main
 from ced_jax.checkpoint.converted import MANIFEST_NAME, load_flat, restore, target_specs
-from ced_jax.checkpoint.hf_loader import (
-    CheckpointError,
-    dequantize_fp8_blocks,
-    iter_raw_tensors,
-    load_hf_checkpoint,
-)
+from ced_jax.checkpoint.hf_loader import CheckpointError, iter_raw_tensors, load_hf_checkpoint
 from ced_jax.checkpoint.mapping import hf_inventory, our_target
 from ced_jax.config import ModelConfig, VisionConfig, preset
 from ced_jax.model import flatten_specs, param_specs
-from ced_jax.quant import FP4_TABLE
 from ced_jax.sharding import make_mesh
 from conversion.convert import OWNER_MARKER, ConversionError, ConvertOptions, convert
 from conversion.synthetic import write_synthetic_checkpoint
+from pallas_kernels.formats import FP4_TABLE, np_dequant_fp8_weight
 from tests.conftest import GOLDEN_TINY_A, REPO
 
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -507,7 +502,7 @@ def test_include_dspark_and_vision(multimodal, tmp_path):
         elif t.kind == "wo_a":
             scale_name = name.removesuffix(".weight") + ".scale"
             w = raw[name].view(ml_dtypes.float8_e4m3fn).reshape(spec.shape)
-            want = dequantize_fp8_blocks(
+            want = np_dequant_fp8_weight(
                 w, raw[scale_name].reshape(inv[scale_name].shape), cfg.weight_block_size
             )
             assert leaf.dtype == ml_dtypes.bfloat16

@@ -17,13 +17,13 @@ from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig, preset
 from ced_jax.testing.random_weights import (
     draw,
-    e2m1_codes,
     generate,
     iter_hf_tensors,
     quantize_fp8,
     random_params,
 )
 from conversion.synthetic import default_shard_plan, write_synthetic_checkpoint
+from pallas_kernels.formats import np_e2m1_codes as e2m1_codes
 from tests.conftest import GOLDEN_TINY_A, REPO
 
 MID = REPO / "bench" / "configs" / "mid"
