@@ -239,6 +239,17 @@ def cmd_describe(args) -> int:
     return 0
 
 
+def _read_patch_layers(text: str | None, have_patch: bool) -> list[int] | None:
+    if text is None:
+        return None
+    if not have_patch:
+        raise ValueError("--patch-layers: needs --patch")
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--patch-layers: expected comma-separated layer ids, got {text!r}") from None
+
+
 def cmd_logits(args) -> int:
     import numpy as np
 
@@ -259,6 +270,7 @@ def cmd_logits(args) -> int:
         patch=patch,
         capture=bool(args.capture),
         prefill_chunk=args.prefill_chunk,
+        patch_layers=_read_patch_layers(args.patch_layers, bool(patch)),
     )
     outputs = {"prefill_logits_full": result["prefill_logits_full"], "decode_logits": result["decode_logits"]}
     if patch:
@@ -397,10 +409,9 @@ def _check_plan_options(args) -> None:
 
 def cmd_plan(args) -> int:
     _check_plan_options(args)
-    from serving.capacity import Hardware, format_plan, plan
-
     from ced_jax import sharding
     from ced_jax.config import PRESETS, ModelConfig, preset
+    from serving.capacity import Hardware, format_plan, plan
 
     cfg = preset(args.model) if args.model in PRESETS else ModelConfig.from_pretrained(args.model)
     workload = {  # what is not given here is a server's default (ServeConfig, through plan's defaults)
@@ -515,6 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replay", help="force the decisions in this safetensors file (fixture names)")
     p.add_argument("--patch", help="override block inputs from this safetensors file (fixture names)")
+    p.add_argument(
+        "--patch-layers",
+        help="comma-separated layer ids whose block inputs --patch overrides (default: every layer)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
     _add_impl_options(p)
     p.add_argument("--out", required=True)

@@ -1,12 +1,13 @@
 """The notebook / CLI API: `load(path_or_preset)` -> `Model` with `generate`, `logits`, `describe`.
 
-A `Model` holds the parameters on device and two jitted programs over the same `forward`:
-`prefill` (a chunk of up to `prefill_chunk` tokens) and `decode` (one token per sequence). The
-cache pytree is donated to both. Engram hash rows are computed on the host from the token history.
+A `Model` holds the parameters on device and the programs of `ced_jax.engine` (`Model.programs`,
+shared with the serving engine). `generate` and `logits` run a `Session`: an `ced_jax.engine.Engine`
+of one slot (or a few) with contiguous page tables, the same state, step function and sampler as
+`ced-jax serve`. Engram hash rows are computed on the host from the token history.
 
 With `mesh=` (a `ced_jax.sharding.make_mesh` mesh, possibly spanning several processes after
-`jax.distributed.initialize`) the parameters are placed by `sharding.param_shardings`, the caches
-by `sharding.cache_shardings`, and both programs are traced with the mesh and the rules passed to
+`jax.distributed.initialize`) the parameters are placed by `sharding.param_shardings`, the state by
+`ced_jax.cache.paged_cache_axes`, and the programs are traced with the mesh and the rules passed to
 `forward` (`sharding.make_layout`); logits and decisions come back replicated so that every process
 can read them.
 
@@ -16,9 +17,9 @@ Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a direc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,10 @@ from ced_jax.checkpoint.converted import is_converted_checkpoint, load_flat
 from ced_jax.checkpoint.hf_loader import load_hf_checkpoint
 from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
+from ced_jax.engine import Engine, Programs, StateShapes
 from ced_jax.engram_hash import EngramHasher
-from ced_jax.model import flatten_specs, forward, init_cache, param_specs
-from ced_jax.sampling import jitted_sample, sample
+from ced_jax.model import flatten_specs, param_specs
+from ced_jax.sampling import jitted_sample
 from ced_jax.testing.random_weights import tiny_params
 
 
@@ -108,21 +110,8 @@ class Model:
         self._tokenizer = None
         self.impl = impl
         self.prefill_chunk = prefill_chunk
-        step = partial(_step, cfg=cfg, mesh=mesh, rules=self.rules)
-        # Two programs over the same forward: shapes differ (T = chunk vs T = 1), code does not.
-        self.prefill_program = jax.jit(
-            step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
-        )
-        self.decode_program = jax.jit(
-            step, static_argnames=("capture_blocks", "index_k_mode", "impl"), donate_argnames=("cache",)
-        )
-        # generate's decode step: the forward and the sampler in one program, so a token costs one
-        # dispatch and brings back one id per row instead of the logits and every decision.
-        self.decode_sample_program = jax.jit(
-            partial(_step_and_sample, cfg=cfg, mesh=mesh, rules=self.rules),
-            static_argnames=("impl",),
-            donate_argnames=("cache",),
-        )
+        # One set of programs over the one step function, shared by every Session and serving engine.
+        self.programs = Programs(cfg, impl=impl, mesh=mesh, rules=self.rules)
 
     def _put_input(self, arr) -> jax.Array:
         """A host input of a step: on one device as is, on a mesh replicated (global array)."""
@@ -168,25 +157,35 @@ class Model:
         patch: dict | None = None,
         capture: bool = False,
         prefill_chunk: int | None = None,
+        patch_layers: Sequence[int] | None = None,
     ) -> dict:
         """Prefill `prompt_ids` from position 0, then feed `decode_ids` one at a time (teacher forcing).
 
         replay / patch use the golden fixture's names (see the CLI help). Returns fp32 arrays:
         prefill_logits_full [T, V], decode_logits [N, V]; with capture the decisions taken
         (prefill_topk_layer{l}, decode_topk_layer{l}, prefill_gate_indices, decode_gate_indices);
-        with patch what each block produced (prefill_block_output, decode_block_output)."""
+        with patch what each block produced (prefill_block_output, decode_block_output).
+        patch_layers: replace the block inputs of these layers only (default: every layer of `patch`);
+        the other blocks run on what the model computes."""
         prompt = _check_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size, allow_empty=False)
         dec = _check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
         replay, patch = replay or {}, patch or {}
         t, n = len(prompt), len(dec)
         _check_replay_patch(self.cfg, replay, patch, t, n)
+        if patch_layers is not None:
+            patch_layers = sorted({int(i) for i in patch_layers})
+            bad = [i for i in patch_layers if not 0 <= i < self.cfg.num_layers]
+            if bad:
+                raise ValueError(f"patch_layers: layer {bad[0]} is outside [0, {self.cfg.num_layers})")
+            if "prefill_block_input" not in patch and "decode_block_input" not in patch:
+                raise ValueError("patch_layers: given without block inputs in `patch`")
         session = self.new_session(1, _round_up(t + n, 64))
         chunk = prefill_chunk or t
         out: dict[str, list] = {}
         capture_blocks = bool(patch)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
-            forced = _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e))
+            forced = _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e), patch_layers)
             logits, aux = session.step(
                 np.asarray(prompt[s:e])[None],
                 forced=forced,
@@ -196,7 +195,7 @@ class Model:
             out.setdefault("prefill_logits_full", []).append(logits[0])
             _collect(out, aux, "prefill", capture_blocks, batch_index=0)
         for i, tok in enumerate(dec):
-            forced = _forced_slice(self.cfg, replay, patch, "decode", i)
+            forced = _forced_slice(self.cfg, replay, patch, "decode", i, patch_layers)
             logits, aux = session.step(
                 np.asarray([[tok]]), forced=forced, capture_blocks=capture_blocks, index_k_mode=index_k_mode
             )
@@ -229,11 +228,17 @@ class Model:
             if isinstance(prompt, str)
             else _check_ids(prompt, "prompt", self.cfg.vocab_size)
         )
-        session = self.new_session(1, _round_up(len(ids) + max_tokens, 64))
+        # Power-of-two context buckets: a new prompt or output length reuses the compiled programs.
+        session = self.new_session(1, max(256, 1 << (len(ids) + max_tokens - 1).bit_length()))
         chunk = self.prefill_chunk
         for s in range(0, len(ids), chunk):
-            logits, _ = session.step(np.asarray(ids[s : s + chunk])[None])
-        out = [_sample(logits[0, -1], temperature, seed, len(ids))]
+            piece = ids[s : s + chunk]
+            # Chunks are padded to power-of-two lengths (the padding is not written), so prompts of
+            # new lengths reuse the compiled programs.
+            padded = np.full(min(chunk, max(16, 1 << (len(piece) - 1).bit_length())), self.cfg.pad_token_id)
+            padded[: len(piece)] = piece
+            logits, _ = session.step(padded[None], np.array([len(piece)], np.int32))
+        out = [_sample(logits[0, len(piece) - 1], temperature, seed, len(ids))]
         while len(out) < max_tokens and not (stop_at_eos and out[-1] == self.cfg.eos_token_id):
             out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), temperature, seed)[0]))
         result = {"prompt_ids": ids, "token_ids": out}
@@ -243,54 +248,46 @@ class Model:
 
 
 class Session:
-    """One batch of sequences advancing together through the cache (all start at position 0)."""
+    """`batch` sequences advancing together (all start at position 0) on an `Engine` of `batch` slots
+    with contiguous page tables: the same state, programs and sampler as the server."""
 
     def __init__(self, model: Model, batch: int, max_len: int):
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
         self.model, self.batch, self.max_len = model, batch, max_len
-        if model.mesh is None:
-            self.cache = init_cache(model.cfg, batch, max_len)
-        else:  # built in place, already laid out: no host copy, and global across processes
-            make = partial(init_cache, model.cfg, batch, max_len)
-            shapes = jax.eval_shape(make)
-            self.cache = jax.jit(
-                make, out_shardings=sharding.cache_shardings(shapes, model.mesh, model.rules)
-            )()
+        page = session_page_size(model.cfg)
+        context = _round_up(max_len, page)
+        shapes = StateShapes(
+            max_slots=batch, page_size=page, num_pages=batch * (context // page), max_context=context
+        )
+        self.engine = Engine(model, shapes)
+        self.slots = np.arange(batch, dtype=np.int32)
+        self.page_tables = cache_lib.contiguous_page_tables(batch, shapes.pages_per_slot)
         self.positions = np.zeros(batch, np.int32)
-        self.history = model.hasher.empty_history(batch) if model.hasher is not None else None
 
-    def step_and_sample(self, tokens: np.ndarray, temperature: float, seed: int) -> np.ndarray:
-        """Feed one token per row [B, 1] and draw each row's next token with `ced_jax.sampling`
-        (keyed by seed and the new token's position, top-p / top-k off): int32 [B]."""
-        tokens, lens, rows = self._prepare(tokens, None)
-        put = self.model._put_input
-        b = tokens.shape[0]
-        with _mesh_context(self.model.mesh):
-            drawn, self.cache = self.model.decode_sample_program(
-                self.model.params,
-                put(tokens),
-                self.cache,
-                put(self.positions),
-                put(lens),
-                None if rows is None else put(rows),
-                put(np.full(b, temperature, np.float32)),
-                put(np.full(b, seed, np.uint32)),
-                impl=self.model.impl,
-            )
-        self.positions = self.positions + lens
-        return np.asarray(drawn)
-
-    def _prepare(self, tokens, lens):
-        """Checked tokens and lens, and the Engram rows of the chunk (the history moves past it)."""
+    def _check(self, tokens, lens):
         tokens = np.asarray(tokens, np.int32)
         b, t = tokens.shape
+        if b != self.batch:
+            raise ValueError(f"tokens: expected {self.batch} rows, got {b}")
         lens = np.full(b, t, np.int32) if lens is None else np.asarray(lens, np.int32)
         if np.any(self.positions + lens > self.max_len):
             raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
-        rows = None
-        if self.model.hasher is not None:
-            rows = self.model.hasher.hash_ids(self.history, tokens)
-            self.history = self.model.hasher.next_history(self.history, tokens, lens)
-        return tokens, lens, rows
+        return tokens, lens
+
+    def step_and_sample(self, tokens: np.ndarray, temperature: float, seed: int) -> np.ndarray:
+        """Feed one token per row [B, 1] and draw each row's next token with `ced_jax.sampling`
+        (keyed by seed and the new token's position, top-p / top-k off) in the engine's decode
+        program, the server's: int32 [B]."""
+        tokens, lens = self._check(tokens, None)
+        b = self.batch
+        tok, *_ = self.engine.decode(
+            self.slots, tokens[:, 0], self.positions, np.ones(b, bool), self.page_tables,
+            np.full(b, temperature, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32),
+            np.full(b, seed, np.uint32), max_logprobs=0,
+        )  # fmt: skip
+        self.positions = self.positions + lens
+        return np.asarray(tok)
 
     def step(
         self,
@@ -302,90 +299,24 @@ class Session:
         index_k_mode: str = "intended",
     ):
         """Feed tokens [B, T] (lens[b] valid). Returns (logits np [B, T, V], aux as numpy)."""
-        tokens, lens, rows = self._prepare(tokens, lens)
-        t = tokens.shape[1]
-        program = self.model.decode_program if t == 1 else self.model.prefill_program
-        put = self.model._put_input
-        with _mesh_context(self.model.mesh):
-            logits, self.cache, aux = program(
-                self.model.params,
-                put(tokens),
-                self.cache,
-                put(self.positions),
-                put(lens),
-                None if rows is None else put(rows),
-                None if forced is None else jax.tree.map(put, forced),
-                capture_blocks=capture_blocks,
-                index_k_mode=index_k_mode,
-                impl=self.model.impl,
-            )
+        tokens, lens = self._check(tokens, lens)
+        logits, aux = self.engine.step(
+            tokens, self.positions, lens, self.slots, self.page_tables, forced=forced,
+            capture_blocks=capture_blocks, index_k_mode=index_k_mode,
+        )  # fmt: skip
         self.positions = self.positions + lens
         return np.asarray(logits), jax.tree.map(np.asarray, aux)
 
 
-def _step(
-    params,
-    tokens,
-    cache,
-    start,
-    lens,
-    engram_rows,
-    forced,
-    *,
-    cfg,
-    capture_blocks,
-    index_k_mode,
-    impl,
-    mesh=None,
-    rules=None,
-):
-    logits, cache, aux = forward(
-        params,
-        cfg,
-        tokens,
-        cache,
-        start,
-        lens,
-        engram_rows,
-        forced,
-        capture_blocks=capture_blocks,
-        index_k_mode=index_k_mode,
-        impl=impl,
-        layout=sharding.make_layout(mesh, rules or sharding.DEFAULT_RULES),
-    )
-    if mesh is not None:
-        # Caches keep their layout from step to step (donated in place); what the host reads is
-        # replicated, so every process of a multi-host run holds all of it.
-        cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh, rules))
-        whole = sharding.replicated(mesh)
-        logits = jax.lax.with_sharding_constraint(logits, whole)
-        aux = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), aux)
-    return logits, cache, aux
-
-
-def _step_and_sample(
-    params, tokens, cache, start, lens, engram_rows, temperature, seed, *, cfg, impl, mesh, rules
-):
-    """`_step` on one token per row, then `sampling.sample` on the last logits: (tokens [B], cache)."""
-    logits, cache, _aux = _step(
-        params, tokens, cache, start, lens, engram_rows, None,
-        cfg=cfg, capture_blocks=False, index_k_mode="intended", impl=impl, mesh=mesh, rules=rules,
-    )  # fmt: skip
-    b = tokens.shape[0]
-    drawn, *_ = sample(
-        logits[:, -1], start + lens, temperature, jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32), seed,
-        num_logprobs=0,
-    )  # fmt: skip
-    return drawn, cache
+def session_page_size(cfg: ModelConfig) -> int:
+    """Tokens per page of a notebook session: the smallest multiple of 16 that holds whole entries of
+    every KV source (pages are private to a session's rows, so their size changes no value)."""
+    return math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
 
 
 # ---------------------------------------------------------------------- helpers
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _mesh_context(mesh):
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _check_ids(ids, field: str, vocab: int, allow_empty: bool = False) -> list[int]:
@@ -446,8 +377,11 @@ def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: 
             raise ValueError(f"patch: {a} and {b} must be given together")
 
 
-def _forced_slice(cfg: ModelConfig, replay: dict, patch: dict, phase: str, where) -> dict | None:
-    """Forced decisions/inputs for one prefill chunk (where = slice of tokens) or decode step (int)."""
+def _forced_slice(
+    cfg: ModelConfig, replay: dict, patch: dict, phase: str, where, patch_layers: Sequence[int] | None = None
+) -> dict | None:
+    """Forced decisions/inputs for one prefill chunk (where = slice of tokens) or decode step (int);
+    block inputs are patched for `patch_layers` only (None: every layer)."""
     forced: dict[str, Any] = {}
     topk = {}
     for layer in cfg.index_source_layer_ids:
@@ -465,10 +399,13 @@ def _forced_slice(cfg: ModelConfig, replay: dict, patch: dict, phase: str, where
     if block is not None:
         pre = np.asarray(patch[f"{phase}_pre_mix_input"], np.float32)
         block = np.asarray(block, np.float32)
-        if phase == "prefill":
-            forced["block_input"], forced["pre_mix"] = block[:, where][:, None], pre[:, where][:, None]
-        else:
-            forced["block_input"], forced["pre_mix"] = block[where][:, None, None], pre[where][:, None, None]
+        chosen = range(cfg.num_layers) if patch_layers is None else patch_layers
+        if phase == "prefill":  # [L, T, ...] -> {layer: [1, T_chunk, ...]}
+            forced["block_input"] = {str(i): block[i, where][None] for i in chosen}
+            forced["pre_mix"] = {str(i): pre[i, where][None] for i in chosen}
+        else:  # [N, L, ...] -> {layer: [1, 1, ...]}
+            forced["block_input"] = {str(i): block[where, i][None, None] for i in chosen}
+            forced["pre_mix"] = {str(i): pre[where, i][None, None] for i in chosen}
     return forced or None
 
 
@@ -524,9 +461,7 @@ def describe(cfg: ModelConfig) -> dict:
     # KV sizes are read off the serving cache's own buffers (shapes only, nothing allocated): one
     # slot, one page of the smallest size that holds whole entries of every KV source.
     page = math.lcm(*(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
-    state = jax.eval_shape(
-        partial(cache_lib.init_paged_cache, cfg, max_slots=1, page_size=page, num_pages=1, max_context=page)
-    )
+    state = jax.eval_shape(partial(cache_lib.init_paged_cache, cfg, max_slots=1, page_size=page, num_pages=1))
     return {
         "model": cfg.name,
         "config": {

@@ -1,14 +1,11 @@
-"""KV-cache layouts and the packed deployment formats, behind the accessors the attention layer uses.
+"""The engine's device state: the paged KV cache in the packed deployment formats, immutable.
 
-Two layouts hold the same values; the layer code never knows which one it has:
-- the dense dict of `ced_jax.model.init_cache` (tests, `ced_jax.api`): one row per sequence, values
-  stored unpacked (f32 holding fake-quantised values);
-- `PagedCache` (the serving engine): compressed entries in static-shape page buffers addressed by
-  per-row page tables, everything except the compressor's f32 partial groups packed in the formats
-  below.
-The accessors at the bottom (`window`, `write_window`, `compressor_state`, `write_compressor_state`,
-`write_entries`, `entries`, `gather_entries`) dispatch on the type (a dict or a `PagedCache`); that is
-the only place the layout is looked at.
+`PagedCache` is the only cache layout. It holds compressed entries in static-shape page buffers and
+per slot the SWA rings and compressor partial groups; a call's rows are described by a `StepMetadata`
+(start, lens, slots, page tables). Its methods (`write_window`, `compressor_state`,
+`write_compressor_state`, `write_entries`, `entries`, `slot_state`, `restore_slot_state`) return a
+new cache and never change the one they are called on; the attention kernels read the rings and
+pages directly (`ced_jax.ops.KeySegment`).
 
 Packed formats (spec 2.4), sizes derived from the config's head dims:
 - FP4 main entry, `main_entry_bytes(D)` = D/2 + D/16 (288 B for D = 512): D e2m1 codes two per byte
@@ -25,9 +22,9 @@ Paged layout (`init_paged_cache`). A page holds `page_size` tokens; a ratio-r KV
 `page_size / r` entries per page (so page_size must be a multiple of every ratio), and entry j of a
 row lives at `(page_tables[row, j // E], j % E)` with E entries per page. Per layer there is one
 packed FP8 SWA ring per slot, and per ratio>1 source the f32 partial group (kv and score) per slot.
-`slots` maps the rows of the current call to slots (`arange(max_slots)` for decode, one slot for a
-prefill page), so `forward` runs unchanged on a batch of any size. Reads never go past what a row's
-positions make visible (the attention masks do that), so pages past a sequence may hold anything.
+The metadata's `slots` maps the rows of the current call to slots, so `forward` runs unchanged on a
+batch of any size (a decode bucket, one prefill page, a notebook session's rows). Reads never go past
+what a row's positions make visible (the attention masks do that), so pages past a sequence may hold anything.
 Global bytes per token (`kv_bytes_per_token`) count only the page buffers: 890 for v41-flash.
 """
 
@@ -182,7 +179,7 @@ def unpack_fp8_ue8m0(packed: jax.Array, dim: int, block: int = 32) -> jax.Array:
     return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
 
 
-# ------------------------------------------------------------------- dense-layout helpers
+# ------------------------------------------------------------------------------ ring helper
 
 
 def ring_update(ring: jax.Array, new: jax.Array, start: jax.Array, lens: jax.Array) -> jax.Array:
@@ -200,31 +197,57 @@ def ring_update(ring: jax.Array, new: jax.Array, start: jax.Array, lens: jax.Arr
     return jnp.where(take, gathered, ring)
 
 
-def write_dense_entries(
-    cache: jax.Array, values: jax.Array, entry: jax.Array, complete: jax.Array
-) -> jax.Array:
-    """cache [B, S, ...] <- values [B, G, ...] at entry [B, G] where complete (others dropped)."""
-    capacity = cache.shape[1]
-    idx = jnp.where(complete, entry, capacity)  # out of bounds -> dropped
-    batch = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], idx.shape)
-    return cache.at[batch, idx].set(values.astype(cache.dtype), mode="drop")
+# ---------------------------------------------------------------------------- step metadata
 
 
-# ---------------------------------------------------------------------------- paged layout
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    """What one call of `ced_jax.model.forward` does, for every phase (prefill chunks, decode, mixed):
+    row b of the call is slot `slots[b]`, brings `lens[b]` tokens (0: an idle row, which writes
+    nothing) starting at position `start[b]`, and addresses its compressed entries through
+    `page_tables[b]`.
+
+    start       i32 [B]   position of the row's first token
+    lens        i32 [B]   valid tokens of the row (the rest of the chunk is padding)
+    slots       i32 [B]   the slot (SWA ring, partial group) of each row; distinct within a call
+    page_tables i32 [B, pages_per_slot]  physical page of each logical page of the row
+    """
+
+    start: jax.Array
+    lens: jax.Array
+    slots: jax.Array
+    page_tables: jax.Array
+
+    def positions(self, tokens: int) -> jax.Array:
+        """i32 [B, T]: the position of every token of a chunk of T tokens."""
+        return self.start[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
 
 
-@dataclasses.dataclass
+jax.tree_util.register_dataclass(
+    StepMetadata, data_fields=["start", "lens", "slots", "page_tables"], meta_fields=[]
+)
+
+
+def contiguous_page_tables(rows: int, pages_per_row: int) -> np.ndarray:
+    """i32 [rows, pages_per_row]: row b owns pages b * pages_per_row ... (a fixed batch of sequences
+    that share nothing, as the notebook API runs)."""
+    return np.arange(rows * pages_per_row, dtype=np.int32).reshape(rows, pages_per_row)
+
+
+# ---------------------------------------------------------------------------- paged state
+
+
+@dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """The serving cache (see the module docstring). A pytree: the buffers and the view are leaves,
-    `page_size` (tokens per page) and the entry widths are static.
+    """The engine's device state (see the module docstring): an immutable pytree whose methods return
+    a new cache and never change this one. The buffers are leaves; `page_size` (tokens per page) and
+    the entry widths are static. Which rows a call touches comes from its `StepMetadata`.
 
     window      {layer: u8 [max_slots, W, swa_entry_bytes]}        packed FP8 SWA ring per slot
     kv          {source: u8 [num_pages, page_size / r, main_entry_bytes]}   FP4 main entries
     index_k     {source: u8 [num_pages, page_size / r, index_key_bytes]}    FP4 index keys
     state_kv    {source (r > 1): f32 [max_slots, r, D]}             compressor partial group
     state_score {source (r > 1): f32 [max_slots, r, D]}
-    slots       i32 [B]: the slot of each row of the current call
-    page_tables i32 [B, pages_per_slot]: the pages of each row of the current call
     """
 
     window: dict
@@ -232,23 +255,104 @@ class PagedCache:
     index_k: dict
     state_kv: dict
     state_score: dict
-    slots: jax.Array
-    page_tables: jax.Array
     page_size: int
     head_dim: int
     index_head_dim: int
 
-    def view(self, slots: jax.Array, page_tables: jax.Array) -> PagedCache:
-        """The same buffers, addressed for a call whose rows are `slots` with these page tables."""
-        return dataclasses.replace(self, slots=slots, page_tables=page_tables)
-
     def entry_dim(self, kind: str) -> int:
         return self.head_dim if kind == "kv" else self.index_head_dim
+
+    # ---- SWA rings
+    def ring(self, layer: int) -> jax.Array:
+        """The packed SWA rings of `layer`, u8 [max_slots, W, swa_entry_bytes] (slot = position % W),
+        as they were before this call's tokens: what the attention kernels read through `slots`."""
+        return self.window[str(layer)]
+
+    def write_window(self, layer: int, meta: StepMetadata, packed: jax.Array) -> PagedCache:
+        """The cache with the chunk's valid SWA entries, packed [B, T, swa_entry_bytes], in the rings."""
+        key = str(layer)
+        rings = self.window[key]
+        new = ring_update(rings[meta.slots], packed, meta.start, meta.lens)
+        return dataclasses.replace(self, window={**self.window, key: rings.at[meta.slots].set(new)})
+
+    # ---- compressor partial groups
+    def compressor_state(self, layer: int, meta: StepMetadata) -> tuple[jax.Array | None, jax.Array | None]:
+        """The partial group (kv, score) f32 [B, r, D] of a ratio>1 source; (None, None) otherwise."""
+        key = str(layer)
+        if key not in self.state_kv:
+            return None, None
+        return self.state_kv[key][meta.slots], self.state_score[key][meta.slots]
+
+    def write_compressor_state(
+        self, layer: int, meta: StepMetadata, state_kv: jax.Array, state_score: jax.Array
+    ) -> PagedCache:
+        key = str(layer)
+        return dataclasses.replace(
+            self,
+            state_kv={**self.state_kv, key: self.state_kv[key].at[meta.slots].set(state_kv)},
+            state_score={**self.state_score, key: self.state_score[key].at[meta.slots].set(state_score)},
+        )
+
+    # ---- compressed entries
+    def capacity(self, kind: str, layer: int, meta: StepMetadata) -> int:
+        """Entries a row can hold (max_context / r)."""
+        return meta.page_tables.shape[1] * getattr(self, kind)[str(layer)].shape[1]
+
+    def write_entries(
+        self,
+        kind: str,
+        layer: int,
+        meta: StepMetadata,
+        values: jax.Array,
+        entry: jax.Array,
+        complete: jax.Array,
+    ) -> PagedCache:
+        """The cache with values [B, G, d] (fake-quantised) stored as entries entry [B, G] of `layer`
+        where complete (the rest dropped)."""
+        key = str(layer)
+        buf = getattr(self, kind)[key]  # [N, E, bytes]
+        num_pages, per_page = buf.shape[:2]
+        table = meta.page_tables
+        ok = complete & (entry >= 0) & (entry < table.shape[1] * per_page)
+        page = jnp.take_along_axis(table, jnp.clip(entry // per_page, 0, table.shape[1] - 1), axis=1)
+        page = jnp.where(ok, page, num_pages)  # out of bounds -> dropped
+        packed = _ENTRY_FORMATS[kind][0](values)
+        new = buf.at[page, entry % per_page].set(packed, mode="drop")
+        return dataclasses.replace(self, **{kind: {**getattr(self, kind), key: new}})
+
+    def entries(self, kind: str, layer: int, meta: StepMetadata) -> jax.Array:
+        """Every entry of each row, unpacked: f32 [B, S, d] (entries past what a row wrote hold anything)."""
+        buf = getattr(self, kind)[str(layer)]
+        rows = buf[meta.page_tables]  # [B, P, E, bytes]
+        rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
+        return _ENTRY_FORMATS[kind][1](rows, self.entry_dim(kind))
+
+    # ---- slot state (prefix snapshots)
+    def slot_state(self, slot: jax.Array) -> dict:
+        """What a slot keeps outside the pages (SWA rings, partial groups): the device part of a snapshot."""
+        return {
+            "window": {k: v[slot] for k, v in self.window.items()},
+            "state_kv": {k: v[slot] for k, v in self.state_kv.items()},
+            "state_score": {k: v[slot] for k, v in self.state_score.items()},
+        }
+
+    def restore_slot_state(self, slot: jax.Array, state: dict) -> PagedCache:
+        """The cache with the slot's SWA rings and partial groups replaced by a `slot_state` result."""
+
+        def put(buffers: dict, values: dict) -> dict:
+            return {k: buf.at[slot].set(values[k].astype(buf.dtype)) for k, buf in buffers.items()}
+
+        return dataclasses.replace(
+            self,
+            window=put(self.window, state["window"]),
+            state_kv=put(self.state_kv, state["state_kv"]),
+            state_score=put(self.state_score, state["state_score"]),
+        )
 
 
 jax.tree_util.register_dataclass(
     PagedCache,
-    data_fields=["window", "kv", "index_k", "state_kv", "state_score", "slots", "page_tables"],
+    data_fields=["window", "kv", "index_k", "state_kv", "state_score"],
     meta_fields=["page_size", "head_dim", "index_head_dim"],
 )
 
@@ -256,12 +360,8 @@ jax.tree_util.register_dataclass(
 _ENTRY_FORMATS = {"kv": (pack_fp4_e4m3, unpack_fp4_e4m3), "index_k": (pack_fp4_ue8m0, unpack_fp4_ue8m0)}
 
 
-def init_paged_cache(
-    cfg: ModelConfig, *, max_slots: int, page_size: int, num_pages: int, max_context: int
-) -> PagedCache:
-    """Zeroed paged buffers (under `jax.eval_shape` this sizes them without allocating)."""
-    if max_context % page_size:
-        raise ValueError(f"max_context {max_context} is not a multiple of page_size {page_size}")
+def init_paged_cache(cfg: ModelConfig, *, max_slots: int, page_size: int, num_pages: int) -> PagedCache:
+    """Zeroed state (under `jax.eval_shape` this sizes it without allocating)."""
     hd, dk, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     swa = swa_entry_bytes(hd)
     window = {str(i): jnp.zeros((max_slots, W, swa), jnp.uint8) for i in range(cfg.num_layers)}
@@ -281,8 +381,6 @@ def init_paged_cache(
         index_k=index_k,
         state_kv=state_kv,
         state_score=state_score,
-        slots=jnp.arange(max_slots, dtype=jnp.int32),
-        page_tables=jnp.zeros((max_slots, max_context // page_size), jnp.int32),
         page_size=page_size,
         head_dim=hd,
         index_head_dim=dk,
@@ -303,8 +401,6 @@ def paged_cache_axes(cache: PagedCache) -> PagedCache:
         index_k={k: whole(v) for k, v in cache.index_k.items()},
         state_kv={k: per_slot(v) for k, v in cache.state_kv.items()},
         state_score={k: per_slot(v) for k, v in cache.state_score.items()},
-        slots=per_slot(cache.slots),
-        page_tables=per_slot(cache.page_tables),
         page_size=cache.page_size,
         head_dim=cache.head_dim,
         index_head_dim=cache.index_head_dim,
@@ -329,118 +425,3 @@ def kv_bytes_per_token(cache: PagedCache) -> float:
         return 0.0
     num_pages = buffers[0].shape[0]
     return sum(_nbytes(a) for a in buffers) / (num_pages * cache.page_size)
-
-
-def slot_state(cache: PagedCache, slot: jax.Array) -> dict:
-    """What a slot keeps outside the pages (SWA rings, partial groups): the device part of a snapshot."""
-    return {
-        "window": {k: v[slot] for k, v in cache.window.items()},
-        "state_kv": {k: v[slot] for k, v in cache.state_kv.items()},
-        "state_score": {k: v[slot] for k, v in cache.state_score.items()},
-    }
-
-
-def restore_slot_state(cache: PagedCache, slot: jax.Array, state: dict) -> PagedCache:
-    """`cache` with the slot's SWA rings and partial groups replaced by a `slot_state` result."""
-
-    def put(buffers: dict, values: dict) -> dict:
-        return {k: buf.at[slot].set(values[k].astype(buf.dtype)) for k, buf in buffers.items()}
-
-    return dataclasses.replace(
-        cache,
-        window=put(cache.window, state["window"]),
-        state_kv=put(cache.state_kv, state["state_kv"]),
-        state_score=put(cache.state_score, state["state_score"]),
-    )
-
-
-# -------------------------------------------------------------------------------- accessors
-# `cache` is the dense dict or a PagedCache; the attention layer updates it in place (it works on a
-# fresh copy of the tree that `forward` returns). Layers are addressed by int, kinds are the
-# compressed stores "kv" (main entries) and "index_k" (index keys).
-
-
-def window(cache, layer: int) -> jax.Array:
-    """The SWA ring of `layer` before this call's tokens: f32 [B, W, D] (slot = position % W)."""
-    if isinstance(cache, PagedCache):
-        ring = cache.window[str(layer)][cache.slots]
-        return unpack_fp8_ue8m0(ring, cache.head_dim)
-    return cache["window"][str(layer)]
-
-
-def write_window(cache, layer: int, kv: jax.Array, start: jax.Array, lens: jax.Array) -> None:
-    """Write the chunk's valid SWA entries kv [B, T, D] (FP8-fake-quantised) into the ring."""
-    key = str(layer)
-    if isinstance(cache, PagedCache):
-        rings = cache.window[key]
-        new = ring_update(rings[cache.slots], pack_fp8_ue8m0(kv), start, lens)
-        cache.window[key] = rings.at[cache.slots].set(new)
-    else:
-        cache["window"][key] = ring_update(cache["window"][key], kv, start, lens)
-
-
-def compressor_state(cache, layer: int) -> tuple[jax.Array | None, jax.Array | None]:
-    """The partial group (kv, score) f32 [B, r, D] of a ratio>1 source; (None, None) otherwise."""
-    key = str(layer)
-    if isinstance(cache, PagedCache):
-        if key not in cache.state_kv:
-            return None, None
-        return cache.state_kv[key][cache.slots], cache.state_score[key][cache.slots]
-    return cache["state_kv"].get(key), cache["state_score"].get(key)
-
-
-def write_compressor_state(cache, layer: int, state_kv: jax.Array, state_score: jax.Array) -> None:
-    key = str(layer)
-    if isinstance(cache, PagedCache):
-        cache.state_kv[key] = cache.state_kv[key].at[cache.slots].set(state_kv)
-        cache.state_score[key] = cache.state_score[key].at[cache.slots].set(state_score)
-    else:
-        cache["state_kv"][key], cache["state_score"][key] = state_kv, state_score
-
-
-def capacity(cache, kind: str, layer: int) -> int:
-    """Entries a row can hold (max_len / r)."""
-    if isinstance(cache, PagedCache):
-        return cache.page_tables.shape[1] * getattr(cache, kind)[str(layer)].shape[1]
-    return cache[kind][str(layer)].shape[1]
-
-
-def write_entries(cache, kind: str, layer: int, values: jax.Array, entry: jax.Array, complete: jax.Array):
-    """Store values [B, G, d] (fake-quantised) as entries entry [B, G] of `layer` where complete."""
-    key = str(layer)
-    if not isinstance(cache, PagedCache):
-        cache[kind][key] = write_dense_entries(cache[kind][key], values, entry, complete)
-        return
-    buf = getattr(cache, kind)[key]  # [N, E, bytes]
-    num_pages, per_page = buf.shape[:2]
-    table = cache.page_tables
-    ok = complete & (entry >= 0) & (entry < table.shape[1] * per_page)
-    page = jnp.take_along_axis(table, jnp.clip(entry // per_page, 0, table.shape[1] - 1), axis=1)
-    page = jnp.where(ok, page, num_pages)  # out of bounds -> dropped
-    packed = _ENTRY_FORMATS[kind][0](values)
-    getattr(cache, kind)[key] = buf.at[page, entry % per_page].set(packed, mode="drop")
-
-
-def entries(cache, kind: str, layer: int) -> jax.Array:
-    """Every entry slot of each row, f32 [B, S, d] (slots past what a row wrote hold anything)."""
-    key = str(layer)
-    if not isinstance(cache, PagedCache):
-        return cache[kind][key]
-    buf = getattr(cache, kind)[key]
-    rows = buf[cache.page_tables]  # [B, P, E, bytes]
-    rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
-    return _ENTRY_FORMATS[kind][1](rows, cache.entry_dim(kind))
-
-
-def gather_entries(cache, kind: str, layer: int, idx: jax.Array) -> jax.Array:
-    """Entries idx [B, T, X] (each in [0, S)) of each row -> f32 [B, T, X, d]."""
-    key = str(layer)
-    if not isinstance(cache, PagedCache):
-        table = cache[kind][key]
-        return jnp.take_along_axis(table[:, None, :, :], idx[..., None], axis=2)
-    buf = getattr(cache, kind)[key]
-    per_page = buf.shape[1]
-    b = idx.shape[0]
-    page = jnp.take_along_axis(cache.page_tables, (idx // per_page).reshape(b, -1), axis=1)
-    rows = buf[page.reshape(idx.shape), idx % per_page]  # [B, T, X, bytes]
-    return _ENTRY_FORMATS[kind][1](rows, cache.entry_dim(kind))

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ced_jax import sharding
+from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.layers import moe as moe_lib
 from ced_jax.layers.attention import attention
@@ -168,27 +169,6 @@ class Transformer(nnx.Module):
         return nnx.to_pure_dict(nnx.state(self.params))
 
 
-# ------------------------------------------------------------------------------------ cache
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Dense per-sequence caches for `batch` sequences of up to `max_len` tokens.
-
-    Values are bf16/fp8/fp4-exact, so any dtype that holds bf16 exactly gives the same numerics."""
-    hd, W = cfg.head_dim, cfg.sliding_window
-    cache = {"window": {}, "kv": {}, "index_k": {}, "state_kv": {}, "state_score": {}}
-    for i in range(cfg.num_layers):
-        cache["window"][str(i)] = jnp.zeros((batch, W, hd), dtype)
-    for s in cfg.kv_source_layer_ids:
-        r = cfg.compress_ratios[s]
-        if max_len % r:
-            raise ValueError(f"max_len={max_len} must be a multiple of every compress ratio (layer {s}: {r})")
-        cache["kv"][str(s)] = jnp.zeros((batch, max_len // r, hd), dtype)
-        cache["index_k"][str(s)] = jnp.zeros((batch, max_len // r, cfg.index_head_dim), dtype)
-        if r > 1:
-            cache["state_kv"][str(s)] = jnp.zeros((batch, r, hd), jnp.float32)
-            cache["state_score"][str(s)] = jnp.zeros((batch, r, hd), jnp.float32)
-    return cache
-
-
 # ---------------------------------------------------------------------------------- forward
 def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str, layout: sharding.Layout | None):
     b, t, d = x.shape
@@ -227,9 +207,8 @@ def forward(
     params: dict,
     cfg: ModelConfig,
     tokens: jax.Array,
-    cache: dict,
-    start: jax.Array,
-    lens: jax.Array,
+    state: PagedCache,
+    meta: StepMetadata,
     engram_rows: jax.Array | None = None,
     forced: dict | None = None,
     *,
@@ -238,14 +217,15 @@ def forward(
     impl: str = "reference",
     layout: sharding.Layout | None = None,
 ):
-    """Run one chunk of tokens for every sequence of the batch.
+    """Run one step: a chunk of tokens for every row of the batch, rows described by `meta`.
 
-    tokens i32 [B, T]; start i32 [B] (position of tokens[:, 0]); lens i32 [B] (valid tokens, rest
-    padding); engram_rows i32 [B, T, n_engram_layers, C] from `EngramHasher`; forced: optional
-    {'topk': {layer: i32 [B, T, X]}, 'experts': i32 [L, B, T, X], 'block_input': [L, B, T, M, D],
-    'pre_mix': [L, B, T, M]} to replay recorded decisions / patch block inputs.
+    tokens i32 [B, T]; state: the engine's `PagedCache` (not changed: the new one is returned); meta:
+    `StepMetadata` (start, lens, slots, page tables of the rows); engram_rows i32 [B, T,
+    n_engram_layers, C] from `EngramHasher`; forced: optional {'topk': {layer: i32 [B, T, X]},
+    'experts': i32 [L, B, T, X], 'block_input': {layer: [B, T, M, D]}, 'pre_mix': {layer: [B, T, M]}}
+    to replay recorded decisions / patch the inputs of chosen blocks.
 
-    Returns (logits f32 [B, T, V], new cache, aux) with aux = {'topk': {layer: own top-k},
+    Returns (logits f32 [B, T, V], new state, aux) with aux = {'topk': {layer: own top-k},
     'experts': own expert ids [L, B, T, X], 'block_output' (if capture_blocks): [L, B, T, M, D],
     what each block produced, after the next layer's Engram}. layout: the mesh and rules the
     parameters are laid out by (`sharding.make_layout`; None on one device), for the layers that
@@ -254,13 +234,12 @@ def forward(
         raise ValueError(f"index_k_mode must be 'intended' or 'reference', got {index_k_mode!r}")
     forced = forced or {}
     b, t = tokens.shape
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    cache = jax.tree.map(lambda a: a, cache)  # a fresh dict tree we may update
+    cache = state
     shared: dict[str, Any] = {}
     if index_k_mode == "reference" and cfg.kv_source_layer_ids:
         # The released code's pointer still names the last KV source published in the previous call.
-        width = max(a.shape[1] for a in cache["index_k"].values())
-        last = cache["index_k"][str(cfg.kv_source_layer_ids[-1])]
+        width = max(cache.capacity("index_k", s, meta) for s in cfg.kv_source_layer_ids)
+        last = cache.entries("index_k", cfg.kv_source_layer_ids[-1], meta)
         shared["index_k_ptr"] = jnp.pad(last, ((0, 0), (0, width - last.shape[1]), (0, 0)))
     M = cfg.hc_mult
     h = round_bf16(params["embed"]["weight"].astype(jnp.float32)[tokens])
@@ -274,21 +253,19 @@ def forward(
             x = engram(x, engram_rows[:, :, k], p["engram"], eps=cfg.rms_norm_eps)
         if capture_blocks and i > 0:
             block_outputs.append(x)
-        if "block_input" in forced:
-            x = forced["block_input"][i].astype(jnp.float32)
-            pre = forced["pre_mix"][i].astype(jnp.float32)
+        if str(i) in forced.get("block_input", {}):
+            x = forced["block_input"][str(i)].astype(jnp.float32)
+            pre = forced["pre_mix"][str(i)].astype(jnp.float32)
         # --- attention site (collapses with the previous site's pre: single-pass mHC)
         residual = x
         attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg)
         a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
-        y, topk = attention(
+        y, topk, cache, shared = attention(
             p["attn"],
             cfg,
             i,
             a_in,
-            positions,
-            start,
-            lens,
+            meta,
             cache,
             shared,
             forced_topk=forced.get("topk", {}).get(str(i)),

@@ -10,6 +10,8 @@ static `impl` argument, so the flag needs no other plumbing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -69,9 +71,27 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
 
 
+class KeySegment(NamedTuple):
+    """Keys of one part of a query's attention span, read where they live: packed entries addressed
+    through page tables, exactly what the paged kernels take.
+
+    pages       u8  [P, S, entry_bytes]  packed FP8 (SWA window, chunk) or FP4 (compressed) entries;
+                                         the format is read off entry_bytes
+    page_table  i32 [B, n]               physical page of each logical page of row b
+    ids         i32 [B, N] (every query of the chunk sees the same entries, e.g. the window ring) or
+                i32 [B, T, N] (entries chosen per query, e.g. the top-k): logical entry ids of row b
+    valid       bool [B, T, N]           which of them query t attends to
+    """
+
+    pages: jax.Array
+    page_table: jax.Array
+    ids: jax.Array
+    valid: jax.Array
+
+
 def sparse_attention(
     q: jax.Array,
-    segments: list[tuple[jax.Array, jax.Array, str]],
+    segments: list[KeySegment],
     sink: jax.Array,
     scale: float,
     *,
@@ -79,66 +99,115 @@ def sparse_attention(
 ) -> jax.Array:
     """Single-KV-head attention (V = K) over several key segments, with a per-head sink.
 
-    q: [B, T, H, Dh]. Each segment is (keys, valid, layout): layout "shared" has keys [B, S, Dh]
-    with valid [B, T, S] (window ring, chunk); layout "per_query" has keys [B, T, S, Dh] with valid
-    [B, T, S] (gathered compressed entries). The sink adds exp(sink_h) to the denominator only;
+    q: [B, T, H, Dh] (bf16-exact f32). The sink adds exp(sink_h) to the denominator only;
     probabilities are rounded to bf16 before P.V (the reference's rounding point); a row with no
-    valid key returns zeros. Output [B, T, H, Dh], rounded to bf16."""
+    valid key returns zeros. Output [B, T, H, Dh], rounded to bf16. Both implementations read the
+    segments' pages through their page tables (`pallas_kernels.sparse_attention.common.resolve_rows`
+    is the one place ids become physical rows); the reference unpacks only the entries it reads."""
     kind, backend, interpret = parse_impl(impl)
+    b, t = q.shape[:2]
+    for i, seg in enumerate(segments):
+        want = (b, t, seg.ids.shape[-1])
+        if seg.ids.ndim not in (2, 3) or seg.valid.shape != want:
+            raise ValueError(
+                f"segment {i}: ids must be [B, N] or [B, T, N] and valid [B, T, N] = {list(want)}, "
+                f"got ids {list(seg.ids.shape)}, valid {list(seg.valid.shape)}"
+            )
     if kind == "pallas":
         return _sparse_attention_pallas(q, segments, sink, scale, backend, interpret)
+    from pallas_kernels import formats
+    from pallas_kernels.sparse_attention.common import resolve_rows, segment_format
+
+    dim = q.shape[-1]
+    unpack = {"fp8": formats.unpack_fp8_entries, "fp4": formats.unpack_fp4_entries}
     scale = jnp.float32(scale)
-    logits = []
-    for keys, valid, layout in segments:
-        eq = "bthd,bsd->bths" if layout == "shared" else "bthd,btsd->bths"
+    logits, keys_per_segment = [], []
+    for seg in segments:
+        rows = resolve_rows(seg.pages, seg.page_table, seg.ids)
+        flat = seg.pages.reshape(-1, seg.pages.shape[-1])
+        keys = unpack[segment_format(seg.pages.shape[-1], dim)](flat[jnp.maximum(rows, 0)])
+        valid = seg.valid & (rows >= 0 if seg.ids.ndim == 3 else (rows >= 0)[:, None, :])
+        # Entries no query of the row may read are zeroed, so garbage in unused pages cannot leak
+        # into P.V as 0 * NaN (per-query entries by their validity, shared ones by their page).
+        keys = jnp.where((valid if seg.ids.ndim == 3 else rows >= 0)[..., None], keys, 0.0)
+        eq = "bthd,bsd->bths" if seg.ids.ndim == 2 else "bthd,btsd->bths"
         s = jnp.einsum(eq, q, keys, precision=jax.lax.Precision.HIGHEST) * scale
         logits.append(jnp.where(valid[:, :, None, :], s, -jnp.inf))
+        keys_per_segment.append(keys)
     row_max = jnp.maximum(jnp.max(jnp.concatenate(logits, -1), axis=-1), -1e30)  # [B, T, H]
     denom = jnp.exp(sink.astype(jnp.float32) - row_max)
     out = jnp.zeros(q.shape, jnp.float32)
-    for (keys, _, layout), s in zip(segments, logits, strict=True):
+    for seg, keys, s in zip(segments, keys_per_segment, logits, strict=True):
         p = jnp.exp(s - row_max[..., None])
         denom = denom + jnp.sum(p, axis=-1)
-        eq = "bths,bsd->bthd" if layout == "shared" else "bths,btsd->bthd"
+        eq = "bths,bsd->bthd" if seg.ids.ndim == 2 else "bths,btsd->bthd"
         out = out + jnp.einsum(eq, round_bf16(p), keys, precision=jax.lax.Precision.HIGHEST)
     return round_bf16(exact_div(out, denom[..., None]))
 
 
-def _packed_or_nan(keys: jax.Array, pack, unpack) -> jax.Array:
-    """Pack entries and poison (NaN scale bytes) any entry the format cannot hold exactly, so a
-    caller handing non-quantised keys to the kernels gets NaN rather than a silently rounded result."""
-    packed = pack(keys)
-    exact = jnp.all(unpack(packed) == keys, axis=-1, keepdims=True)
-    return jnp.where(exact, packed, jnp.uint8(0xFF))
-
-
 def _sparse_attention_pallas(q, segments, sink, scale, backend, interpret):
-    """`sparse_attention` through the paged kernels of `pallas_kernels.sparse_attention`.
-
-    The layers still hand over unpacked f32 segments (the packed paged cache is read through
-    `ced_jax.cache`'s accessors), so this bridge packs them, one page per sequence: "shared"
-    segments (window ring, chunk) as FP8 window entries, "per_query" segments (gathered compressed
-    entries) as FP4 main entries, which is what the model stores there. Packing is lossless on those
-    values; ids are the entry positions, -1 where a key is invalid."""
-    from pallas_kernels import formats
+    """`sparse_attention` through the paged kernels of `pallas_kernels.sparse_attention`: the pages and
+    page tables are handed over as they are; only the ids become per query (-1 where not attended)."""
     from pallas_kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 
     b, t = q.shape[:2]
-    table = jnp.arange(b, dtype=jnp.int32)[:, None]  # sequence b's single page is page b
     kernel_segments = []
-    for keys, valid, layout in segments:
-        if layout == "shared":  # keys [B, S, Dh]
-            pages = _packed_or_nan(keys, formats.pack_fp8_entries, formats.unpack_fp8_entries)
-            ids = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), valid.shape)
-        else:  # keys [B, T, X, Dh]: query t's entries are ids t * X .. t * X + X - 1
-            flat = keys.reshape(b, -1, keys.shape[-1])
-            pages = _packed_or_nan(flat, formats.repack_fp4_entries, formats.unpack_fp4_entries)
-            x = keys.shape[2]
-            ids = jnp.arange(t * x, dtype=jnp.int32).reshape(1, t, x)
-        kernel_segments.append((pages, table, jnp.where(valid, ids, -1).astype(jnp.int32)))
+    for seg in segments:
+        ids = seg.ids if seg.ids.ndim == 3 else jnp.broadcast_to(seg.ids[:, None, :], seg.valid.shape)
+        idx = jnp.where(seg.valid, ids, -1).astype(jnp.int32)
+        kernel_segments.append((seg.pages, seg.page_table.astype(jnp.int32), idx))
     kw = dict(scale=float(scale), backend=backend, interpret=interpret)
     sink = sink.astype(jnp.float32)
     if t == 1:
-        decode_segments = [(pages, tab, ids[:, 0]) for pages, tab, ids in kernel_segments]
+        decode_segments = [(pages, table, idx[:, 0]) for pages, table, idx in kernel_segments]
         return sparse_attention_decode(q[:, 0].astype(jnp.float32), decode_segments, sink, **kw)[:, None]
     return sparse_attention_prefill(q.astype(jnp.float32), kernel_segments, sink, **kw)
+
+
+def index_scores(
+    q: jax.Array,
+    weights: jax.Array,
+    key_pages: jax.Array,
+    page_table: jax.Array,
+    n_visible: jax.Array,
+    *,
+    impl: str = "reference",
+) -> jax.Array:
+    """The indexer's bf16 score of every key slot of each row, read from the paged FP4 index keys.
+
+    q f32 [B, T, I, Dk] (FP4-fake-quantised index queries), weights f32 [B, T, I] (bf16, softmax
+    scale folded in), key_pages u8 [P, S, Dk/2 + Dk/32], page_table i32 [B, n], n_visible i32 [B, T]
+    (keys 0 .. n_visible-1 of the row are visible to query t) -> f32 [B, T, n * S]:
+    bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)) where visible, else -inf.
+    impl="reference" unpacks the row's pages through the table and takes the head sum in XLA's own
+    order (the model's formula, `index_scores_unpacked`); impl="pallas..." runs
+    `pallas_kernels.indexer.index_scores`, which reads each page through the table inside the
+    kernel and sums the heads in order 0..I-1, so the two may differ by one bf16 ulp where the sum
+    straddles a rounding tie. The contract (and the shapes each kernel supports) is
+    `pallas_kernels.indexer.common`."""
+    from pallas_kernels import indexer
+
+    kind, backend, interpret = parse_impl(impl)
+    b = indexer.validate_inputs(q, weights, key_pages, page_table, n_visible)[0]
+    if kind == "pallas":
+        return indexer.index_scores(
+            q, weights, key_pages, page_table.astype(jnp.int32), n_visible.astype(jnp.int32),
+            backend=backend, interpret=interpret,
+        )  # fmt: skip
+    from pallas_kernels import formats
+
+    keys = formats.unpack_index_keys(key_pages[page_table].reshape(b, -1, key_pages.shape[-1]))
+    return index_scores_unpacked(q, weights, keys, n_visible)
+
+
+def index_scores_unpacked(
+    q: jax.Array, weights: jax.Array, keys: jax.Array, n_visible: jax.Array
+) -> jax.Array:
+    """`index_scores` on keys already unpacked, f32 [B, C, Dk] -> f32 [B, T, C], always in XLA: for
+    keys that do not live in pages (the reference index-K mode's pointer, see
+    `ced_jax.layers.attention.index_scores`) and as `index_scores`' reference path."""
+    s = round_bf16(jnp.einsum("bthd,bsd->bths", q, keys, precision=jax.lax.Precision.HIGHEST))
+    s = round_bf16(jax.nn.relu(s) * weights[..., None])
+    s = round_bf16(jnp.sum(s, axis=2))
+    visible = jnp.arange(keys.shape[1])[None, None, :] < n_visible[..., None]
+    return jnp.where(visible, s, -jnp.inf)

@@ -227,19 +227,6 @@ def param_shardings(specs: dict, mesh: Mesh, rules: Rules) -> dict:
     return go(specs, "")
 
 
-def cache_shardings(cache: dict, mesh: Mesh, rules: Rules) -> dict:
-    """Every cache array is [batch, ...]: sharded over sequences only."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: NamedSharding(
-            mesh,
-            logical_to_spec(
-                ("batch",) + (None,) * (a.ndim - 1), rules, a.shape, mesh, name=f"cache {_path_name(path)}"
-            ),
-        ),
-        cache,
-    )
-
-
 def logical_shardings(axes, arrays, mesh: Mesh, rules: Rules):
     """Shardings for a tree of arrays (or ShapeDtypeStructs) given a same-shaped tree of logical-axis
     tuples (e.g. `ced_jax.cache.paged_cache_axes`)."""

@@ -236,9 +236,7 @@ def engine_state(
     ShapeDtypeStructs: `jax.eval_shape` of the `init_paged_cache` that `JaxEngine` runs."""
     num_pages = max_slots * (max_context // page_size)
     return jax.eval_shape(
-        lambda: cache_lib.init_paged_cache(
-            cfg, max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
-        )
+        lambda: cache_lib.init_paged_cache(cfg, max_slots=max_slots, page_size=page_size, num_pages=num_pages)
     )
 
 
@@ -276,7 +274,6 @@ def kv_ledger(
         "compressed": cache_lib.buffer_bytes((state.kv, state.index_k)) // max_seqs,
         "swa_rings": cache_lib.buffer_bytes(state.window) // max_seqs,
         "compressor_states": cache_lib.buffer_bytes((state.state_kv, state.state_score)) // max_seqs,
-        "page_table": cache_lib.buffer_bytes((state.page_tables, state.slots)) // max_seqs,
     }
     return {
         "bytes_per_token": cache_lib.kv_bytes_per_token(state),

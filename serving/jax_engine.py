@@ -1,20 +1,17 @@
-"""The device engine over ced_jax: `JaxEngine` implements `serving.engine_api.Engine` for a loaded model.
+"""The serving engine: `JaxEngine` implements `serving.engine_api.Engine` over `ced_jax.engine`.
 
-Device state is one `ced_jax.cache.PagedCache` (packed FP4 compressed KV in page buffers, packed FP8 SWA
-rings and f32 compressor partial groups per slot), donated to every program. Host state per slot is
-the next position and the Engram n-gram history (`EngramHasher.next_history`); the hash rows a step
-needs are computed on the host and sent with the tokens, as `ced_jax.api.Session` does.
+The device work is a `ced_jax.engine.Engine` (the one state, the model's `Programs`, the Engram history
+per slot), the same engine the notebook API runs; this module adds what the scheduler's protocol needs
+on top: slot bookkeeping and checks, decode batch buckets, prefix snapshots on the host, and warm-up.
 
-Programs, jitted once and compiled by `warmup()`, which runs each of them through the serving code
-path (a one-token prefill and one decode step on slot 0, idle steps of the other decode batch
-sizes, a restore), so that every later call finds
-its executable in jit's cache. The serving calls stay ordinary jit calls, watched by a
-`CompileCounter` that counts JAX's own compilation events: a call whose shapes, dtypes or shardings
-warm-up did not cover compiles, and shows in `compiles_after_warmup` (and on /metrics):
-- prefill: one chunk of up to `prefill_chunk` tokens (the one bucket) of one slot, as a
-  `lax.while_loop` over its pages that runs `forward` on one page (T = page_size) per iteration, then
-  samples the token after the chunk. The trip count is dynamic, so a short chunk costs only its own
-  pages, and one program serves every chunk length.
+Programs, compiled by `warmup()`, which runs each of them through the serving code path (a one-token
+prefill and one decode step on slot 0, idle steps of the other decode batch sizes, a restore), so that
+every later call finds its executable in jit's cache. The serving calls stay ordinary jit calls,
+watched by a `CompileCounter` that counts JAX's own compilation events: a call whose shapes, dtypes or
+shardings warm-up did not cover compiles, and shows in `compiles_after_warmup` (and on /metrics):
+- prefill: one chunk of up to `prefill_chunk` tokens (the one bucket) of one slot, the engine's
+  `prefill_pages` program (a `lax.while_loop` over its pages, `forward` on one page per iteration,
+  then the sample after the chunk). The trip count is dynamic, so a short chunk costs only its pages.
 - decode: one token for each row of a batch of the smallest `decode_buckets` size that holds the
   active slots (ServeConfig: 8, 16, 32 for 32 slots), padded with distinct idle slots of length 0
   (they write nothing), sampling inside (`ced_jax.sampling`), so only tokens and log-probabilities
@@ -37,10 +34,8 @@ at the boundary; restoring one is the `restore` program plus setting the host hi
 live in host memory (num_layers * window * swa_entry_bytes each: 2.7 MB for v41-flash, 8 KB for
 tiny), so dropping one only forgets it.
 
-On a device mesh (`ced_jax.load(..., mesh=...)`, `ced-jax serve --mesh`), the programs are traced
-under the model's sharding rules and the cache is laid out by them (`ced_jax.cache.paged_cache_axes`:
-per-slot state over the `batch` axis, page buffers replicated because the prefix cache shares a page
-between slots); the output shardings pin that layout, so a donated cache never changes layout.
+On a device mesh (`ced_jax.load(..., mesh=...)`, `ced-jax serve --mesh`), see `ced_jax.engine`: the
+state is laid out by the model's rules and every program pins that layout.
 
 A fresh slot needs no reset: at position 0 the ring is masked by position and the partial group is
 not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`).
@@ -48,19 +43,14 @@ not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import sharding
-from ced_jax.model import forward
-from ced_jax.sampling import sample
+from ced_jax.engine import Engine, StateShapes
 from serving.config import ServeConfig
 from serving.engine_api import (
     CompileCounter,
@@ -113,30 +103,18 @@ class JaxEngine:
         (prefill_chunk,) = config.prefill_buckets
         self.model = model
         self.cfg = cfg
-        self.params = model.params
         self.hasher = model.hasher
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
         self.decode_buckets = tuple(config.decode_buckets)
-        self.mesh, self.rules = model.mesh, model.rules
-        make_cache = partial(
-            cache_lib.init_paged_cache,
-            cfg,
-            max_slots=max_slots,
-            page_size=page_size,
-            num_pages=num_pages,
-            max_context=max_context,
+        self.max_logprobs = max_logprobs
+        self.engine = Engine(
+            model,
+            StateShapes(
+                max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
+            ),
         )
-        if self.mesh is None:
-            self._cache_shardings = None
-            self._cache = make_cache()
-        else:  # built in place on the mesh, laid out by the rules (ced_jax.sharding)
-            shapes = jax.eval_shape(make_cache)
-            self._cache_shardings = sharding.logical_shardings(
-                cache_lib.paged_cache_axes(shapes), shapes, self.mesh, self.rules
-            )
-            self._cache = jax.jit(make_cache, out_shardings=self._cache_shardings)()
-        kv_bytes = cache_lib.kv_bytes_per_token(self._cache)
+        kv_bytes = cache_lib.kv_bytes_per_token(self.engine.state)
         self._spec = EngineSpec(
             max_slots=max_slots,
             page_size=page_size,
@@ -162,9 +140,8 @@ class JaxEngine:
         self.kv_bytes_per_token = kv_bytes
         self._pos = np.full(max_slots, -1, np.int64)  # next position to write; -1 = free
         self._decoding = np.zeros(max_slots, bool)
-        self._history = self._empty_history(max_slots)
         self._counter = CompileCounter()
-        self._programs: dict | None = None
+        self._warm = False
         self.live_snapshots = 0
 
     # ---- Engine protocol ----------------------------------------------------------------------
@@ -178,30 +155,16 @@ class JaxEngine:
         return self._counter.count
 
     def warmup(self) -> None:
-        if self._programs is not None:
+        if self._warm:
             return
-        spec, cfg = self._spec, self.cfg
-        static = dict(cfg=cfg, spec=spec, impl=self.model.impl, mesh=self.mesh, rules=self.rules)
-        # The cache keeps its layout from call to call (donated in place; on a mesh, pinned by
-        # out_shardings), so no call ever sees an input layout the compiled program was not built for.
-        outs = None if self.mesh is None else (self._cache_shardings, sharding.replicated(self.mesh))
-        outs3 = None if self.mesh is None else (*outs, sharding.replicated(self.mesh))
-        prefill = jax.jit(partial(_prefill, **static), donate_argnums=(1,), out_shardings=outs3)
-        decode = jax.jit(partial(_decode, **static), donate_argnums=(1,), out_shardings=outs)
-        restore = jax.jit(
-            cache_lib.restore_slot_state, donate_argnums=(0,), out_shardings=self._cache_shardings
-        )
-        self._programs = {"prefill": prefill, "decode": decode, "restore": restore}
+        self._warm = True
         try:
             self._warm_up_programs()
         except BaseException:
-            self._programs = None
+            self._warm = False
             raise
         # Warm-up's own compiles are not "after warm-up".
         self._counter.count = 0
-
-    def _mesh_context(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _warm_up_programs(self) -> None:
         """Compiles every program by calling it as serving does, with the same argument types.
@@ -238,28 +201,24 @@ class JaxEngine:
             if size == self.decode_buckets[0]:
                 continue
             self._decode_idle_rows(size)
-        zero = jax.tree.map(
-            lambda a: np.zeros(a.shape, a.dtype), jax.eval_shape(cache_lib.slot_state, self._cache, 0)
-        )
-        self._restore_slot(0, zero)
+        self._restore_slot(0, self.engine.zero_slot_state(), None)
 
     def _decode_idle_rows(self, size: int) -> None:
         """A decode step of `size` idle rows (length 0: nothing is written), with the argument types of
         `decode`, to compile that batch size."""
         slots = np.arange(size, dtype=np.int32)
         tokens = np.full(size, self.cfg.pad_token_id, np.int32)
-        rows = None
-        if self.hasher is not None:
-            rows = self.hasher.hash_ids(self._empty_history(size), tokens[:, None])
         self._decode_rows(
             slots, tokens, np.zeros(size, np.int32), np.zeros(size, bool),
-            np.zeros((size, self._spec.pages_per_slot), np.int32), rows, np.zeros(size, np.float32),
+            np.zeros((size, self._spec.pages_per_slot), np.int32), np.zeros(size, np.float32),
             np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
         )  # fmt: skip
+        for s in slots:  # idle rows moved no history, but the slots are free: leave them fresh
+            self.engine.reset_history(int(s))
 
-    def _restore_slot(self, slot: int, state: dict) -> None:
-        with self._counter.watch(), self._mesh_context():
-            self._cache = self._programs["restore"](self._cache, np.int32(slot), state)
+    def _restore_slot(self, slot: int, state: dict, history) -> None:
+        with self._counter.watch():
+            self.engine.restore_slot(slot, state, history)
 
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         spec, ps = self._spec, self.page_size
@@ -272,31 +231,27 @@ class JaxEngine:
             raise ValueError(f"chunk [{start}, {start + n}) is not page aligned or runs past max_context")
         if self._decoding[s]:
             raise ValueError(f"slot {s} is decoding")
-        programs = self._require_warm()
+        self._require_warm()
         fresh = self._pos[s] < 0
-        with self._counter.watch(), self._mesh_context():
+        with self._counter.watch():
             if chunk.restore is not None:
                 snap = chunk.restore
                 if not fresh or snap.pos != start:
                     raise ValueError("restore only on a fresh slot at the snapshot's position")
-                self._restore_slot(s, snap.state)
-                if self.hasher is not None:
-                    self._history[s] = snap.history
+                self._restore_slot(s, snap.state, snap.history)
             elif fresh:
                 if start:
                     raise ValueError(f"slot {s}: resuming at {start} needs a snapshot")
-                self._history[s] = self._empty_history(1)[0]
+                self.engine.reset_history(s)
             elif self._pos[s] != start:
                 raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
             padded = np.full(self.prefill_chunk, self.cfg.pad_token_id, np.int32)
             padded[:n] = toks
-            history = self._history[s : s + 1]
-            rows = None if self.hasher is None else self.hasher.hash_ids(history, padded[None])[0]
+            history = self.engine.history[s : s + 1].copy()
             sp = chunk.sampling
-            self._cache, out, snaps = programs["prefill"](
-                self.params, self._cache, padded, rows, np.int32(start), np.int32(n), np.int32(s),
-                np.asarray(chunk.page_table, np.int32), np.float32(sp.temperature), np.float32(sp.top_p),
-                np.int32(sp.top_k), np.uint32(sp.seed),
+            out, snaps = self.engine.prefill_pages(
+                s, padded, n, start, chunk.page_table, sp.temperature, sp.top_p, sp.top_k, sp.seed,
+                max_logprobs=self.max_logprobs,
             )  # fmt: skip
             snapshots = {}
             if chunk.snapshot_at:
@@ -311,16 +266,12 @@ class JaxEngine:
                         hist = self.hasher.next_history(history, toks[None, :m], np.array([m]))[0]
                     snapshots[b] = JaxSnapshot(b, jax.tree.map(lambda a, k=k: a[k].copy(), host), hist)
                     self.live_snapshots += 1
-            if self.hasher is not None:
-                self._history[s] = self.hasher.next_history(history, toks[None], np.array([n]))[0]
             self._pos[s] = start + n
             if not chunk.is_last_chunk:
                 return PrefillResult(token=None, snapshots=snapshots)
             self._decoding[s] = True
             tok, lp, ids, tlp = jax.device_get(out)
-        token = SampledToken(
-            token_id=int(tok[0]), logprob=float(lp[0]), top_ids=ids[0], top_logprobs=tlp[0]
-        )
+        token = SampledToken(token_id=int(tok[0]), logprob=float(lp[0]), top_ids=ids[0], top_logprobs=tlp[0])
         return PrefillResult(token=token, snapshots=snapshots)
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
@@ -336,10 +287,6 @@ class JaxEngine:
         # Inactive rows run with length 0 (nothing is written); their inputs only need to be valid.
         positions = np.where(active, positions, 0).astype(np.int32)
         tokens = np.where(active, tokens, self.cfg.pad_token_id).astype(np.int32)
-        rows = None
-        if self.hasher is not None:
-            rows = self.hasher.hash_ids(self._history, tokens[:, None])
-            self._history = self.hasher.next_history(self._history, tokens[:, None], active.astype(np.int64))
         # The step runs the smallest decode bucket that holds the active rows: the active slots, then
         # distinct idle ones (length 0: they write nothing; distinct, so no two rows of the step
         # scatter into one slot). Results go back to their slots' rows; idle rows are garbage.
@@ -350,7 +297,7 @@ class JaxEngine:
         take = lambda a, dtype: np.asarray(a, dtype)[slots]
         out = self._decode_rows(
             slots, tokens[slots], positions[slots], active[slots], take(batch.page_tables, np.int32),
-            None if rows is None else rows[slots], take(batch.temperature, np.float32),
+            take(batch.temperature, np.float32),
             take(batch.top_p, np.float32), take(batch.top_k, np.int32), take(batch.seed, np.uint32),
         )  # fmt: skip
         self._pos[active] += 1
@@ -361,19 +308,19 @@ class JaxEngine:
         tok, lp, ids, tlp = result
         return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
 
-    def _decode_rows(self, slots, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed):
-        """The decode program over the rows `slots` (one compiled program per batch size)."""
-        with self._counter.watch(), self._mesh_context():
-            self._cache, out = self._programs["decode"](
-                self.params, self._cache, slots, tokens, positions, active, page_tables, rows, temperature,
-                top_p, top_k, seed,
+    def _decode_rows(self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed):
+        """The decode program over the rows `slots` (one compiled program per batch size); idle rows
+        (active False) write nothing and keep their history."""
+        with self._counter.watch():
+            return self.engine.decode(
+                slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
+                max_logprobs=self.max_logprobs,
             )  # fmt: skip
-            return jax.device_get(out)
 
     def release(self, slot: int) -> None:
         self._pos[slot] = -1
         self._decoding[slot] = False
-        self._history[slot] = self._empty_history(1)[0]
+        self.engine.reset_history(slot)
 
     def drop_snapshot(self, snapshot) -> None:
         # Host memory: forgetting the handle frees it.
@@ -381,76 +328,6 @@ class JaxEngine:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _require_warm(self) -> dict:
-        if self._programs is None:
+    def _require_warm(self) -> None:
+        if not self._warm:
             raise RuntimeError("JaxEngine.warmup() must run before serving calls")
-        return self._programs
-
-    def _row_shape(self) -> tuple[int, int]:
-        return (len(self.cfg.engram_layer_ids), self.hasher.hash_cols)
-
-    def _empty_history(self, rows: int) -> np.ndarray:
-        if self.hasher is None:
-            return np.zeros((rows, 0), np.int64)
-        return self.hasher.empty_history(rows)
-
-
-# ------------------------------------------------------------------------------------ programs
-
-
-def _prefill(
-    params, cache, tokens, rows, start, n, slot, page_table, temperature, top_p, top_k, seed, *, cfg, spec,
-    impl, mesh, rules,
-):  # fmt: skip
-    """One chunk of one slot, a page per loop iteration; returns (cache, sample, per-page states)."""
-    layout = sharding.make_layout(mesh, rules)
-    ps = spec.page_size
-    slots, tables = cache.slots, cache.page_tables  # the carried view; restored after every page
-    view = (slot[None], page_table[None])
-    state = cache_lib.slot_state(cache, slot)
-    pages = tokens.shape[0] // ps
-    snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), state)
-
-    def body(carry):
-        k, cache, last, snaps = carry
-        off = k * ps
-        page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps)[None]
-        page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps)[None]
-        lens = jnp.minimum(n - off, ps)[None]
-        logits, cache, _ = forward(
-            params, cfg, page_tokens, cache.view(*view), (start + off)[None], lens, page_rows, impl=impl,
-            layout=layout,
-        )  # fmt: skip
-        cache = cache.view(slots, tables)
-        i = n - 1 - off  # the chunk's last token, if it is on this page
-        last = jnp.where((i >= 0) & (i < ps), logits[0, jnp.clip(i, 0, ps - 1)], last)
-        snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, cache_lib.slot_state(cache, slot))
-        return k + 1, cache, last, snaps
-
-    last = jnp.zeros((cfg.vocab_size,), jnp.float32)
-    carry = (jnp.int32(0), cache, last, snaps)
-    _, cache, last, snaps = jax.lax.while_loop(lambda c: c[0] * ps < n, body, carry)
-    out = sample(
-        last[None], (start + n)[None], temperature[None], top_p[None], top_k[None], seed[None],
-        num_logprobs=spec.max_logprobs,
-    )  # fmt: skip
-    return cache, out, snaps
-
-
-def _decode(
-    params, cache, rows_slots, tokens, positions, active, page_tables, rows, temperature, top_p, top_k, seed,
-    *, cfg, spec, impl, mesh, rules,
-):  # fmt: skip
-    """One token for each row (row i is slot rows_slots[i]); returns (cache, (token, logprob, top ids,
-    top logprobs)) per row."""
-    slots, tables = cache.slots, cache.page_tables
-    view = cache.view(rows_slots, page_tables)
-    lens = active.astype(jnp.int32)
-    logits, cache, _ = forward(
-        params, cfg, tokens[:, None], view, positions, lens, rows, impl=impl,
-        layout=sharding.make_layout(mesh, rules),
-    )  # fmt: skip
-    out = sample(
-        logits[:, 0], positions + 1, temperature, top_p, top_k, seed, num_logprobs=spec.max_logprobs
-    )
-    return cache.view(slots, tables), out

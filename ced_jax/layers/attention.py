@@ -3,14 +3,16 @@
 Letters: B batch, T tokens in this chunk, H heads, Dh head dim (K = V), W window, R compress
 ratio, S compressed-cache capacity (max_len / R), I indexer heads, Dk indexer head dim, X top-k.
 
-Phases differ only in metadata: every call gets `start` [B] (position of the chunk's first token)
-and `lens` [B] (valid tokens in the chunk; the rest is padding). Prefill, chunked prefill and
-decode (T = 1) are the same code. Caches are explicit arrays passed in and returned, read and
-written only through the accessors of `ced_jax.cache` (dense dict or paged layout, same values):
-- window ring [B, W, Dh]: slot = position % W, FP8-fake-quantised K after RoPE;
-- compressed KV [B, S, Dh] and index keys [B, S, Dk] of each KV-source layer, entry j standing
-  for tokens [j R, (j+1) R), rotated at position j R and FP4-fake-quantised;
-- compressor partial groups [B, R, Dh] (kv and score, f32) of each ratio>1 source.
+Phases differ only in metadata (`ced_jax.cache.StepMetadata`): every call gets `start` [B]
+(position of the chunk's first token), `lens` [B] (valid tokens in the chunk; the rest is padding),
+the rows' slots and page tables. Prefill, chunked prefill and decode (T = 1) are the same code. The
+state is the immutable `ced_jax.cache.PagedCache`; the layer returns a new one:
+- window ring per slot [W, Dh] (packed FP8): slot = position % W, FP8-fake-quantised K after RoPE;
+- compressed KV [S, Dh] and index keys [S, Dk] of each KV-source layer in pages (packed FP4), entry
+  j standing for tokens [j R, (j+1) R), rotated at position j R and FP4-fake-quantised;
+- compressor partial groups [R, Dh] per slot (kv and score, f32) of each ratio>1 source.
+The attention kernels read the window rings and the compressed pages where they live, through the
+slots and page tables (`ced_jax.ops.KeySegment`); nothing is unpacked and repacked on the way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 
 from ced_jax import cache as cache_lib
 from ced_jax import ops
-from ced_jax.cache import ring_update
+from ced_jax.cache import PagedCache, StepMetadata, ring_update
 from ced_jax.config import ModelConfig
 from ced_jax.layers.common import apply_rope, bf16_linear, f32_linear, fp8_linear, rms_norm, rope_inv_freq
 from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
@@ -41,19 +43,34 @@ def ring_positions(start: jax.Array, period: int) -> jax.Array:
 
 
 def window_segments(
-    kv: jax.Array, ring: jax.Array, positions: jax.Array, start: jax.Array, lens: jax.Array, window: int
-):
-    """Keys each query sees in its causal window: positions (p - W, p] from the ring and the chunk."""
-    ring_pos = ring_positions(start, ring.shape[1])  # [B, W]
+    cache: PagedCache,
+    layer: int,
+    packed_chunk: jax.Array,
+    meta: StepMetadata,
+    positions: jax.Array,
+    window: int,
+) -> list[ops.KeySegment]:
+    """Keys each query sees in its causal window, positions (p - W, p]: the slot's ring as it was
+    before this call, then the chunk's own keys (packed like the ring, one transient page per row)."""
+    ring = cache.ring(layer)  # [max_slots, W, bytes]: one page of W entries per slot
+    period = ring.shape[1]
+    b, t = positions.shape
+    ring_pos = ring_positions(meta.start, period)  # [B, W]
     q = positions[:, :, None]
     ring_valid = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > q - window)
     chunk_pos = positions[:, None, :]
     chunk_valid = (
-        (jnp.arange(kv.shape[1])[None, None, :] < lens[:, None, None])
+        (jnp.arange(t)[None, None, :] < meta.lens[:, None, None])
         & (chunk_pos <= q)
         & (chunk_pos > q - window)
     )
-    return [(ring, ring_valid, "shared"), (kv, chunk_valid, "shared")]
+    ring_ids = jnp.broadcast_to(jnp.arange(period, dtype=jnp.int32), (b, period))
+    chunk_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    own_page = jnp.arange(b, dtype=jnp.int32)[:, None]
+    return [
+        ops.KeySegment(ring, meta.slots[:, None], ring_ids, ring_valid),
+        ops.KeySegment(packed_chunk, own_page, chunk_ids, chunk_valid),
+    ]
 
 
 def compress(
@@ -103,21 +120,32 @@ def main_entries(latent: jax.Array, entry_pos: jax.Array, inv_freq) -> jax.Array
     return fp4_fake_quant_e4m3(apply_rope(latent, entry_pos, inv_freq), 16)
 
 
-def index_scores(x, qr, p: dict, index_k: jax.Array, positions, inv_freq, cfg: ModelConfig, ratio: int):
-    """The indexer's bf16 score row per query: sum_h relu(qI_h . k_t) w_h, invisible entries -inf.
+def index_scores(
+    x, qr, p: dict, keys, positions, inv_freq, cfg: ModelConfig, ratio: int, *, index_k_mode: str, impl: str
+):
+    """The indexer's bf16 score row per query: sum_h relu(qI_h . k_t) w_h, invisible entries -inf
+    (entry j is visible to the token at position p when its group is complete, j < (p + 1) // R).
 
-    index_k [B, S, Dk] -> scores [B, T, S] (f32 holding bf16 values)."""
+    Where the keys come from is chosen by index_k_mode, explicitly (not by their shape):
+    - "intended": keys = (key_pages u8 [P, E, Dk/2 + Dk/32], page_tables i32 [B, n]), the KV source's
+      packed index keys where they live; `ops.index_scores` reads them through the page tables under
+      `impl` (impl="pallas..." runs the indexer kernel on the pages, nothing unpacked beforehand).
+    - "reference": keys = f32 [B, S, Dk], what the released code's global index-K pointer names
+      (`shared["index_k_ptr"]`: unpacked entries of whichever source published last, not a page
+      buffer), scored by the XLA formula (`ops.index_scores_unpacked`) for every impl.
+
+    -> scores [B, T, S] (f32 holding bf16 values)."""
     n_heads, dk = cfg.index_n_heads, cfg.index_head_dim
     q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"])
     q = q.reshape(*q.shape[:-1], n_heads, dk)
     q = apply_rope(q, positions[..., None], inv_freq)
     q = fp4_fake_quant_ue8m0(q, 32)
     w = round_bf16(bf16_linear(x, p["weights_proj"]["weight"]) * (dk**-0.5 * n_heads**-0.5))
-    s = round_bf16(jnp.einsum("bthd,bsd->bths", q, index_k, precision=jax.lax.Precision.HIGHEST))
-    s = round_bf16(jax.nn.relu(s) * w[..., None])
-    s = round_bf16(jnp.sum(s, axis=2))
-    visible = jnp.arange(index_k.shape[1])[None, None, :] < ((positions + 1) // ratio)[..., None]
-    return jnp.where(visible, s, -jnp.inf)
+    n_visible = ((positions + 1) // ratio).astype(jnp.int32)
+    if index_k_mode == "reference":
+        return ops.index_scores_unpacked(q, w, keys, n_visible)
+    key_pages, page_tables = keys
+    return ops.index_scores(q, w, key_pages, page_tables, n_visible, impl=impl)
 
 
 def candidate_pool(
@@ -153,26 +181,25 @@ def attention(
     cfg: ModelConfig,
     layer: int,
     x: jax.Array,
-    positions: jax.Array,
-    start: jax.Array,
-    lens: jax.Array,
-    cache: dict,
+    meta: StepMetadata,
+    cache: PagedCache,
     shared: dict,
     *,
     forced_topk: jax.Array | None,
     index_k_mode: str,
     impl: str,
 ):
-    """One attention sublayer. x: attn_norm output [B, T, D]. Returns (out [B, T, D], own top-k or None).
+    """One attention sublayer. x: attn_norm output [B, T, D].
 
-    `cache` (a dense dict or a `ced_jax.cache.PagedCache`, touched only through its accessors) and
-    `shared` are updated in place (this function is traced, not run eagerly): shared carries what
-    layers hand down: 'topk' [B, T, X], 'candidates' [B, T, S], and for the reference index-K mode
-    'index_k_ptr' (the cache the released code's global pointer names)."""
+    Returns (out [B, T, D], own top-k or None, new cache, new shared). `shared` carries what layers
+    hand down: 'topk' [B, T, X], 'candidates' [B, T, S], and for the reference index-K mode
+    'index_k_ptr' (the entries the released code's global pointer names). Nothing is changed in place."""
     eps = cfg.rms_norm_eps
     inv_freq = layer_inv_freq(cfg, layer)
     ratio = cfg.compress_ratios[layer]
     n_heads, head_dim = cfg.num_heads, cfg.head_dim
+    positions = meta.positions(x.shape[1])
+    shared = dict(shared)
 
     qr = rms_norm(fp8_linear(x, p["wq_a"]["weight"], p["wq_a"]["scale"]), p["q_norm"]["weight"], eps)
     q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"]).reshape(*x.shape[:-1], n_heads, head_dim)
@@ -180,47 +207,50 @@ def attention(
 
     kv = rms_norm(fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"]), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
-    ring = cache_lib.window(cache, layer)
-    segments = window_segments(kv, ring, positions, start, lens, cfg.sliding_window)
-    cache_lib.write_window(cache, layer, kv, start, lens)
+    packed_kv = cache_lib.pack_fp8_ue8m0(kv)
+    segments = window_segments(cache, layer, packed_kv, meta, positions, cfg.sliding_window)
+    cache = cache.write_window(layer, meta, packed_kv)
 
     own_topk = None
     if ratio > 0:
         src = cfg.kv_source_of(layer)
         if layer in cfg.kv_source_layer_ids:
             comp = p["compressor"]
-            state_kv, state_score = cache_lib.compressor_state(cache, layer)
+            state_kv, state_score = cache.compressor_state(layer, meta)
             latent, entry, complete, skv, ssc = compress(
-                x, comp, state_kv, state_score, start, lens, ratio, eps
+                x, comp, state_kv, state_score, meta.start, meta.lens, ratio, eps
             )
             if ratio > 1:
-                cache_lib.write_compressor_state(cache, layer, skv, ssc)
+                cache = cache.write_compressor_state(layer, meta, skv, ssc)
             entry_pos = entry * ratio
             # Index keys come from the latent before it is rotated and quantised for the main cache.
             keys = index_keys(latent, p["indexer"], entry_pos, inv_freq, eps)
-            cache_lib.write_entries(cache, "index_k", layer, keys, entry, complete)
-            cache_lib.write_entries(
-                cache, "kv", layer, main_entries(latent, entry_pos, inv_freq), entry, complete
+            cache = cache.write_entries("index_k", layer, meta, keys, entry, complete)
+            cache = cache.write_entries(
+                "kv", layer, meta, main_entries(latent, entry_pos, inv_freq), entry, complete
             )
             published = jnp.any(complete, axis=1)  # [B]: did this owner produce an entry in this call
             if index_k_mode == "reference":
                 # The released code moves its global index-K pointer only when an owner publishes.
                 ptr = shared["index_k_ptr"]
-                own = cache_lib.entries(cache, "index_k", layer)
+                own = cache.entries("index_k", layer, meta)
                 own = jnp.pad(own, ((0, 0), (0, ptr.shape[1] - own.shape[1]), (0, 0)))
                 shared["index_k_ptr"] = jnp.where(published[:, None, None], own, ptr)
         if layer in cfg.index_source_layer_ids:
             if index_k_mode == "reference":
                 keys = shared["index_k_ptr"]
-                cap = cache_lib.capacity(cache, "index_k", src)
+                cap = cache.capacity("index_k", src, meta)
                 keys = (
                     keys[:, :cap]
                     if keys.shape[1] >= cap
                     else jnp.pad(keys, ((0, 0), (0, cap - keys.shape[1]), (0, 0)))
                 )
             else:
-                keys = cache_lib.entries(cache, "index_k", src)
-            scores = index_scores(x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio)
+                keys = (cache.index_k[str(src)], meta.page_tables)
+            scores = index_scores(
+                x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio,
+                index_k_mode=index_k_mode, impl=impl,
+            )  # fmt: skip
             if layer == cfg.candidate_source_layer_id:
                 shared["candidates"] = candidate_pool(
                     scores, positions, ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size
@@ -230,8 +260,7 @@ def attention(
             own_topk = select_topk(scores, positions, ratio, cfg.index_topk)
             shared["topk"] = own_topk if forced_topk is None else forced_topk
         topk = shared["topk"]
-        gathered = cache_lib.gather_entries(cache, "kv", src, jnp.maximum(topk, 0))
-        segments.append((gathered, topk >= 0, "per_query"))
+        segments.append(ops.KeySegment(cache.kv[str(src)], meta.page_tables, jnp.maximum(topk, 0), topk >= 0))
 
     o = ops.sparse_attention(q, segments, p["attn_sink"], head_dim**-0.5, impl=impl)
     o = apply_rope(o, positions[..., None], inv_freq, inverse=True)
@@ -240,4 +269,4 @@ def attention(
     wo_a = p["wo_a"]["weight"].astype(jnp.float32).reshape(groups, cfg.o_lora_rank, -1)
     o = round_bf16(jnp.einsum("btgd,grd->btgr", o, wo_a, precision=jax.lax.Precision.HIGHEST))
     out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"]["weight"], p["wo_b"]["scale"])
-    return out, own_topk
+    return out, own_topk, cache, shared

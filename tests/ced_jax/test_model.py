@@ -106,3 +106,28 @@ def test_full_size_eval_shape_counts():
 def test_unknown_impl_is_refused_at_load():
     with pytest.raises(NotImplementedError, match="impl='triton' is not available"):
         load("tiny", impl="triton")
+
+
+def test_patching_targets_chosen_layers(model, prompt):
+    """`patch_layers` replaces the block inputs of the chosen layers only: blocks below the first
+    patched layer produce exactly what an unpatched run produces, the patched one and those above do
+    not; naming no layer patches nothing."""
+    cfg = model.cfg
+    L, t, M, D = cfg.num_layers, len(prompt), cfg.hc_mult, cfg.hidden_size
+    patch = {
+        "prefill_block_input": np.zeros((L, t, M, D), np.float32),
+        "prefill_pre_mix_input": np.full((L, t, M), 1.0 / M, np.float32),
+    }
+    plain = model.logits(prompt)
+    none = model.logits(prompt, patch=patch, patch_layers=[])
+    np.testing.assert_array_equal(none["prefill_logits_full"], plain["prefill_logits_full"])
+    chosen = 2
+    one = model.logits(prompt, patch=patch, patch_layers=[chosen])
+    below, above = one["prefill_block_output"][:chosen], one["prefill_block_output"][chosen:]
+    np.testing.assert_array_equal(below, none["prefill_block_output"][:chosen])
+    assert np.all(np.any(above != none["prefill_block_output"][chosen:], axis=(1, 2, 3)))
+    assert not np.array_equal(one["prefill_logits_full"], plain["prefill_logits_full"])
+    with pytest.raises(ValueError, match=r"patch_layers: layer 99 is outside"):
+        model.logits(prompt, patch=patch, patch_layers=[99])
+    with pytest.raises(ValueError, match=r"patch_layers: given without block inputs"):
+        model.logits(prompt, patch_layers=[1])

@@ -21,9 +21,10 @@ from safetensors.numpy import load_file
 from ced_jax import cache as cache_lib
 from ced_jax import sharding
 from ced_jax.api import load
+from ced_jax.cache import StepMetadata
 from ced_jax.config import ModelConfig, preset
 from ced_jax.layers.moe import EXPERT_AXES
-from ced_jax.model import flatten_specs, forward, init_cache, param_specs
+from ced_jax.model import flatten_specs, forward, param_specs
 from tests.ced_jax.test_parity import assert_mode_a_gate, mode_a_metrics, mode_a_run
 from tests.conftest import GOLDEN_TINY_A, REPO
 
@@ -133,26 +134,22 @@ def test_param_shardings_name_the_parameter_a_mesh_cannot_split(cfg):
         load(str(GOLDEN_TINY_A), mesh=_mesh(1, 1, 8))
 
 
-def test_cache_batch_must_divide_over_data(cfg):
-    """One sequence cannot be split over data=2: the dense cache (Session) and the engine's paged
-    cache refuse it by name unless the rules replicate the batch on purpose."""
+def test_state_batch_must_divide_over_data(cfg):
+    """The engine state's per-slot buffers follow the slots over `data`: 3 slots cannot split over
+    data=2, and the refusal names the buffer; with 2 slots they split, the page buffers stay whole."""
     mesh = _mesh(2, 2, 2)
-    dense = jax.eval_shape(lambda: init_cache(cfg, 1, 64))
-    with pytest.raises(sharding.ShardingError, match=r"cache .*\(1, .*'batch', size 1.*'data' of size 2"):
-        sharding.cache_shardings(dense, mesh, sharding.EP_TP_RULES)
-    replicate_batch = {**sharding.EP_TP_RULES, "batch": None}
-    got = sharding.cache_shardings(dense, mesh, replicate_batch)
-    assert all(s.spec == jax.P(None, None, None) for s in jax.tree.leaves(got))
-    two = jax.eval_shape(lambda: init_cache(cfg, 2, 64))
-    got = sharding.cache_shardings(two, mesh, sharding.EP_TP_RULES)
-    assert all(s.spec[0] == "data" for s in jax.tree.leaves(got))
-    paged = jax.eval_shape(
-        lambda: cache_lib.init_paged_cache(cfg, max_slots=3, page_size=16, num_pages=8, max_context=64)
+    make = lambda slots: jax.eval_shape(
+        lambda: cache_lib.init_paged_cache(cfg, max_slots=slots, page_size=16, num_pages=8)
     )
+    paged = make(3)
     with pytest.raises(
         sharding.ShardingError, match=r"cache window\.0 \(3, .*'batch', size 3.*'data' of size 2"
     ):
         sharding.logical_shardings(cache_lib.paged_cache_axes(paged), paged, mesh, sharding.EP_TP_RULES)
+    two = make(2)
+    got = sharding.logical_shardings(cache_lib.paged_cache_axes(two), two, mesh, sharding.EP_TP_RULES)
+    assert all(s.spec[0] == "data" for s in jax.tree.leaves(got.window))
+    assert all(s.spec[0] is None for s in jax.tree.leaves(got.kv))
     # Through the public API: a one-sequence run on data=2 is refused before anything compiles.
     model = load(str(GOLDEN_TINY_A), mesh=mesh)
     with pytest.raises(ValueError, match=r"'batch', size 1.*'data' of size 2"):
@@ -214,12 +211,15 @@ def test_the_layout_is_passed_to_the_moe_dispatch(cfg):
     hasher = model.hasher
     tokens = np.zeros((1, 1), np.int32)
     rows = None if hasher is None else hasher.hash_ids(hasher.empty_history(1), tokens)
-    cache = jax.eval_shape(lambda: init_cache(cfg, 1, 64))
-    start = lens = np.zeros(1, np.int32)
+    state = jax.eval_shape(lambda: cache_lib.init_paged_cache(cfg, max_slots=1, page_size=16, num_pages=4))
+    meta = StepMetadata(
+        start=np.zeros(1, np.int32), lens=np.ones(1, np.int32), slots=np.zeros(1, np.int32),
+        page_tables=cache_lib.contiguous_page_tables(1, 4),
+    )  # fmt: skip
 
     def traced(layout) -> str:
-        step = jax.jit(lambda p, c: forward(p, cfg, tokens, c, start, lens + 1, rows, layout=layout))
-        return step.lower(model.params, cache).as_text()
+        step = jax.jit(lambda p, c: forward(p, cfg, tokens, c, meta, rows, layout=layout))
+        return step.lower(model.params, state).as_text()
 
     mesh = _mesh(1, 4, 2)
     assert "all_to_all" in traced(sharding.make_layout(mesh))

@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 
 from ced_jax import ops
-from pallas_kernels import formats
 from pallas_kernels.sparse_attention import (
     TileConfig,
     reference,
     sparse_attention_decode,
     sparse_attention_prefill,
 )
-from pallas_kernels.sparse_attention.common import resolve_rows
 from tests.pallas_kernels.cases import attention_case
 
 # (seed, B, T, H, D, window (keys/page, pages/seq, ids/query), main (same)): tiny seeded shapes.
@@ -104,13 +102,10 @@ def test_corrupt_selected_entry_is_loud(backend, decode):
 
 @jax.jit
 def _model_formula(q, segs, sink):
-    """ops.sparse_attention (the model's reference) on the same entries, unpacked and gathered."""
-    model_segments = []
-    for pages, table, idx in segs:
-        rows = resolve_rows(pages, table, idx)
-        unpack = formats.unpack_fp8_entries if pages.shape[-1] % 33 == 0 else formats.unpack_fp4_entries
-        keys = unpack(pages.reshape(-1, pages.shape[-1])[jnp.maximum(rows, 0)])
-        model_segments.append((jnp.where(rows[..., None] >= 0, keys, 0.0), rows >= 0, "per_query"))
+    """ops.sparse_attention (the model's reference) on the same pages, page tables and ids."""
+    model_segments = [
+        ops.KeySegment(pages, table, jnp.maximum(idx, 0), idx >= 0) for pages, table, idx in segs
+    ]
     return ops.sparse_attention(q, model_segments, sink, q.shape[-1] ** -0.5)
 
 

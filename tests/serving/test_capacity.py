@@ -98,12 +98,12 @@ def test_kv_ledger_is_the_engine_state_890_bytes_per_token_plus_slots(flash):
     assert per_seq["compressed"] == 890 * context
     assert per_seq["swa_rings"] == 40 * 128 * 528  # 512 FP8 + 16 ue8m0 per entry, every layer
     assert per_seq["compressor_states"] == 3 * 2 * 2 * 512 * 4  # ratio-2 sources, f32 kv + score
-    assert per_seq["page_table"] == 4 * (context // page) + 4  # an i32 page-table row and slot id
+    assert "page_table" not in per_seq  # host state, sent with each step's metadata
     assert kv["total"] == 32 * kv["per_sequence_total"]
     assert kv["sequences_per_device"] == 16  # the slots split over data
     # The engine keeps every page on every device (the prefix cache shares pages between slots);
-    # only the per-slot state (rings, partial groups, page table) is split with the slots.
-    slot_state = per_seq["swa_rings"] + per_seq["compressor_states"] + per_seq["page_table"]
+    # only the per-slot state (rings, partial groups) is split with the slots.
+    slot_state = per_seq["swa_rings"] + per_seq["compressor_states"]
     assert kv["per_device"] == 32 * per_seq["compressed"] + 16 * slot_state
 
 

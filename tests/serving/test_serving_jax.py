@@ -11,6 +11,7 @@ model turns a 1-ulp difference into O(1) logit differences within a few tokens (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import signal
@@ -83,12 +84,13 @@ def server(engine, model):
     st.close()
 
 
-# ------------------------------------------------------------------------- the dense mirror
+# ------------------------------------------------------------------------------- the mirror
 def mirror(
     model, prompt: list[int], generated: list[int], *, slots=SLOTS, page_size=PAGE, context=CONTEXT
 ) -> list[np.ndarray]:
     """log_softmax of the logits after the prompt and after each generated token but the last,
-    computed by `ced_jax.api.Session` with the engine's shapes. [len(generated)] x [V]."""
+    computed by `ced_jax.api.Session` calls (the `step` program, a page per call, then decode
+    steps over every slot) with the engine's shapes. [len(generated)] x [V]."""
     cfg = model.cfg
     one = model.new_session(1, context)
     for s in range(0, len(prompt), page_size):
@@ -99,10 +101,17 @@ def mirror(
     out = [logits[0, len(page) - 1]]
     # Decode as the engine does: every slot is a row; the sequence sits in row 0 (other rows idle).
     batch = model.new_session(slots, context)
-    batch.cache = jax.tree.map(lambda rows, a: rows.at[0].set(a[0]), batch.cache, one.cache)
+    src, dst = one.engine.state, batch.engine.state
+    per_slot = lambda d, s: {k: d[k].at[0].set(s[k][0]) for k in d}  # row 0 is slot 0 in both
+    pages = lambda d, s: {k: d[k].at[: s[k].shape[0]].set(s[k]) for k in d}  # row 0's pages come first
+    batch.engine.state = dataclasses.replace(
+        dst, window=per_slot(dst.window, src.window), state_kv=per_slot(dst.state_kv, src.state_kv),
+        state_score=per_slot(dst.state_score, src.state_score), kv=pages(dst.kv, src.kv),
+        index_k=pages(dst.index_k, src.index_k),
+    )  # fmt: skip
     batch.positions = np.zeros(slots, np.int32)
     batch.positions[0] = len(prompt)
-    batch.history = np.repeat(one.history, slots, axis=0)
+    batch.engine.history = np.repeat(one.engine.history, slots, axis=0)
     lens = np.zeros(slots, np.int32)
     lens[0] = 1
     for tok in generated[:-1]:
@@ -129,9 +138,7 @@ def test_buffers_are_the_packed_deployment_formats(engine):
     """890 bytes per token for v41-flash from the engine's own buffer layout (sized with
     eval_shape, nothing allocated), equal to what `describe` derives; tiny likewise."""
     v41 = preset("v41-flash")
-    shapes = jax.eval_shape(
-        lambda: cache_lib.init_paged_cache(v41, max_slots=1, page_size=128, num_pages=4, max_context=128)
-    )
+    shapes = jax.eval_shape(lambda: cache_lib.init_paged_cache(v41, max_slots=1, page_size=128, num_pages=4))
     assert cache_lib.kv_bytes_per_token(shapes) == describe(v41)["kv_bytes_per_token"] == 890
     entry_bytes = {a.shape[-1] for a in (*shapes.kv.values(), *shapes.index_k.values())}
     assert entry_bytes == {288, 68}

@@ -1,0 +1,397 @@
+"""The engine: one device state, one step function, the programs every client runs.
+
+State. The only device state is a `ced_jax.cache.PagedCache` (packed FP4 compressed KV in page
+buffers, packed FP8 SWA rings and f32 compressor partial groups per slot), immutable, passed to every
+program and donated by name (`state`); a program returns the new state. What one call does is a
+`ced_jax.cache.StepMetadata` (start, lens, slots, page tables). The Engram n-gram history is host
+state, one array per engine (`Engine.history`): the hash is int64 integer work on token ids that the
+spec puts on the host ahead of the step (`ced_jax.engram_hash`), and the rows it names are sent with
+the tokens.
+
+Programs (`Programs`, jitted once per model and shared by all its engines; jit caches one executable
+per shape):
+- `step`: `forward` over a chunk of every row (the notebook API's prefill chunks and teacher-forced
+  decoding, with capture / replay / patching); returns logits and the decisions taken.
+- `decode`: one token per row, then `ced_jax.sampling.sample` inside, so only the drawn tokens and
+  log-probabilities come back (`generate`'s decode and the server's).
+- `prefill_pages`: one chunk of one slot as a `lax.while_loop` over its pages, `forward` on one page
+  (T = page_size) per iteration, then the sample after the chunk; also returns the slot state after
+  each full page (prefix snapshots). Every page of a prompt is computed by the same program from the
+  same inputs whether a request starts cold or resumes from a snapshot, so prefix hits are exact by
+  construction (`serving.jax_engine`).
+- `restore_slot`: puts a snapshot's rings and partial groups into a slot.
+
+Clients: `ced_jax.api.Model` (a `Session` is an `Engine` of `batch` slots with contiguous page tables)
+and `serving.jax_engine.JaxEngine` (an `Engine` whose page tables come from the scheduler).
+
+On a device mesh the programs run under the model's sharding rules; the state is laid out by
+`ced_jax.cache.paged_cache_axes` (per-slot state over `batch`, page buffers replicated) and every
+program pins that layout on its output, so a donated state never changes layout; what the host
+reads comes back replicated, so every process of a multi-host run holds all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ced_jax import cache as cache_lib
+from ced_jax import sharding
+from ced_jax.cache import PagedCache, StepMetadata
+from ced_jax.config import ModelConfig
+from ced_jax.model import forward
+from ced_jax.sampling import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShapes:
+    """The static shapes of an engine's state: slots (sequences in flight), tokens per page, pages in
+    the pool, and the longest sequence (pages per slot = max_context / page_size)."""
+
+    max_slots: int
+    page_size: int
+    num_pages: int
+    max_context: int
+
+    def __post_init__(self):
+        for name in ("max_slots", "page_size", "num_pages", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context % self.page_size:
+            raise ValueError(
+                f"max_context {self.max_context} is not a multiple of page_size {self.page_size}"
+            )
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.max_context // self.page_size
+
+
+def state_shardings(state, mesh, rules):
+    """NamedShardings of a state (arrays or ShapeDtypeStructs) on `mesh` under `rules`."""
+    return sharding.logical_shardings(cache_lib.paged_cache_axes(state), state, mesh, rules)
+
+
+def new_state(cfg: ModelConfig, shapes: StateShapes, mesh=None, rules=None) -> PagedCache:
+    """A zeroed state; on a mesh built in place, already laid out (no host copy, global across processes)."""
+    make = partial(
+        cache_lib.init_paged_cache,
+        cfg,
+        max_slots=shapes.max_slots,
+        page_size=shapes.page_size,
+        num_pages=shapes.num_pages,
+    )
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh, rules))()
+
+
+# ------------------------------------------------------------------------------------ programs
+
+
+def _pin(state, mesh, rules):
+    return (
+        state
+        if mesh is None
+        else jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, rules))
+    )
+
+
+def _replicated(tree, mesh):
+    if mesh is None:
+        return tree
+    whole = sharding.replicated(mesh)
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
+
+
+def step(
+    params, tokens, state, meta, engram_rows, forced, *, cfg, capture_blocks, index_k_mode, impl, mesh, rules
+):
+    """`forward` over a chunk of every row: (logits [B, T, V], new state, aux)."""
+    logits, state, aux = forward(
+        params,
+        cfg,
+        tokens,
+        state,
+        meta,
+        engram_rows,
+        forced,
+        capture_blocks=capture_blocks,
+        index_k_mode=index_k_mode,
+        impl=impl,
+        layout=sharding.make_layout(mesh, rules),
+    )
+    return _replicated(logits, mesh), _pin(state, mesh, rules), _replicated(aux, mesh)
+
+
+def decode(
+    params,
+    state,
+    tokens,
+    meta,
+    engram_rows,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    *,
+    cfg,
+    impl,
+    max_logprobs,
+    mesh,
+    rules,
+):
+    """One token per row (tokens i32 [B]; rows with lens 0 are idle and write nothing), then the
+    sampler: (new state, (token [B], logprob [B], top ids [B, K], top logprobs [B, K]))."""
+    logits, state, _ = forward(
+        params,
+        cfg,
+        tokens[:, None],
+        state,
+        meta,
+        engram_rows,
+        impl=impl,
+        layout=sharding.make_layout(mesh, rules),
+    )
+    out = sample(logits[:, 0], meta.start + 1, temperature, top_p, top_k, seed, num_logprobs=max_logprobs)
+    return _pin(state, mesh, rules), _replicated(out, mesh)
+
+
+def prefill_pages(
+    params,
+    state,
+    tokens,
+    rows,
+    start,
+    n,
+    slot,
+    page_table,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    *,
+    cfg,
+    impl,
+    max_logprobs,
+    mesh,
+    rules,
+):
+    """One chunk (tokens i32 [C], C a multiple of page_size, n valid) of one slot starting at `start`
+    (page aligned), a page per loop iteration: (new state, sample after the chunk, slot state after
+    each full page [C / page_size, ...])."""
+    layout = sharding.make_layout(mesh, rules)
+    ps = state.page_size
+    snapshot = state.slot_state(slot)
+    pages = tokens.shape[0] // ps
+    snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), snapshot)
+
+    def body(carry):
+        k, state, last, snaps = carry
+        off = k * ps
+        page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps)[None]
+        page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps)[None]
+        meta = StepMetadata(
+            start=(start + off)[None],
+            lens=jnp.minimum(n - off, ps)[None],
+            slots=slot[None],
+            page_tables=page_table[None],
+        )
+        logits, state, _ = forward(params, cfg, page_tokens, state, meta, page_rows, impl=impl, layout=layout)
+        i = n - 1 - off  # the chunk's last token, if it is on this page
+        last = jnp.where((i >= 0) & (i < ps), logits[0, jnp.clip(i, 0, ps - 1)], last)
+        snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, state.slot_state(slot))
+        return k + 1, state, last, snaps
+
+    last = jnp.zeros((cfg.vocab_size,), jnp.float32)
+    _, state, last, snaps = jax.lax.while_loop(
+        lambda c: c[0] * ps < n, body, (jnp.int32(0), state, last, snaps)
+    )
+    out = sample(
+        last[None],
+        (start + n)[None],
+        temperature[None],
+        top_p[None],
+        top_k[None],
+        seed[None],
+        num_logprobs=max_logprobs,
+    )
+    return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
+
+
+def restore_slot(state, slot, snapshot, *, mesh, rules):
+    """The state with a slot's rings and partial groups replaced by a `PagedCache.slot_state` result."""
+    return _pin(state.restore_slot_state(slot, snapshot), mesh, rules)
+
+
+class Programs:
+    """The jitted programs of one model (see the module docstring); the state is donated by name."""
+
+    def __init__(self, cfg: ModelConfig, *, impl: str, mesh=None, rules=None):
+        static = dict(cfg=cfg, impl=impl, mesh=mesh, rules=rules)
+        self.step = jax.jit(
+            partial(step, **static),
+            static_argnames=("capture_blocks", "index_k_mode"),
+            donate_argnames=("state",),
+        )
+        self.decode = jax.jit(
+            partial(decode, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
+        )
+        self.prefill_pages = jax.jit(
+            partial(prefill_pages, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
+        )
+        self.restore_slot = jax.jit(partial(restore_slot, mesh=mesh, rules=rules), donate_argnames=("state",))
+
+
+# ------------------------------------------------------------------------------------ host side
+
+
+class Engine:
+    """One device state of `shapes` and the host state that goes with it (the Engram history per
+    slot), run by a model's `Programs`. Clients say which slots and pages a call uses; the engine
+    checks nothing about scheduling (that is the client's job) but keeps the history in step."""
+
+    def __init__(self, model, shapes: StateShapes):
+        self.model, self.cfg, self.shapes = model, model.cfg, shapes
+        self.programs: Programs = model.programs
+        self.hasher = model.hasher
+        self.mesh, self.rules = model.mesh, model.rules
+        self.state = new_state(self.cfg, shapes, self.mesh, self.rules)
+        self.history = self.empty_history(shapes.max_slots)
+
+    # ---- host inputs
+    def put(self, arr):
+        """A host input of a step: on one device the numpy array itself (jit transfers it; a
+        `jnp.asarray` would run a small program of its own per new shape), on a mesh replicated
+        (global array)."""
+        if self.mesh is None:
+            return np.asarray(arr)
+        return self.model._put_input(arr)
+
+    def empty_history(self, rows: int) -> np.ndarray:
+        if self.hasher is None:
+            return np.zeros((rows, 0), np.int64)
+        return self.hasher.empty_history(rows)
+
+    def reset_history(self, slot: int, history: np.ndarray | None = None) -> None:
+        """A fresh sequence in `slot` (or one resumed at a snapshot whose history is given)."""
+        self.history[slot] = self.empty_history(1)[0] if history is None else history
+
+    def engram_rows(self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray | None:
+        """The Engram hash rows of a chunk [B, T] of these slots; their histories move past it."""
+        if self.hasher is None:
+            return None
+        history = self.history[slots]
+        rows = self.hasher.hash_ids(history, tokens)
+        self.history[slots] = self.hasher.next_history(history, tokens, np.asarray(lens, np.int64))
+        return rows
+
+    def metadata(self, start, lens, slots, page_tables) -> StepMetadata:
+        put = self.put
+        return StepMetadata(
+            start=put(np.asarray(start, np.int32)),
+            lens=put(np.asarray(lens, np.int32)),
+            slots=put(np.asarray(slots, np.int32)),
+            page_tables=put(np.asarray(page_tables, np.int32)),
+        )
+
+    def _mesh_context(self):
+        import contextlib
+
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    # ---- calls
+    def step(
+        self,
+        tokens: np.ndarray,
+        start: np.ndarray,
+        lens: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        *,
+        forced: dict | None = None,
+        capture_blocks: bool = False,
+        index_k_mode: str = "intended",
+    ):
+        """Run a chunk tokens [B, T] of rows `slots` (lens valid tokens each): (logits, aux) on device."""
+        tokens = np.asarray(tokens, np.int32)
+        rows = self.engram_rows(np.asarray(slots), tokens, lens)
+        with self._mesh_context():
+            logits, self.state, aux = self.programs.step(
+                self.model.params,
+                self.put(tokens),
+                self.state,
+                self.metadata(start, lens, slots, page_tables),
+                None if rows is None else self.put(rows),
+                None if forced is None else jax.tree.map(self.put, forced),
+                capture_blocks=capture_blocks,
+                index_k_mode=index_k_mode,
+            )
+        return logits, aux
+
+    def decode(
+        self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
+    ):
+        """One token for each row (row i is slot slots[i]; inactive rows idle): the sampler's outputs
+        on the host (token, logprob, top ids, top logprobs), one row each."""
+        tokens = np.asarray(tokens, np.int32)
+        lens = np.asarray(active, np.int32)
+        rows = self.engram_rows(np.asarray(slots), tokens[:, None], lens)
+        put = self.put
+        with self._mesh_context():
+            self.state, out = self.programs.decode(
+                self.model.params,
+                self.state,
+                put(tokens),
+                self.metadata(positions, lens, slots, page_tables),
+                None if rows is None else put(rows),
+                put(np.asarray(temperature, np.float32)),
+                put(np.asarray(top_p, np.float32)),
+                put(np.asarray(top_k, np.int32)),
+                put(np.asarray(seed, np.uint32)),
+                max_logprobs=max_logprobs,
+            )
+        return jax.device_get(out)
+
+    def prefill_pages(
+        self, slot, padded_tokens, n, start, page_table, temperature, top_p, top_k, seed, *, max_logprobs
+    ):
+        """A chunk of one slot, a page at a time (padded_tokens [C], n valid): (sample outputs on
+        device, per-page slot states on device). The slot's history moves past the n tokens."""
+        history = self.history[slot : slot + 1]
+        rows = None
+        if self.hasher is not None:
+            rows = self.hasher.hash_ids(history, padded_tokens[None])[0]
+            self.history[slot] = self.hasher.next_history(history, padded_tokens[None, :n], np.array([n]))[0]
+        put = self.put
+        with self._mesh_context():
+            self.state, out, snaps = self.programs.prefill_pages(
+                self.model.params,
+                self.state,
+                put(padded_tokens),
+                None if rows is None else put(rows),
+                put(np.int32(start)),
+                put(np.int32(n)),
+                put(np.int32(slot)),
+                put(np.asarray(page_table, np.int32)),
+                put(np.float32(temperature)),
+                put(np.float32(top_p)),
+                put(np.int32(top_k)),
+                put(np.uint32(seed)),
+                max_logprobs=max_logprobs,
+            )
+        return out, snaps
+
+    def restore_slot(self, slot: int, snapshot_state: dict, history: np.ndarray | None) -> None:
+        with self._mesh_context():
+            self.state = self.programs.restore_slot(self.state, self.put(np.int32(slot)), snapshot_state)
+        self.reset_history(slot, history)
+
+    def zero_slot_state(self) -> dict:
+        """A host slot state of zeros (the shapes of `PagedCache.slot_state`)."""
+        shapes = jax.eval_shape(lambda s: s.slot_state(0), self.state)
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
