@@ -1,7 +1,7 @@
 """Indexer scoring for TPU (Mosaic): relu-weighted head sum of q . k over paged FP4 index keys.
 
 Grid (B, T / rows, pages_per_seq). One step scores `rows` queries of a sequence against one page of
-S keys; the page is chosen through the scalar-prefetched page table, and pages past the keys any of
+S keys (any S: the output block is one whole page); the page is chosen through the scalar-prefetched page table, and pages past the keys any of
 the sequence's queries can see are mapped onto the last needed page (no new DMA) and skipped. The
 key page is dequantised in VMEM (nibbles split into even / odd halves, matched by q's even / odd
 columns; scales spread with a 0/1 matmul, see `_tiles`), then each head's bf16 dot is rounded,
@@ -61,8 +61,6 @@ def index_scores(
     tq = min(cfg.rows, -(-t // 8) * 8)
     if tq % 8:
         raise NotImplementedError(f"rows={tq} must be a multiple of 8 on TPU")
-    if per_page % 128 and n != 1:
-        raise NotImplementedError(f"{per_page} keys per page: TPU score blocks need a multiple of 128")
     t_pad = -(-t // tq) * tq
     pad_t = ((0, 0), (0, t_pad - t))
     q_h = jnp.pad(jnp.moveaxis(q, 2, 1), ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))  # [B, I, T, Dk]
@@ -84,19 +82,22 @@ def index_scores(
             pl.BlockSpec((None, tq, 1), lambda bi, ti, si, tab, need: (bi, ti, 0)),
             pl.BlockSpec((None, per_page, nbytes), key_page),
         ],
-        out_specs=pl.BlockSpec((None, tq, per_page), lambda bi, ti, si, tab, need: (bi, ti, si)),
+        # One output block per (query tile, page) with the page as a leading axis: the block's last
+        # dim is then the whole `per_page` axis, so pages of any size (8 or 16 keys on small configs)
+        # meet Mosaic's (8, 128) block rule; the pages are laid side by side afterwards in XLA.
+        out_specs=pl.BlockSpec((None, None, tq, per_page), lambda bi, ti, si, tab, need: (bi, si, ti, 0)),
     )
     out = pl.pallas_call(
         functools.partial(_kernel, n_heads=n_heads, dk=dk, per_page=per_page),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, t_pad, n * per_page), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((b, n, t_pad, per_page), jnp.float32),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=cfg.vmem_limit_bytes
         ),
         interpret=interpret,
         name="index_scores_tpu",
     )(table, needed, q_h[..., 0::2], q_h[..., 1::2], w_h, nvis, key_pages)
-    return out[:, :t]
+    return jnp.moveaxis(out, 1, 2).reshape(b, t_pad, n * per_page)[:, :t]
 
 
 def index_topk(
