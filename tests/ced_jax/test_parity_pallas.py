@@ -1,14 +1,17 @@
 """The model with impl="pallas:interpret" (the Pallas kernels in the HLO interpreter, CPU).
 
-Default suite (cheap): the `ced_jax.ops` bridge against impl="reference" on model-shaped inputs,
-and a one-layer cut of the tiny preset whose prefill through the kernels equals the reference
-path. Slow: PARITY.md mode A on tiny-a with impl="pallas:interpret", bars unchanged (both
-index_k_modes; interpret-mode compiles take about 5 minutes per mode on 2 cores).
+Default suite (cheap): the `ced_jax.ops` bridge (sparse attention, indexer scoring, expert
+matmul) against impl="reference" on model-shaped paged inputs, and a one-layer cut of the tiny
+preset whose prefill through the kernels equals the reference path. Slow: PARITY.md mode A on
+tiny-a with impl="pallas:interpret", bars unchanged (both index_k_modes; interpret-mode compiles
+take about 5 minutes per mode on 2 cores).
 
 Tolerance of the cheap checks: kernels form every product exactly (bf16-exact operands, f32
 accumulation) and only their f32 summation order is their own, so outputs may differ by one bf16
 ulp of an intermediate; logits within 1e-4 of their scale, decisions (top-k rows, expert ids)
-equal. A spy checks that the kernels really ran, so the comparison cannot pass vacuously.
+equal. A spy checks that the kernels really ran, so the comparison cannot pass vacuously; pages
+no page table names are poisoned (NaN once decoded) and the tables are shuffled, so both paths
+must read the pages through the tables.
 """
 
 from __future__ import annotations
@@ -22,15 +25,17 @@ import pytest
 from safetensors.numpy import load_file
 
 import pallas_kernels.grouped_matmul as gmm_module
+import pallas_kernels.indexer as indexer_module
 import pallas_kernels.sparse_attention as attention_module
 from ced_jax import ops
 from ced_jax.api import Model, load
 from ced_jax.config import preset
-from ced_jax.quant import fp8_fake_quant
+from ced_jax.quant import fp4_fake_quant_e4m3, fp8_fake_quant
 from ced_jax.testing.random_weights import random_params
 from pallas_kernels import formats
 from tests.ced_jax.test_parity import MODES, assert_mode_a_gate, mode_a_metrics
 from tests.conftest import GOLDEN_TINY_A
+from tests.pallas_kernels.cases import POISON, indexer_case
 
 PALLAS = "pallas:interpret"
 
@@ -38,7 +43,7 @@ PALLAS = "pallas:interpret"
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts the kernel entry points the bridge reaches (traced calls)."""
-    calls = {"gmm": 0, "decode": 0, "prefill": 0}
+    calls = {"gmm": 0, "decode": 0, "prefill": 0, "index": 0}
 
     def spy(module, attr, key):
         real = getattr(module, attr)
@@ -52,6 +57,7 @@ def kernel_calls(monkeypatch):
     spy(gmm_module, "gmm", "gmm")
     spy(attention_module, "sparse_attention_decode", "decode")
     spy(attention_module, "sparse_attention_prefill", "prefill")
+    spy(indexer_module, "index_scores", "index")
     return calls
 
 
@@ -87,52 +93,93 @@ def test_expert_matmul_bridge_matches_reference(kernel_calls, backend, m):
 
 
 def _attention_segments(seed, b, t, h, d, window, x):
-    """Model-shaped segments: FP8-quantised window keys ('shared') and FP4 main entries gathered per
-    query ('per_query'), random validity, the first query of sequence 0 with no valid key."""
+    """The model's three segments, packed in pages: the window rings (one page of `window` FP8
+    entries per slot, the rows on shuffled slots), the chunk's own FP8 keys (one transient page per
+    row) and `x` FP4 main entries per query from compressed pages through a shuffled page table.
+    Random validity; the first query of sequence 0 has no valid key; unnamed pages are poisoned."""
     rng = np.random.default_rng(seed)
     q = formats.round_bf16(jnp.asarray(rng.standard_normal((b, t, h, d)).astype(np.float32)))
-    win = fp8_fake_quant(jnp.asarray(rng.standard_normal((b, window, d)).astype(np.float32)), 32)
-    main = formats.unpack_fp4_entries(
-        formats.quantize_fp4_entries(jnp.asarray(rng.standard_normal((b, t, x, d)).astype(np.float32)))
-    )
-    win_valid = rng.random((b, t, window)) < 0.7
+    fp8_pages = lambda shape: np.array(formats.pack_fp8_entries(fp8_fake_quant(_normal(rng, shape), 32)))
+    fp4_pages = lambda shape: np.array(formats.pack_fp4_entries(fp4_fake_quant_e4m3(_normal(rng, shape), 16)))
+
+    slots = rng.permutation(b + 2)[:b].astype(np.int32)  # two slots no row uses
+    rings = fp8_pages((b + 2, window, d))
+    rings[np.setdiff1d(np.arange(b + 2), slots)] = POISON
+    chunk = fp8_pages((b, t, d))
+    per_page, pages_per_row = 4, -(-2 * x // 4)  # a row holds 2x compressed entries
+    num_pages = b * pages_per_row + 2
+    compressed = fp4_pages((num_pages, per_page, d))
+    table = rng.permutation(num_pages)[: b * pages_per_row].reshape(b, pages_per_row).astype(np.int32)
+    compressed[np.setdiff1d(np.arange(num_pages), table)] = POISON
+
+    ring_valid = rng.random((b, t, window)) < 0.7
+    chunk_valid = np.tril(np.ones((t, t), bool))[None] & (rng.random((b, t, t)) < 0.8)
+    main_ids = rng.integers(0, pages_per_row * per_page, (b, t, x)).astype(np.int32)
     main_valid = rng.random((b, t, x)) < 0.6
-    win_valid[0, 0] = main_valid[0, 0] = False
-    segments = [(win, jnp.asarray(win_valid), "shared"), (main, jnp.asarray(main_valid), "per_query")]
+    for valid in (ring_valid, chunk_valid, main_valid):
+        valid[0, 0] = False
+    segments = [
+        (rings, slots[:, None], np.tile(np.arange(window), (b, 1)), ring_valid),
+        (chunk, np.arange(b)[:, None], np.tile(np.arange(t), (b, 1)), chunk_valid),
+        (compressed, table, main_ids, main_valid),
+    ]
+    segments = [ops.KeySegment(*(jnp.asarray(a) for a in seg)) for seg in segments]
     sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
     return q, segments, sink
+
+
+def _normal(rng, shape):
+    """Values over a few binades, as keys are."""
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-3, 3, shape[:-1] + (1,)))
+    return jnp.asarray(x.astype(np.float32))
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 @pytest.mark.parametrize("t", [1, 5], ids=["decode", "prefill"])
 def test_sparse_attention_bridge_matches_reference(kernel_calls, backend, t):
     q, segments, sink = _attention_segments(t, 2, t, 4, 128, 16, 16)
-    layouts = [layout for _, _, layout in segments]
-    arrays = [(keys, valid) for keys, valid, _ in segments]
 
     def run(impl):
-        def fn(q, arrays, sink):
-            segs = [(k, v, lay) for (k, v), lay in zip(arrays, layouts, strict=True)]
-            return ops.sparse_attention(q, segs, sink, 128**-0.5, impl=impl)
-
-        return np.asarray(jax.jit(fn)(q, arrays, sink))
+        fn = lambda q, segments, sink: ops.sparse_attention(q, segments, sink, 128**-0.5, impl=impl)
+        return np.asarray(jax.jit(fn)(q, segments, sink))
 
     ref = run("reference")
     out = run(f"pallas:{backend}:interpret")
     assert kernel_calls["decode" if t == 1 else "prefill"] == 1
-    assert np.isfinite(out).all() and not out[0, 0].any()  # no valid key: zeros
+    assert np.isfinite(ref).all() and not ref[0, 0].any()  # poisoned pages unread; no valid key: zeros
+    assert np.isfinite(out).all() and not out[0, 0].any()
     # Same products, f32 sums in another order: at most one bf16 ulp apart after the rounding.
     np.testing.assert_allclose(out, ref, rtol=2**-7, atol=1e-6)
     assert np.mean(out == ref) > 0.98
 
 
-def test_sparse_attention_bridge_is_loud_on_unquantised_keys():
-    """Keys the packed formats cannot hold exactly come out NaN, not silently rounded."""
-    q, segments, sink = _attention_segments(7, 1, 3, 4, 128, 16, 16)
-    (win, valid, layout), main = segments
-    raw = win + 1e-3  # off the FP8 grid
-    out = ops.sparse_attention(q, [(raw, jnp.ones_like(valid), layout), main], sink, 0.1, impl=PALLAS)
-    assert np.isnan(np.asarray(out)).any()
+# (seed, B, T, I, Dk, keys per page, pages per row): the tiny preset's index keys at page_size 16
+# (8 entries of a ratio-2 source per page), a decode step, and pages of 128 keys.
+INDEX_CASES = [(3, 2, 12, 8, 128, 8, 4), (4, 3, 1, 8, 128, 8, 4), (5, 2, 5, 8, 128, 128, 2)]
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("case", INDEX_CASES, ids=["prefill-p8", "decode-p8", "prefill-p128"])
+def test_index_scores_bridge_matches_reference(kernel_calls, backend, case):
+    """Paged FP4 index keys through a shuffled page table, keys past what a row can see poisoned
+    (`tests.pallas_kernels.cases.indexer_case`). Equal except where the head sum (in head order in
+    the kernel, XLA's order in the reference) straddles a bf16 rounding tie: one bf16 ulp there."""
+    args = indexer_case(*case).args()
+    n_visible = np.asarray(args[-1])
+
+    def run(impl):
+        return np.asarray(jax.jit(lambda *a: ops.index_scores(*a, impl=impl))(*args))
+
+    ref = run("reference")
+    out = run(f"pallas:{backend}:interpret")
+    assert kernel_calls["index"] == 1
+    visible = np.arange(ref.shape[-1])[None, None, :] < n_visible[..., None]
+    assert visible.any() and not visible.all()
+    for scores in (ref, out):
+        assert np.isfinite(scores[visible]).all() and (scores[~visible] == -np.inf).all()
+    scale = np.abs(ref[visible]).max()
+    np.testing.assert_allclose(out[visible], ref[visible], rtol=2**-7, atol=2**-8 * scale)
+    assert np.mean(out[visible] == ref[visible]) > 0.99
 
 
 # ------------------------------------------------------------------- one-layer model cut
@@ -150,17 +197,20 @@ def _one_layer_tiny():
     return cfg, random_params(cfg, 0)
 
 
-def test_one_layer_prefill_pallas_equals_reference(kernel_calls):
-    """A ratio-2 layer (window FP8 + compressed FP4 segments, indexer, MoE) of the tiny preset:
-    prefill logits and decisions of impl=pallas:interpret against impl=reference."""
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_one_layer_prefill_pallas_equals_reference(kernel_calls, backend):
+    """A ratio-2 layer (window FP8 + compressed FP4 segments, indexer on the paged index keys, MoE)
+    of the tiny preset: prefill logits and decisions of impl=pallas:{backend}:interpret against
+    impl=reference (pages of 16 tokens: 8 index keys per page, 4 pages per row)."""
     cfg, flat = _one_layer_tiny()
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, 12)
+    impl = f"pallas:{backend}:interpret"
     out = {}
-    for impl in ("reference", PALLAS):
-        model = Model(cfg, flat, hasher=None, tokenizer_path=None, impl=impl)
-        out[impl] = model.logits(prompt, capture=True)
-    assert kernel_calls["gmm"] == 3 and kernel_calls["prefill"] == 1
-    ref, got = out["reference"], out[PALLAS]
+    for name in ("reference", impl):
+        model = Model(cfg, flat, hasher=None, tokenizer_path=None, impl=name)
+        out[name] = model.logits(prompt, capture=True)
+    assert kernel_calls == {"gmm": 3, "decode": 0, "prefill": 1, "index": 1}
+    ref, got = out["reference"], out[impl]
     logits = ref["prefill_logits_full"]
     np.testing.assert_allclose(got["prefill_logits_full"], logits, rtol=0, atol=1e-4 * np.abs(logits).max())
     for key in ("prefill_topk_layer0", "prefill_gate_indices"):
