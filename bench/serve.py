@@ -12,6 +12,11 @@ Reported per level: requests/s and output tokens/s over the level's wall time, T
 first token received) and TPOT (time per output token after the first: (last - first) / (n - 1)),
 p50 and p99; and the ratio of output tokens/s at each level to the single-stream level. The server's
 compiles-after-warm-up counter (from /metrics when in-process) must stay 0.
+
+With the in-process server, the library path is measured too, in the same process after the levels
+(`--library-requests`, 0 to skip): `ced_jax.load(model).generate` on prompts and outputs of the same
+lengths and sampling, one after another, output tokens over their total time (prefill included, as
+a served request's); the single stream's output tokens/s is reported as a ratio to it.
 """
 
 from __future__ import annotations
@@ -91,9 +96,15 @@ def _start_local(args):
     context = args.max_context
     config = ServeConfig(
         max_slots=max_slots, page_size=args.page_size, max_context=context, prefill_buckets=(args.chunk,),
+        prefill_rows=args.prefill_rows, prefill_token_budget=args.prefill_token_budget,
         max_tokens_limit=context, metrics_port=0,
         enable_prefix_cache=False,  # random prompts share nothing but BOS; keep the work honest
     )  # fmt: skip
+    print(
+        f"prefill rows {config.prefill_rows}, token budget {config.prefill_token_budget}, "
+        f"decode buckets {config.decode_buckets}",
+        file=sys.stderr,
+    )
     engine = JaxEngine(model, config)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -101,7 +112,23 @@ def _start_local(args):
     t = time.perf_counter()
     asyncio.run_coroutine_threadsafe(server.start(engine, ModelTokenizer(model)), loop).result()
     print(f"engine warm-up (compile) {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    return server, loop, model.cfg.vocab_size
+    return server, loop, model
+
+
+def _library(model, args, rng: np.random.Generator) -> dict:
+    """Output tokens/s of `model.generate` on `--library-requests` prompts like the levels' (after one
+    untimed call that compiles)."""
+    prompts = [
+        [0] + rng.integers(3, args.vocab, args.prompt_len - 1).tolist()
+        for _ in range(args.library_requests + 1)
+    ]
+    kw = dict(max_tokens=args.output_len, temperature=0.8, stop_at_eos=False)
+    model.generate(prompts[0], seed=0, **kw)
+    tokens, t0 = 0, time.perf_counter()
+    for i, prompt in enumerate(prompts[1:]):
+        tokens += len(model.generate(prompt, seed=i, **kw)["token_ids"])
+    wall = time.perf_counter() - t0
+    return {"requests": args.library_requests, "output_tokens_per_s": tokens / wall}
 
 
 def main(argv=None) -> int:
@@ -116,17 +143,30 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="token id range (default: the model's)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk of the in-process engine")
+    p.add_argument(
+        "--prefill-rows",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=None,
+        help="prefill row counts of the in-process engine, e.g. 4 or 1,2,4 (default: ServeConfig's)",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=None,
+        help="prompt tokens per step (default: ServeConfig's)",
+    )
+    p.add_argument("--library-requests", type=int, default=8, help="generate() calls timed (0: skip)")
     p.add_argument("--max-context", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.concurrency[0] != 1:
         raise SystemExit("--concurrency must start with 1 (the ratios are to a single stream)")
-    server = loop = None
+    server = loop = model = None
     if args.addr is None:
-        server, loop, vocab = _start_local(args)
+        server, loop, model = _start_local(args)
         args.addr = server.address
-        args.vocab = args.vocab or vocab
+        args.vocab = args.vocab or model.cfg.vocab_size
     elif args.vocab is None:
         args.vocab = client.model_info(args.addr).vocab_size
     rng = np.random.default_rng(args.seed)
@@ -136,12 +176,19 @@ def main(argv=None) -> int:
     for lv in levels:
         lv["ratio_to_single"] = lv["output_tokens_per_s"] / base
     compiles = None
+    library = None
     if server is not None:
         compiles = server.engine.compiles_after_warmup
         asyncio.run_coroutine_threadsafe(server.shutdown(0.0), loop).result()
+        if args.library_requests > 0:
+            library = _library(model, args, rng)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
     print(f"# bench/serve.py on {machine}; prompt {args.prompt_len}, output {args.output_len} tokens, "
           f"Poisson rate {args.rate}/s; compiles after warm-up: {compiles}")  # fmt: skip
+    if server is not None:
+        cfg = server.config
+        print(f"# prefill rows {cfg.prefill_rows}, token budget {cfg.prefill_token_budget}, "
+              f"chunk {args.chunk}, decode buckets {cfg.decode_buckets}")  # fmt: skip
     print("| C | requests | req/s | out tok/s | ratio to C=1 | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
     print("|---|---|---|---|---|---|---|")
     for lv in levels:
@@ -151,8 +198,14 @@ def main(argv=None) -> int:
             f"{lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
             f"{lv['tpot_p50_ms']:.1f} / {lv['tpot_p99_ms']:.1f} |"
         )
+    if library is not None:
+        ratio = levels[0]["output_tokens_per_s"] / library["output_tokens_per_s"]
+        print(
+            f"library path (generate, {library['requests']} requests): "
+            f"{library['output_tokens_per_s']:.1f} output tok/s; one stream / library = {ratio:.2f}"
+        )
     if args.json:
-        result = {"levels": levels, "compiles_after_warmup": compiles}
+        result = {"levels": levels, "compiles_after_warmup": compiles, "library": library}
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if not compiles else 1
 

@@ -19,6 +19,9 @@ per shape):
   each full page (prefix snapshots). Every page of a prompt is computed by the same program from the
   same inputs whether a request starts cold or resumes from a snapshot, so prefix hits are exact by
   construction (`serving.jax_engine`).
+- `prefill_batch`: `prefill_pages` for chunks of several slots at once, [R, page_size] per iteration
+  (rows whose chunk is done bring 0 tokens and write nothing); per-row samples and snapshots. The
+  server's prefill (`serving.jax_engine`).
 - `restore_slot`: puts a snapshot's rings and partial groups into a slot.
 
 Clients: `ced_jax.api.Model` (a `Session` is an `Engine` of `batch` slots with contiguous page tables)
@@ -223,6 +226,66 @@ def prefill_pages(
     return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
 
 
+def prefill_batch(
+    params,
+    state,
+    tokens,
+    rows,
+    start,
+    n,
+    slots,
+    page_tables,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    *,
+    cfg,
+    impl,
+    max_logprobs,
+    mesh,
+    rules,
+):
+    """`prefill_pages` for R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of
+    page_size, n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page
+    aligned) through page_tables[r]. One `forward` on [R, page_size] per loop iteration, page k of
+    every row; a row whose chunk has no page k brings 0 tokens and writes nothing. Returns (new
+    state, the sample after each row's chunk (rows with n 0: garbage), the slot state of every row
+    after each page [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size
+    <= n[r]))."""
+    layout = sharding.make_layout(mesh, rules)
+    ps = state.page_size
+    num_rows, width = tokens.shape
+    pages = width // ps
+    snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), state.slot_state(slots))
+
+    def body(carry):
+        k, state, last, snaps = carry
+        off = k * ps
+        lens = jnp.clip(n - off, 0, ps)
+        page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps, axis=1)
+        page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps, axis=1)
+        # A row done with its chunk stays at its start (positions within its sequence; it writes
+        # nothing with 0 tokens).
+        meta = StepMetadata(
+            start=jnp.where(lens > 0, start + off, start), lens=lens, slots=slots, page_tables=page_tables
+        )
+        logits, state, _ = forward(params, cfg, page_tokens, state, meta, page_rows, impl=impl, layout=layout)
+        i = n - 1 - off  # each row's last token, if it is on this page
+        here = (i >= 0) & (i < ps)
+        picked = jnp.take_along_axis(logits, jnp.clip(i, 0, ps - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where(here[:, None], picked, last)
+        snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, state.slot_state(slots))
+        return k + 1, state, last, snaps
+
+    last = jnp.zeros((num_rows, cfg.vocab_size), jnp.float32)
+    _, state, last, snaps = jax.lax.while_loop(
+        lambda c: c[0] * ps < jnp.max(n), body, (jnp.int32(0), state, last, snaps)
+    )
+    out = sample(last, start + n, temperature, top_p, top_k, seed, num_logprobs=max_logprobs)
+    return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
+
+
 def restore_slot(state, slot, snapshot, *, mesh, rules):
     """The state with a slot's rings and partial groups replaced by a `PagedCache.slot_state` result."""
     return _pin(state.restore_slot_state(slot, snapshot), mesh, rules)
@@ -243,6 +306,9 @@ class Programs:
         )
         self.prefill_pages = jax.jit(
             partial(prefill_pages, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
+        )
+        self.prefill_batch = jax.jit(
+            partial(prefill_batch, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
         )
         self.restore_slot = jax.jit(partial(restore_slot, mesh=mesh, rules=rules), donate_argnames=("state",))
 
@@ -338,6 +404,19 @@ class Engine:
     ):
         """One token for each row (row i is slot slots[i]; inactive rows idle): the sampler's outputs
         on the host (token, logprob, top ids, top logprobs), one row each."""
+        return jax.device_get(
+            self.dispatch_decode(
+                slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
+                max_logprobs=max_logprobs,
+            )
+        )  # fmt: skip
+
+    def dispatch_decode(
+        self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
+    ):
+        """`decode` without waiting: the sampler's outputs stay on the device (JAX dispatch is
+        asynchronous), so the host can prepare other work while the step runs; `jax.device_get`
+        them when needed. The history moves at once (it needs only the fed tokens)."""
         tokens = np.asarray(tokens, np.int32)
         lens = np.asarray(active, np.int32)
         rows = self.engram_rows(np.asarray(slots), tokens[:, None], lens)
@@ -355,7 +434,7 @@ class Engine:
                 put(np.asarray(seed, np.uint32)),
                 max_logprobs=max_logprobs,
             )
-        return jax.device_get(out)
+        return out
 
     def prefill_pages(
         self, slot, padded_tokens, n, start, page_table, temperature, top_p, top_k, seed, *, max_logprobs
@@ -382,6 +461,36 @@ class Engine:
                 put(np.float32(top_p)),
                 put(np.int32(top_k)),
                 put(np.uint32(seed)),
+                max_logprobs=max_logprobs,
+            )
+        return out, snaps
+
+    def prefill_batch(
+        self, slots, padded_tokens, n, start, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
+    ):
+        """Chunks of R slots at once, a page of every row per iteration (`prefill_batch` program):
+        padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns
+        (sample outputs on device [R], per-page slot states on device [C / page_size, R, ...]);
+        nothing is waited for. Each row's history moves past its n tokens."""
+        slots = np.asarray(slots, np.int32)
+        tokens = np.asarray(padded_tokens, np.int32)
+        n = np.asarray(n, np.int32)
+        rows = self.engram_rows(slots, tokens, n)
+        put = self.put
+        with self._mesh_context():
+            self.state, out, snaps = self.programs.prefill_batch(
+                self.model.params,
+                self.state,
+                put(tokens),
+                None if rows is None else put(rows),
+                put(np.asarray(start, np.int32)),
+                put(n),
+                put(slots),
+                put(np.asarray(page_tables, np.int32)),
+                put(np.asarray(temperature, np.float32)),
+                put(np.asarray(top_p, np.float32)),
+                put(np.asarray(top_k, np.int32)),
+                put(np.asarray(seed, np.uint32)),
                 max_logprobs=max_logprobs,
             )
         return out, snaps

@@ -47,6 +47,14 @@ class ServeConfig:
     # checks a request alone against it among 31 others), so a stream's tokens never depend on how
     # many others run beside it.
     decode_buckets: tuple[int, ...] | None = None
+    # Prefill batch sizes compiled at start-up (rows of one prefill program: each row one request's
+    # chunk); a step's chunks run in the smallest that holds them, padded with idle rows. None: one
+    # size, min(4, max_slots). Why one: on XLA:CPU a row's prefill logits differ between programs of
+    # different row counts (measured on tiny: 1 row vs 2 or 4 vs 8, on a page that ends mid-way), so
+    # with several sizes a prefix-cache hit, computed beside other requests, is no longer
+    # bit-identical to its cold run; one size keeps it exact at the cost of idle rows (BENCHMARKS.md,
+    # Serving).
+    prefill_rows: tuple[int, ...] | None = None
 
     # Admission and request limits.
     max_running: int | None = None  # requests holding a slot; None = max_slots
@@ -63,8 +71,12 @@ class ServeConfig:
     max_prompt_bytes: int = 1 << 20
     max_tokenize_bytes: int = 1 << 20
 
-    # Scheduling.
-    prefill_chunks_per_step: int = 1  # prefill chunks run between two decode steps
+    # Scheduling. Prompt tokens prefilled per scheduler step, summed over the requests' chunks (at most
+    # max(prefill_rows) chunks, each at most max(prefill_buckets) tokens), handed out a page per request
+    # in turn, oldest first. It bounds how long a step's prefill holds up the running streams. None:
+    # page_size * max(prefill_rows), one page of every row, so a step's prefill is at most one forward
+    # over [max(prefill_rows), page_size] tokens on JaxEngine. At least page_size.
+    prefill_token_budget: int | None = None
     enable_prefix_cache: bool = True
 
     # Tenants (serving/tenants.py).
@@ -101,6 +113,18 @@ class ServeConfig:
             raise ValueError(
                 f"decode_buckets must be ascending, positive and end at max_slots ({self.max_slots}), got {d}"
             )
+        if self.prefill_rows is None:
+            object.__setattr__(self, "prefill_rows", (min(4, self.max_slots),))
+        r = tuple(self.prefill_rows)
+        if not r or list(r) != sorted(set(r)) or r[0] < 1 or r[-1] > self.max_slots:
+            raise ValueError(
+                f"prefill_rows must be ascending, positive and at most max_slots ({self.max_slots}), got {r}"
+            )
+        if self.prefill_token_budget is None:
+            object.__setattr__(self, "prefill_token_budget", self.page_size * r[-1])
+        if self.prefill_token_budget < self.page_size:
+            budget = self.prefill_token_budget
+            raise ValueError(f"prefill_token_budget must be >= page_size ({self.page_size}), got {budget}")
         positive = (
             "max_tokens_limit",
             "default_max_tokens",
@@ -118,8 +142,8 @@ class ServeConfig:
             raise ValueError(
                 f"max_running must be in 1..max_slots ({self.max_slots}), got {self.max_running}"
             )
-        if self.max_queued < 0 or self.max_logprobs < 0 or self.prefill_chunks_per_step < 1:
-            raise ValueError("max_queued and max_logprobs must be >= 0, prefill_chunks_per_step >= 1")
+        if self.max_queued < 0 or self.max_logprobs < 0:
+            raise ValueError("max_queued and max_logprobs must be >= 0")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):

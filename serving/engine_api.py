@@ -11,14 +11,16 @@ Shapes are static, so nothing compiles after `warmup()`:
 - `num_pages` pages of `page_size` tokens; each slot has a page table of `pages_per_slot` entries
   (`max_context / page_size`), one row of `page_tables[max_slots, pages_per_slot]` on the host.
 - a prefill chunk is padded to the smallest of `prefill_buckets` that holds it; the scheduler never
-  sends a chunk longer than `max(prefill_buckets)`.
+  sends a chunk longer than `max(prefill_buckets)`. `prefill_batch` takes the chunks of several
+  slots at once (at most `max(ServeConfig.prefill_rows)`; JaxEngine compiles one program per
+  `prefill_rows` size and pads a call to the smallest that holds it).
 
 Lifecycle of a slot, as seen by the engine:
-1. `prefill(chunk)` one or more times, positions contiguous. Every chunk starts at a page boundary
-   (`start_pos % page_size == 0`; the scheduler cuts chunks at multiples of the largest bucket, which
-   is a multiple of `page_size`). The first chunk starts at 0, or at a prefix-cache hit (see below).
-   It writes the chunk's KV into the pages named by the page table. The chunk with `is_last_chunk`
-   samples the first generated token.
+1. `prefill_batch(chunks)` one or more times (one chunk of the slot per call, positions contiguous).
+   Every chunk starts at a page boundary (`start_pos % page_size == 0`; the scheduler cuts every
+   chunk but a prompt's last at a page boundary). The first chunk starts at 0, or at a prefix-cache
+   hit (see below). It writes the chunk's KV into the pages named by the page table. The chunk with
+   `is_last_chunk` samples the first generated token.
 2. `decode(batch)` many times: each active row feeds its last token at `positions[s]`, writes its KV,
    and samples the token at `positions[s] + 1`.
 3. `release(slot)`: the request finished, was aborted or was cancelled. The slot's per-slot state
@@ -40,6 +42,12 @@ and the Engram n-gram history at `b`. `EngineSpec.restore_mode` says which:
   `drop_snapshot`, so the engine can free whatever device memory the snapshot holds.
 Either way a hit must give exactly the logits of a cold run.
 
+Asynchrony. `decode_async` and `prefill_async` only dispatch the work and return a `Pending`
+whose `result()` waits for it (JAX dispatch is asynchronous), so the scheduler dispatches a step's
+decode, then its prefill, and prepares their inputs and handles the decode's tokens while the device
+runs them; calls take effect in the order they were made. `decode`, `prefill_batch` and `prefill`
+are the same calls, waited for.
+
 Sampling is part of the engine's compiled programs (`ced_jax/sampling.py`): per-row parameters arrive as
 arrays, the key for the token at absolute position `p` is `fold_in(PRNGKey(seed), p)`, so a request's
 tokens depend only on its own seed, positions and logits, never on what else is in the batch.
@@ -51,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -209,6 +217,23 @@ class DecodeResult:
 
 
 @runtime_checkable
+class Pending(Protocol):
+    """Work an engine has dispatched; `result()` waits for it (once; later calls return the same)."""
+
+    def result(self) -> Any: ...
+
+
+class Ready:
+    """A `Pending` that is already done (engines that compute on the host)."""
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
+
+
+@runtime_checkable
 class Engine(Protocol):
     """What the scheduler needs from a device engine. All calls come from the scheduler's one thread."""
 
@@ -224,9 +249,26 @@ class Engine(Protocol):
         """Compiles every program variant (all prefill buckets, decode) before serving."""
         ...
 
-    def prefill(self, chunk: PrefillChunk) -> PrefillResult: ...
+    def prefill_async(self, chunks: Sequence[PrefillChunk]) -> Pending:
+        """Dispatches one chunk of each of several distinct slots; `result()`: list[PrefillResult],
+        one per chunk in order."""
+        ...
 
-    def decode(self, batch: DecodeBatch) -> DecodeResult: ...
+    def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[PrefillResult]:
+        """`prefill_async(chunks).result()`."""
+        ...
+
+    def prefill(self, chunk: PrefillChunk) -> PrefillResult:
+        """`prefill_batch([chunk])[0]`."""
+        ...
+
+    def decode_async(self, batch: DecodeBatch) -> Pending:
+        """Dispatches a decode step; `result()`: its DecodeResult."""
+        ...
+
+    def decode(self, batch: DecodeBatch) -> DecodeResult:
+        """`decode_async(batch).result()`."""
+        ...
 
     def release(self, slot: int) -> None: ...
 

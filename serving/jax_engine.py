@@ -5,24 +5,33 @@ per slot), the same engine the notebook API runs; this module adds what the sche
 on top: slot bookkeeping and checks, decode batch buckets, prefix snapshots on the host, and warm-up.
 
 Programs, compiled by `warmup()`, which runs each of them through the serving code path (a one-token
-prefill and one decode step on slot 0, idle steps of the other decode batch sizes, a restore), so that
-every later call finds its executable in jit's cache. The serving calls stay ordinary jit calls,
-watched by a `CompileCounter` that counts JAX's own compilation events: a call whose shapes, dtypes or
-shardings warm-up did not cover compiles, and shows in `compiles_after_warmup` (and on /metrics):
-- prefill: one chunk of up to `prefill_chunk` tokens (the one bucket) of one slot, the engine's
-  `prefill_pages` program (a `lax.while_loop` over its pages, `forward` on one page per iteration,
-  then the sample after the chunk). The trip count is dynamic, so a short chunk costs only its pages.
+prefill and one decode step on slot 0, idle calls of the other prefill and decode batch sizes, a
+restore), so that every later call finds its executable in jit's cache. The serving calls stay
+ordinary jit calls, watched by a `CompileCounter` that counts JAX's own compilation events: a call
+whose shapes, dtypes or shardings warm-up did not cover compiles, and shows in
+`compiles_after_warmup` (and on /metrics):
+- prefill: the chunks (up to `prefill_chunk` tokens each, the one bucket) of several slots, the
+  engine's `prefill_batch` program over R rows, R the smallest of `prefill_rows` that holds them,
+  padded with distinct other slots of length 0 (they write nothing): a `lax.while_loop` over the
+  pages, `forward` on [R, page_size] per iteration, then each row's sample. The trip count is
+  dynamic, so a batch costs the pages of its longest chunk. The default is one row count
+  (`ServeConfig.prefill_rows`): a row's prefill arithmetic on XLA:CPU depends on the row count, so
+  one count keeps prefix-cache hits bit-identical to cold runs whatever shares the batch.
 - decode: one token for each row of a batch of the smallest `decode_buckets` size that holds the
   active slots (ServeConfig: 8, 16, 32 for 32 slots), padded with distinct idle slots of length 0
   (they write nothing), sampling inside (`ced_jax.sampling`), so only tokens and log-probabilities
   come back. A lone stream thus pays for 8 rows, not `max_slots`; why not 1, see
   `ServeConfig.decode_buckets`.
 - restore: puts a snapshot's rings and partial groups into a slot.
+`prefill_async` and `decode_async` only dispatch their program (JAX runs it asynchronously); the
+returned `Pending` copies the results to the host when asked, so the scheduler overlaps host work
+with the device's.
 
 Why a page per iteration: it makes prefix-cache hits exact by construction. Every page of a prompt
 is computed by the same program from the same inputs (its tokens, position, the pages before it and
 the slot state at its start), whether the request starts cold at 0 or resumes from a snapshot at a
-page boundary, and however the scheduler cut the prompt into chunks. (A whole-chunk forward would
+page boundary, however the scheduler cut the prompt into chunks, and whichever other rows share
+the call (with one `prefill_rows` size). (A whole-chunk forward would
 sum attention terms in an order that depends on where the chunk starts.) The price is prefill
 matmuls of page_size rows; pick page_size accordingly on an accelerator.
 
@@ -73,6 +82,109 @@ class JaxSnapshot:
     history: np.ndarray | None  # Engram history [K-1] at pos
 
 
+@dataclasses.dataclass(frozen=True)
+class _PrefillRows:
+    """The host inputs of one `prefill_batch` program call: the chunks' rows, then idle rows."""
+
+    slots: np.ndarray  # i32 [R]
+    tokens: np.ndarray  # i32 [R, prefill_chunk]
+    n: np.ndarray  # i32 [R]; 0 on idle rows
+    start: np.ndarray  # i32 [R]
+    page_tables: np.ndarray  # i32 [R, pages_per_slot]
+    temperature: np.ndarray  # f32 [R]
+    top_p: np.ndarray  # f32 [R]
+    top_k: np.ndarray  # i32 [R]
+    seed: np.ndarray  # u32 [R]
+
+    @classmethod
+    def idle(cls, size: int, engine: JaxEngine, slots: np.ndarray | None = None) -> _PrefillRows:
+        """`size` rows that bring nothing (slots 0.., or `slots`)."""
+        return cls(
+            slots=np.arange(size, dtype=np.int32) if slots is None else np.asarray(slots, np.int32),
+            tokens=np.full((size, engine.prefill_chunk), engine.cfg.pad_token_id, np.int32),
+            n=np.zeros(size, np.int32),
+            start=np.zeros(size, np.int32),
+            page_tables=np.zeros((size, engine.spec.pages_per_slot), np.int32),
+            temperature=np.zeros(size, np.float32),
+            top_p=np.ones(size, np.float32),
+            top_k=np.zeros(size, np.int32),
+            seed=np.zeros(size, np.uint32),
+        )
+
+    @classmethod
+    def build(cls, chunks: Sequence[PrefillChunk], size: int, engine: JaxEngine) -> _PrefillRows:
+        used = {c.slot for c in chunks}
+        others = [s for s in range(engine.spec.max_slots) if s not in used][: size - len(chunks)]
+        rows = cls.idle(size, engine, [c.slot for c in chunks] + others)
+        for r, c in enumerate(chunks):
+            rows.tokens[r, : len(c.token_ids)] = c.token_ids
+            rows.n[r] = len(c.token_ids)
+            rows.start[r] = c.start_pos
+            rows.page_tables[r] = c.page_table
+            sp = c.sampling
+            rows.temperature[r], rows.top_p[r] = sp.temperature, sp.top_p
+            rows.top_k[r], rows.seed[r] = sp.top_k, sp.seed
+        return rows
+
+
+class _PendingDecode:
+    """A dispatched decode step: `result()` copies the drawn tokens to the host (once) and puts
+    them back in their slots' rows (idle rows are garbage)."""
+
+    def __init__(self, out, slots: np.ndarray, max_slots: int):
+        self._out, self._slots, self._max_slots = out, slots, max_slots
+        self._result: DecodeResult | None = None
+
+    def result(self) -> DecodeResult:
+        if self._result is None:
+            out = jax.device_get(self._out)
+            full = [np.zeros((self._max_slots, *a.shape[1:]), a.dtype) for a in out]
+            for dst, src in zip(full, out, strict=True):
+                dst[self._slots] = src
+            tok, lp, ids, tlp = full
+            self._result = DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
+            self._out = None
+        return self._result
+
+
+class _PendingPrefill:
+    """A dispatched prefill batch: `result()` copies what the chunks need to the host (the first
+    token of last chunks, the asked-for snapshots) and makes their `PrefillResult`s (once)."""
+
+    def __init__(self, engine: JaxEngine, chunks: list[PrefillChunk], histories, out, snaps):
+        self._engine, self._chunks, self._histories = engine, chunks, histories
+        self._out, self._snaps = out, snaps
+        self._results: list[PrefillResult] | None = None
+
+    def result(self) -> list[PrefillResult]:
+        if self._results is not None:
+            return self._results
+        engine, ps = self._engine, self._engine.page_size
+        host_snaps = jax.device_get(self._snaps) if any(c.snapshot_at for c in self._chunks) else None
+        out = jax.device_get(self._out) if any(c.is_last_chunk for c in self._chunks) else None
+        results = []
+        for r, chunk in enumerate(self._chunks):
+            toks = np.asarray(chunk.token_ids, np.int32)
+            snapshots = {}
+            for b in chunk.snapshot_at:
+                k, m = (b - chunk.start_pos) // ps - 1, b - chunk.start_pos
+                hist = None
+                if engine.hasher is not None:
+                    before = self._histories[r : r + 1]
+                    hist = engine.hasher.next_history(before, toks[None, :m], np.array([m]))[0]
+                state = jax.tree.map(lambda a, k=k, r=r: a[k, r].copy(), host_snaps)
+                snapshots[b] = JaxSnapshot(b, state, hist)
+                engine.live_snapshots += 1
+            token = None
+            if chunk.is_last_chunk:
+                tok, lp, ids, tlp = (a[r] for a in out)
+                token = SampledToken(token_id=int(tok), logprob=float(lp), top_ids=ids, top_logprobs=tlp)
+            results.append(PrefillResult(token=token, snapshots=snapshots))
+        self._results = results
+        self._out = self._snaps = None
+        return results
+
+
 class ModelTokenizer:
     """`serving.text.Tokenizer` over a `ced_jax.api.Model`: encode prepends BOS, as `Model.encode`."""
 
@@ -107,6 +219,7 @@ class JaxEngine:
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
         self.decode_buckets = tuple(config.decode_buckets)
+        self.prefill_rows = tuple(config.prefill_rows)
         self.max_logprobs = max_logprobs
         self.engine = Engine(
             model,
@@ -197,10 +310,10 @@ class JaxEngine:
             )
         )  # fmt: skip
         self.release(0)
-        for size in self.decode_buckets:  # the step above compiled the smallest; idle rows for the rest
-            if size == self.decode_buckets[0]:
-                continue
+        for size in self.decode_buckets[1:]:  # the step above compiled the smallest; idle rows for the rest
             self._decode_idle_rows(size)
+        for size in self.prefill_rows[1:]:  # likewise
+            self._prefill_rows(_PrefillRows.idle(size, self))
         self._restore_slot(0, self.engine.zero_slot_state(), None)
 
     def _decode_idle_rows(self, size: int) -> None:
@@ -221,60 +334,76 @@ class JaxEngine:
             self.engine.restore_slot(slot, state, history)
 
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
-        spec, ps = self._spec, self.page_size
-        s, start = chunk.slot, chunk.start_pos
-        toks = np.asarray(chunk.token_ids, np.int32)
-        n = len(toks)
+        return self.prefill_batch([chunk])[0]
+
+    def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[PrefillResult]:
+        return self.prefill_async(chunks).result()
+
+    def prefill_async(self, chunks: Sequence[PrefillChunk]) -> _PendingPrefill:
+        """Checks every chunk, then restores snapshots and dispatches the `prefill_batch` program of
+        the smallest `prefill_rows` size that holds the chunks (idle rows: distinct other slots
+        with 0 tokens, which write nothing)."""
+        self._require_warm()
+        if not 1 <= len(chunks) <= self.prefill_rows[-1]:
+            raise ValueError(f"prefill batch of {len(chunks)} chunks outside 1..{self.prefill_rows[-1]}")
+        slots = [c.slot for c in chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"one chunk per slot in a prefill batch, got slots {slots}")
+        for chunk in chunks:  # all checked before any state changes
+            self._check_chunk(chunk)
+        with self._counter.watch():
+            for chunk in chunks:
+                s = chunk.slot
+                if chunk.restore is not None:
+                    self._restore_slot(s, chunk.restore.state, chunk.restore.history)
+                elif self._pos[s] < 0:
+                    self.engine.reset_history(s)
+        size = next(r for r in self.prefill_rows if r >= len(chunks))
+        rows = _PrefillRows.build(chunks, size, self)
+        histories = self.engine.history[rows.slots[: len(chunks)]].copy()  # at each chunk's start
+        out, snaps = self._prefill_rows(rows)
+        for chunk in chunks:
+            self._pos[chunk.slot] = chunk.start_pos + len(chunk.token_ids)
+            if chunk.is_last_chunk:
+                self._decoding[chunk.slot] = True
+        return _PendingPrefill(self, list(chunks), histories, out, snaps)
+
+    def _check_chunk(self, chunk: PrefillChunk) -> None:
+        spec = self._spec
+        s, start, n = chunk.slot, chunk.start_pos, len(chunk.token_ids)
+        if not 0 <= s < spec.max_slots:
+            raise ValueError(f"slot {s} outside 0..{spec.max_slots - 1}")
         if not 1 <= n <= self.prefill_chunk:
             raise ValueError(f"chunk length {n} outside 1..{self.prefill_chunk}")
-        if start % ps or start + n > spec.max_context:
+        if start % self.page_size or start + n > spec.max_context:
             raise ValueError(f"chunk [{start}, {start + n}) is not page aligned or runs past max_context")
         if self._decoding[s]:
             raise ValueError(f"slot {s} is decoding")
-        self._require_warm()
         fresh = self._pos[s] < 0
+        if chunk.restore is not None:
+            if not fresh or chunk.restore.pos != start:
+                raise ValueError("restore only on a fresh slot at the snapshot's position")
+        elif fresh:
+            if start:
+                raise ValueError(f"slot {s}: resuming at {start} needs a snapshot")
+        elif self._pos[s] != start:
+            raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
+        for b in chunk.snapshot_at:
+            if b % self.page_size or not start < b <= start + n - n % self.page_size:
+                raise ValueError(f"snapshot position {b} is not a full page boundary of the chunk")
+
+    def _prefill_rows(self, rows: _PrefillRows):
+        """The prefill program over `rows` (one compiled program per row count)."""
         with self._counter.watch():
-            if chunk.restore is not None:
-                snap = chunk.restore
-                if not fresh or snap.pos != start:
-                    raise ValueError("restore only on a fresh slot at the snapshot's position")
-                self._restore_slot(s, snap.state, snap.history)
-            elif fresh:
-                if start:
-                    raise ValueError(f"slot {s}: resuming at {start} needs a snapshot")
-                self.engine.reset_history(s)
-            elif self._pos[s] != start:
-                raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
-            padded = np.full(self.prefill_chunk, self.cfg.pad_token_id, np.int32)
-            padded[:n] = toks
-            history = self.engine.history[s : s + 1].copy()
-            sp = chunk.sampling
-            out, snaps = self.engine.prefill_pages(
-                s, padded, n, start, chunk.page_table, sp.temperature, sp.top_p, sp.top_k, sp.seed,
-                max_logprobs=self.max_logprobs,
+            return self.engine.prefill_batch(
+                rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
+                rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
             )  # fmt: skip
-            snapshots = {}
-            if chunk.snapshot_at:
-                host = jax.device_get(snaps)
-                for b in chunk.snapshot_at:
-                    k = (b - start) // ps - 1
-                    if b % ps or not 0 <= k < n // ps:
-                        raise ValueError(f"snapshot position {b} is not a full page boundary of the chunk")
-                    hist = None
-                    if self.hasher is not None:
-                        m = b - start
-                        hist = self.hasher.next_history(history, toks[None, :m], np.array([m]))[0]
-                    snapshots[b] = JaxSnapshot(b, jax.tree.map(lambda a, k=k: a[k].copy(), host), hist)
-                    self.live_snapshots += 1
-            self._pos[s] = start + n
-            if not chunk.is_last_chunk:
-                return PrefillResult(token=None, snapshots=snapshots)
-            self._decoding[s] = True
-            tok, lp, ids, tlp = jax.device_get(out)
-        token = SampledToken(token_id=int(tok[0]), logprob=float(lp[0]), top_ids=ids[0], top_logprobs=tlp[0])
-        return PrefillResult(token=token, snapshots=snapshots)
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
+        return self.decode_async(batch).result()
+
+    def decode_async(self, batch: DecodeBatch) -> _PendingDecode:
         self._require_warm()
         active = np.asarray(batch.active, bool)
         tokens = np.asarray(batch.token_ids, np.int32)
@@ -301,18 +430,13 @@ class JaxEngine:
             take(batch.top_p, np.float32), take(batch.top_k, np.int32), take(batch.seed, np.uint32),
         )  # fmt: skip
         self._pos[active] += 1
-        full = lambda a: np.zeros((len(active), *a.shape[1:]), a.dtype)
-        result = [full(a) for a in out]
-        for dst, src in zip(result, out, strict=True):
-            dst[slots] = src
-        tok, lp, ids, tlp = result
-        return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)
+        return _PendingDecode(out, slots, len(active))
 
     def _decode_rows(self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed):
-        """The decode program over the rows `slots` (one compiled program per batch size); idle rows
-        (active False) write nothing and keep their history."""
+        """The decode program over the rows `slots` (one compiled program per batch size), dispatched
+        (outputs on the device); idle rows (active False) write nothing and keep their history."""
         with self._counter.watch():
-            return self.engine.decode(
+            return self.engine.dispatch_decode(
                 slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
                 max_logprobs=self.max_logprobs,
             )  # fmt: skip

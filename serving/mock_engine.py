@@ -19,7 +19,10 @@ asked to continue a slot whose state it does not have. `snapshot_chunk_end_only=
 snapshot only at chunk ends, like an engine that cannot materialize state mid-chunk.
 
 The mock also checks the scheduler's side of the contract: contiguous positions, page-aligned chunk
-starts, chunks within the buckets, decode only on prefilled slots, history tokens that match the pages.
+starts, chunks within the buckets, one chunk per slot in a prefill batch, decode only on prefilled
+slots, history tokens that match the pages. It computes at once (its `Pending`s are `Ready`) and logs
+every prefill call's chunks (`prefill_log`), the slots of each batch (`prefill_batches`) and the
+order of the calls (`calls`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from serving.engine_api import (
     EngineSpec,
     PrefillChunk,
     PrefillResult,
+    Ready,
 )
 
 _H_MOD = 1_000_003
@@ -147,6 +151,8 @@ class MockEngine:
         self._ring: list[tuple[int, ...]] = [()] * max_slots
         self.live_snapshots: set[int] = set()
         self.prefill_log: list[tuple[int, int, int, int]] = []  # (slot, start, length, bucket)
+        self.prefill_batches: list[tuple[int, ...]] = []  # the slots of each prefill_batch call
+        self.calls: list[str] = []  # "prefill" / "decode", in the order they were dispatched
         self.decode_steps = 0
         self.max_active_seen = 0  # largest number of rows decoded together
         self._compiles = CompileCounter()
@@ -179,7 +185,23 @@ class MockEngine:
             np.asarray(out[0])
         self._warm = True
 
+    def prefill_async(self, chunks: Sequence[PrefillChunk]) -> Ready:
+        if not chunks:
+            raise ValueError("prefill_batch needs at least one chunk")
+        slots = [c.slot for c in chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"one chunk per slot in a prefill batch, got slots {slots}")
+        self.prefill_batches.append(tuple(slots))
+        self.calls.append("prefill")
+        return Ready([self._prefill_one(c) for c in chunks])
+
+    def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[PrefillResult]:
+        return self.prefill_async(chunks).result()
+
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
+        return self.prefill_batch([chunk])[0]
+
+    def _prefill_one(self, chunk: PrefillChunk) -> PrefillResult:
         spec = self._spec
         s, start, toks = chunk.slot, chunk.start_pos, np.asarray(chunk.token_ids, np.int32)
         n = len(toks)
@@ -238,6 +260,11 @@ class MockEngine:
             np.array([sp.seed], np.uint32),
         )
         return PrefillResult(token=out.row(0), snapshots=snaps)
+
+    def decode_async(self, batch: DecodeBatch) -> Ready:
+        # Through `decode`, so a test that replaces `engine.decode` (a failing engine) is heard.
+        self.calls.append("decode")
+        return Ready(self.decode(batch))
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
         spec = self._spec

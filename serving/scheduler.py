@@ -10,11 +10,24 @@ Request lifecycle (one request = one `_Seq`):
    preemption. The prefix cache supplies the prompt's leading full blocks (never the block holding the
    last prompt token: the first generated token needs that token's logits). In "snapshot" mode only
    blocks up to the deepest engine snapshot are reused.
-3. Prefill: `prefill_chunks_per_step` chunks per step (oldest request first), each at most the largest
-   bucket and starting on a page boundary. After each chunk, the prompt blocks it completed are
-   registered in the prefix cache (with any engine snapshots). The last chunk samples the first token.
-4. Decode: one `engine.decode` per step over all slots whose prefill is done. New requests therefore
-   join between decode steps, and a long prompt stalls decoding by at most one chunk per step.
+3. Prefill: one `engine.prefill_async` per step over the chunks of up to max(`prefill_rows`)
+   prefilling requests (oldest first), `prefill_token_budget` prompt tokens in all, handed out a
+   page per request in turn (so a batch's chunks are about equally long: the engine runs as many
+   page iterations as its longest chunk has pages); each chunk is at most the largest bucket and
+   starts on a page boundary. After each chunk, the prompt blocks it completed are registered in
+   the prefix cache (with any engine snapshots). The last chunk samples the first token.
+4. Decode: one `engine.decode_async` per step over all slots whose prefill is done. A request whose
+   prefill finishes in a step joins the decode of the next one.
+   A step is mixed: the decode is dispatched first, then the prefill is planned and dispatched
+   while the device runs the decode (JAX dispatch is asynchronous: the host's Engram hashing,
+   padding and page tables of the prefill overlap the decode), then the decode's tokens are handled
+   (text, stop checks, events) while the device runs the prefill, and the prefill's results last.
+   So an arrival holds up the running streams by at most one budget of prefill per step, never by
+   its whole prompt. What does not overlap: the next step's decode is dispatched only once this
+   step's tokens are on the host, because its inputs need them on the host: the Engram hash rows of
+   a token are int64 hashing of the n-gram ending at it, done on the host (`ced_jax.engram_hash`,
+   as the spec places it). Dispatching decode N+1 before N's tokens are back would need that
+   hashing on the device.
 5. Finish (stop token, stop string, max_tokens/context, abort, cancel, deadline): the slot and every
    page reference are released in the same step, before the next engine call; the final event carries
    the finish reason and usage.
@@ -376,14 +389,16 @@ class Scheduler:
         self._expire(now)
         self._admit(now)
         worked = bool(inbox or aborts)
-        for _ in range(self.config.prefill_chunks_per_step):
-            if not self._prefilling:
-                break
-            self._prefill_one(self._prefilling[0])
-            worked = True
-        if any(s is not None and s.decoding for s in self._slots):
-            self._decode()
-            worked = True
+        # Dispatch the decode first: the device runs it while the host plans and dispatches the
+        # prefill (Engram hashing, padding, page tables); then the decode's tokens are handled while
+        # the prefill runs, and the prefill's results last.
+        decoding = self._decode_dispatch()
+        prefill = self._prefill_dispatch()
+        if decoding is not None:
+            self._decode_finish(*decoding)
+        if prefill is not None:
+            self._prefill_finish(*prefill)
+        worked = worked or decoding is not None or prefill is not None
         self._update_gauges()
         return worked
 
@@ -438,28 +453,66 @@ class Scheduler:
                 self.metrics.observe_prefix(seq.cached_tokens, n)
                 self.metrics.prompt_tokens.inc(n)
 
-    def _prefill_one(self, seq: _Seq) -> None:
+    def _plan_prefill(self) -> list[tuple[_Seq, int]]:
+        """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
+        first, each chunk at most the largest bucket, together at most `prefill_token_budget` tokens.
+        The budget is handed out a page per request in turn, so the chunks end up about equally long:
+        a batched prefill runs as many page iterations as its longest chunk has pages. Every chunk
+        but a prompt's last ends on a page boundary (the next one must start on one)."""
+        ps, max_chunk = self.spec.page_size, self.spec.max_chunk
+        rows = max(self.config.prefill_rows)
+        budget = self.config.prefill_token_budget
+        seqs = self._prefilling[:rows]
+        ends = [s.prefilled for s in seqs]
+        progress = True
+        while progress and budget > 0:
+            progress = False
+            for i, seq in enumerate(seqs):
+                n = len(seq.prompt)
+                take = min(ps, n - ends[i], seq.prefilled + max_chunk - ends[i])
+                if take <= 0 or take > budget:
+                    continue
+                ends[i] += take
+                budget -= take
+                progress = True
+        return [(seq, end) for seq, end in zip(seqs, ends, strict=True) if end > seq.prefilled]
+
+    def _prefill_dispatch(self):
+        """Plans and dispatches this step's prefill; None when no request is prefilling."""
+        plan = self._plan_prefill()
+        if not plan:
+            return None
+        chunks = [self._chunk(seq, end) for seq, end in plan]
+        return plan, self.engine.prefill_async(chunks)
+
+    def _chunk(self, seq: _Seq, end: int) -> PrefillChunk:
         spec, ps = self.spec, self.spec.page_size
         n = len(seq.prompt)
         start = seq.prefilled
-        end = min(n, start + spec.max_chunk)
         full_end = (n // ps) * ps  # prompt blocks that will be registered end by here
         snapshot_at = ()
         if spec.restore_mode == "snapshot" and self.config.enable_prefix_cache:
             snapshot_at = tuple(range((start // ps + 1) * ps, min(end, full_end) + 1, ps))
         h = spec.history_tokens
-        chunk = PrefillChunk(
+        return PrefillChunk(
             slot=seq.slot,
             token_ids=seq.prompt[start:end],
             start_pos=start,
-            page_table=self.page_tables[seq.slot],
+            page_table=self.page_tables[seq.slot].copy(),
             history=seq.prompt[max(0, start - h) : start] if h else seq.prompt[:0],
             sampling=seq.req.sampling,
             is_last_chunk=end == n,
             restore=seq.restore,
             snapshot_at=snapshot_at,
         )
-        result = self.engine.prefill(chunk)
+
+    def _prefill_finish(self, plan, pending) -> None:
+        for (seq, end), result in zip(plan, pending.result(), strict=True):
+            self._prefilled(seq, end, result)
+
+    def _prefilled(self, seq: _Seq, end: int, result) -> None:
+        ps = self.spec.page_size
+        n = len(seq.prompt)
         seq.restore = None
         seq.prefilled = end
         snapshots = dict(result.snapshots)
@@ -481,8 +534,11 @@ class Scheduler:
             seq.pos = n - 1  # so that the first token lands at n
             self._on_token(seq, result.token)
 
-    def _decode(self) -> None:
+    def _decode_dispatch(self):
+        """Dispatches a decode step over every slot whose prefill is done; None when there is none."""
         active = np.array([s is not None and s.decoding for s in self._slots])
+        if not active.any():
+            return None
         batch = DecodeBatch(
             active=active,
             token_ids=self._tokens.copy(),
@@ -493,7 +549,10 @@ class Scheduler:
             top_k=self._top_k.copy(),
             seed=self._seed.copy(),
         )
-        result = self.engine.decode(batch)
+        return active, self.engine.decode_async(batch)
+
+    def _decode_finish(self, active: np.ndarray, pending) -> None:
+        result = pending.result()
         for slot in np.flatnonzero(active):
             seq = self._slots[slot]
             self._on_token(seq, result.row(int(slot)))

@@ -3,9 +3,10 @@
 One engine is compiled for the whole module (compiling is the expensive part on CPU); every test
 leaves it idle. Exactness is checked against an independent path: `ced_jax.api.Session`, the dense
 per-sequence cache the parity tests use, run with the same shapes as the engine (prefill one page
-per call, decode over all `max_slots` rows), where the two must agree bit for bit. Shapes matter
-on XLA:CPU: a matmul over 1 row and over 32 rows may sum in different orders, and the tiny random
-model turns a 1-ulp difference into O(1) logit differences within a few tokens (PARITY.md).
+per call over the engine's `prefill_rows` rows, decode over all `max_slots` rows), where the two
+must agree bit for bit. Shapes matter on XLA:CPU: a matmul over 1 row and over 32 rows may sum in
+different orders, and the tiny random model turns a 1-ulp difference into O(1) logit differences
+within a few tokens (PARITY.md).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ pytestmark = pytest.mark.timeout(900)
 SLOTS, PAGE, CONTEXT, CHUNK = 32, 16, 128, 32
 SERVE_ARGS = ["--max-slots", str(SLOTS), "--page-size", str(PAGE), "--max-context", str(CONTEXT)]
 SERVE_ARGS += ["--prefill-chunk", str(CHUNK)]
+PREFILL_ROWS = ServeConfig(max_slots=SLOTS).prefill_rows[-1]  # the default: one prefill program size
 GREEDY = SamplingParams(temperature=0.0)
 LOGPROB_ATOL = 4e-6  # a few float32 ulps at |log p| ~ 5; a misplaced KV entry moves them by > 1e-3
 RNG = np.random.default_rng(20261201)
@@ -86,18 +88,28 @@ def server(engine, model):
 
 # ------------------------------------------------------------------------------- the mirror
 def mirror(
-    model, prompt: list[int], generated: list[int], *, slots=SLOTS, page_size=PAGE, context=CONTEXT
+    model,
+    prompt: list[int],
+    generated: list[int],
+    *,
+    slots=SLOTS,
+    page_size=PAGE,
+    context=CONTEXT,
+    prefill_rows=PREFILL_ROWS,
 ) -> list[np.ndarray]:
     """log_softmax of the logits after the prompt and after each generated token but the last,
-    computed by `ced_jax.api.Session` calls (the `step` program, a page per call, then decode
-    steps over every slot) with the engine's shapes. [len(generated)] x [V]."""
+    computed by `ced_jax.api.Session` calls (the `step` program, a page per call in row 0 of
+    `prefill_rows` rows, the others idle, then decode steps over every slot) with the engine's
+    shapes. [len(generated)] x [V]."""
     cfg = model.cfg
-    one = model.new_session(1, context)
+    one = model.new_session(prefill_rows, context)
     for s in range(0, len(prompt), page_size):
         page = prompt[s : s + page_size]
-        padded = np.full((1, page_size), cfg.pad_token_id, np.int32)
+        padded = np.full((prefill_rows, page_size), cfg.pad_token_id, np.int32)
         padded[0, : len(page)] = page
-        logits, _ = one.step(padded, np.array([len(page)], np.int32))
+        lens = np.zeros(prefill_rows, np.int32)
+        lens[0] = len(page)
+        logits, _ = one.step(padded, lens)
     out = [logits[0, len(page) - 1]]
     # Decode as the engine does: every slot is a row; the sequence sits in row 0 (other rows idle).
     batch = model.new_session(slots, context)
@@ -111,7 +123,7 @@ def mirror(
     )  # fmt: skip
     batch.positions = np.zeros(slots, np.int32)
     batch.positions[0] = len(prompt)
-    batch.engine.history = np.repeat(one.engine.history, slots, axis=0)
+    batch.engine.history = np.repeat(one.engine.history[:1], slots, axis=0)
     lens = np.zeros(slots, np.int32)
     lens[0] = 1
     for tok in generated[:-1]:
@@ -181,6 +193,133 @@ def test_engine_prefill_and_decode_match_the_dense_model(engine, model):
     _check_against_mirror(
         model, prompt, [t.token_id for t in toks], [t.top_ids for t in toks], [t.top_logprobs for t in toks]
     )
+    assert engine.compiles_after_warmup == 0
+
+
+def _table(slot: int) -> np.ndarray:
+    """Slot s owns pages s * pages_per_slot ... (distinct for every slot)."""
+    per = CONTEXT // PAGE
+    return np.arange(slot * per, (slot + 1) * per, dtype=np.int32)
+
+
+def _chunk(slot, tokens, start, *, last, table=None, **kw) -> PrefillChunk:
+    return PrefillChunk(
+        slot=slot, token_ids=np.asarray(tokens, np.int32), start_pos=start,
+        page_table=_table(slot) if table is None else table, history=np.zeros(0, np.int32),
+        sampling=GREEDY, is_last_chunk=last, **kw,
+    )  # fmt: skip
+
+
+def _hit_table(slot: int, owner: int, pages: int) -> np.ndarray:
+    """The page table of a prefix hit in `slot`: its first `pages` pages are `owner`'s (cached)."""
+    table = _table(slot)
+    table[:pages] = _table(owner)[:pages]
+    return table
+
+
+def _decode_steps(engine, streams: dict[int, tuple[int, list]], steps: int, page_tables=None) -> None:
+    """`steps` greedy decode steps over every slot in `streams` (slot -> (prompt length, sampled
+    tokens so far)); each step's token is appended to its stream. page_tables: {slot: table} where
+    it is not `_table(slot)`."""
+    tables = np.stack([_table(s) for s in range(SLOTS)])
+    for s, table in (page_tables or {}).items():
+        tables[s] = table
+    for _ in range(steps):
+        active = np.zeros(SLOTS, bool)
+        ids, pos = np.zeros(SLOTS, np.int32), np.zeros(SLOTS, np.int32)
+        for s, (n, toks) in streams.items():
+            active[s], ids[s], pos[s] = True, toks[-1].token_id, n + len(toks) - 1
+        res = engine.decode(DecodeBatch(
+            active=active, token_ids=ids, positions=pos, page_tables=tables,
+            temperature=np.zeros(SLOTS, np.float32), top_p=np.ones(SLOTS, np.float32),
+            top_k=np.zeros(SLOTS, np.int32), seed=np.zeros(SLOTS, np.uint32),
+        ))  # fmt: skip
+        for s, (_, toks) in streams.items():
+            toks.append(res.row(s))
+
+
+def _as_arrays(toks) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    return (
+        [t.token_id for t in toks],
+        np.array([t.logprob for t in toks]),
+        np.stack([t.top_ids for t in toks]),
+        np.stack([t.top_logprobs for t in toks]),
+    )
+
+
+def test_prefix_hit_is_exact_alone_and_beside_other_requests(engine):
+    """One prompt served four ways: cold alone, cold with its chunks batched beside other requests'
+    chunks, resumed from its snapshot at 32 beside others (and decoded among 12 streams, the
+    16-row decode program), resumed from its snapshot at 16 alone. The tokens and every log-prob
+    are bit-identical: the prefill program has one row count (`prefill_rows`), so a row's
+    arithmetic does not depend on what else is in the batch."""
+    prompt = _prompt(45)  # pages [0, 16), [16, 32), [32, 45)
+    others = [_prompt(n) for n in (20, 32, 9, 30, 17, 28, 25, 12, 31, 22, 14)]
+    steps = 6
+    runs = {}
+    try:
+        # 1. cold, alone: two chunks, snapshots at 16 and 32
+        first = engine.prefill_batch([_chunk(0, prompt[:32], 0, last=False, snapshot_at=(16, 32))])[0]
+        snaps = first.snapshots
+        last = engine.prefill_batch([_chunk(0, prompt[32:], 32, last=True)])[0]
+        stream = {0: (len(prompt), [last.token])}
+        _decode_steps(engine, stream, steps)
+        runs["cold alone"] = stream[0][1]
+        engine.release(0)
+
+        # 2. cold, its chunks beside other requests' chunks (one a single partial page)
+        res = engine.prefill_batch(
+            [_chunk(1, others[0], 0, last=True), _chunk(0, prompt[:32], 0, last=False),
+             _chunk(2, others[1], 0, last=True), _chunk(3, others[2], 0, last=True)]
+        )  # fmt: skip
+        crowd = {s: (len(p), [r.token]) for s, p, r in ((1, others[0], res[0]), (2, others[1], res[2]))}
+        crowd[3] = (len(others[2]), [res[3].token])
+        res = engine.prefill_batch(
+            [_chunk(4, others[3], 0, last=True), _chunk(0, prompt[32:], 32, last=True)]
+        )
+        crowd[4] = (len(others[3]), [res[0].token])
+        stream = {0: (len(prompt), [res[1].token]), **crowd}
+        _decode_steps(engine, stream, steps)
+        runs["cold beside others"] = stream[0][1]
+        for s in stream:
+            engine.release(s)
+
+        # 3. resumed at 32 beside others, then decoded among 12 streams (the 16-row decode program)
+        by_slot = dict(zip((1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12), others, strict=True))
+        crowd = {}
+        for group in ((1, 2, 3, 4), (6, 7, 8, 9), (10, 11)):
+            chunks = [_chunk(s, by_slot[s], 0, last=True) for s in group]
+            for s, r in zip(group, engine.prefill_batch(chunks), strict=True):
+                crowd[s] = (len(by_slot[s]), [r.token])
+        res = engine.prefill_batch(
+            [_chunk(12, by_slot[12], 0, last=True),
+             _chunk(5, prompt[32:], 32, last=True, restore=snaps[32], table=_hit_table(5, 0, 2))]
+        )  # fmt: skip
+        crowd[12] = (len(by_slot[12]), [res[0].token])
+        stream = {5: (len(prompt), [res[1].token]), **crowd}
+        assert len(stream) == 12
+        _decode_steps(engine, stream, steps, {5: _hit_table(5, 0, 2)})
+        runs["hit at 32 beside others"] = stream[5][1]
+        for s in stream:
+            engine.release(s)
+
+        # 4. resumed at 16, alone
+        res = engine.prefill_batch(
+            [_chunk(7, prompt[16:], 16, last=True, restore=snaps[16], table=_hit_table(7, 0, 1))]
+        )
+        stream = {7: (len(prompt), [res[0].token])}
+        _decode_steps(engine, stream, steps, {7: _hit_table(7, 0, 1)})
+        runs["hit at 16 alone"] = stream[7][1]
+        engine.release(7)
+    finally:
+        for s in range(SLOTS):
+            engine.release(s)
+    want = _as_arrays(runs["cold alone"])
+    for name, toks in runs.items():
+        got = _as_arrays(toks)
+        assert got[0] == want[0], name
+        for a, b in zip(got[1:], want[1:], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
     assert engine.compiles_after_warmup == 0
 
 

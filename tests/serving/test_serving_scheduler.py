@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from serving_helpers import GREEDY, make_engine_and_config, request, run_until_idle, wait_until
 
+from serving.config import ServeConfig
 from serving.engine_api import SamplingParams
 from serving.metrics import Metrics
 from serving.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
@@ -210,10 +211,84 @@ def test_new_requests_join_between_decode_steps():
     sched.step()
     # b was prefilled in two chunks while a kept decoding (one decode per step)
     assert engine.decode_steps == steps_before + 2
-    assert len(collect(a)[0]) == 8  # first step: prefill token + one decode; then one per step
+    # One token per step: the first from the prefill (the step's decode was dispatched before it),
+    # then one decode per step.
+    assert len(collect(a)[0]) == 7
     run_until_idle(sched)
     assert collect(a)[0] == mock_greedy_stream(TOK.encode("abc"), 20)
     assert collect(b)[0] == mock_greedy_stream(TOK.encode("x" * 20), 5)
+
+
+def _batches(engine) -> list[list[tuple[int, int, int]]]:
+    """The (slot, start, length) of the chunks of each prefill_batch call."""
+    log, out = list(engine.prefill_log), []
+    for slots in engine.prefill_batches:
+        out.append([log.pop(0)[:3] for _ in slots])
+    return out
+
+
+def test_prefill_batches_several_requests_under_the_token_budget():
+    engine, sched = _sched(prefill_token_budget=24, prefill_rows=(2, 4))
+    prompts = {"a": "x" * 10, "b": "y" * 30, "c": "abc", "d": "z" * 20}
+    events = {rid: _submit(sched, rid, p, max_tokens=6) for rid, p in prompts.items()}
+    run_until_idle(sched)
+    batches = _batches(engine)
+    # Step 1: a page each in turn, oldest first (a 4, b 4, c its 3, d 4), then a second page for a
+    # and b (23 tokens); d's second page would pass the budget of 24.
+    assert batches[0] == [(0, 0, 8), (1, 0, 8), (2, 0, 3), (3, 0, 4)]
+    # Step 2: a's last 2 tokens, b 4 + 4 + 4, d 4 + 4 (= 22; b's fourth page would pass 24)
+    assert batches[1] == [(0, 8, 2), (1, 8, 12), (3, 4, 8)]
+    for batch in batches:
+        assert sum(n for _, _, n in batch) <= 24 and len(batch) <= 4
+        for _, start, n in batch:
+            assert start % 4 == 0 and n <= 16
+    for rid, p in prompts.items():
+        assert collect(events[rid])[0] == mock_greedy_stream(TOK.encode(p), 6)
+    assert engine.compiles_after_warmup == 0
+    _assert_clean(engine, sched)
+
+
+def test_prefill_rows_bounds_the_requests_per_step():
+    engine, sched = _sched(max_slots=8, prefill_rows=(2,), prefill_token_budget=64)
+    events = [_submit(sched, str(i), "q" * 5, max_tokens=3) for i in range(5)]
+    sched.step()
+    assert engine.prefill_batches == [(0, 1)]  # two requests, though the budget holds all five
+    run_until_idle(sched)
+    assert [len(b) for b in engine.prefill_batches] == [2, 2, 1]
+    assert all(collect(ev)[0] == mock_greedy_stream(TOK.encode("q" * 5), 3) for ev in events)
+    _assert_clean(engine, sched)
+
+
+def test_a_step_dispatches_its_decode_before_its_prefill_and_streams_never_stall():
+    engine, sched = _sched(prefill_token_budget=4)
+    a = _submit(sched, "a", "abc", max_tokens=30)
+    sched.step()  # a's prefill
+    b = _submit(sched, "b", "w" * 40, max_tokens=3)  # ten steps of prefill at 4 tokens a step
+    engine.calls.clear()
+    for step in range(10):
+        before = len(collect(a)[0])
+        sched.step()
+        assert len(collect(a)[0]) == before + 1, f"step {step}: a stream stalled behind a prefill"
+    assert engine.calls == ["decode", "prefill"] * 10
+    run_until_idle(sched)
+    assert collect(a)[0] == mock_greedy_stream(TOK.encode("abc"), 30)
+    assert collect(b)[0] == mock_greedy_stream(TOK.encode("w" * 40), 3)
+    _assert_clean(engine, sched)
+
+
+def test_serve_config_prefill_knobs():
+    cfg = ServeConfig(max_slots=32, page_size=16, max_context=256, prefill_buckets=(64,))
+    assert cfg.prefill_rows == (4,) and cfg.prefill_token_budget == 64  # one page of each of 4 rows
+    assert ServeConfig(max_slots=2, page_size=16, max_context=256).prefill_rows == (2,)
+    for bad, field in (
+        (dict(prefill_rows=(4, 2)), "prefill_rows"),
+        (dict(prefill_rows=(0, 4)), "prefill_rows"),
+        (dict(prefill_rows=(8, 64)), "prefill_rows"),  # more rows than slots
+        (dict(prefill_rows=()), "prefill_rows"),
+        (dict(prefill_token_budget=15), "prefill_token_budget"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            ServeConfig(max_slots=32, page_size=16, max_context=256, **bad)
 
 
 @pytest.mark.parametrize("mode", ["pages", "snapshot", "snapshot_chunk_end"])

@@ -1,0 +1,55 @@
+"""`ced-jax serve`'s scheduling flags (--prefill-rows, --prefill-token-budget): bad values exit 2 with one
+line naming the flag, before any model is loaded; good ones reach the ServeConfig."""
+
+import pytest
+
+from ced_cli.main import main
+
+pytestmark = pytest.mark.timeout(120)
+
+BASE = ["serve", "tiny", "--port", "0", "--metrics-port", "-1"]
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the options")
+
+    monkeypatch.setattr("ced_jax.api.load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--prefill-rows", "4,2"], ("--prefill-rows", "ascending", "4,2")),
+        (["--prefill-rows", "0"], ("--prefill-rows", "1..--max-slots")),
+        (["--prefill-rows", "64"], ("--prefill-rows", "--max-slots (32)")),
+        (["--max-slots", "2", "--prefill-rows", "1,4"], ("--prefill-rows", "--max-slots (2)")),
+        (["--prefill-rows", "2,,4"], ("--prefill-rows", "comma-separated", "'2,,4'")),
+        (["--prefill-rows", "four"], ("--prefill-rows", "'four'")),
+        (["--prefill-token-budget", "15"], ("--prefill-token-budget", ">= --page-size 16", "15")),
+        (["--prefill-token-budget", "-1"], ("--prefill-token-budget", "-1")),
+        (["--page-size", "32", "--prefill-token-budget", "16"], ("--prefill-token-budget", "32")),
+    ],
+)
+def test_bad_scheduling_flags_exit_2_in_one_line(extra, needles, capsys, nothing_loads):
+    capsys.readouterr()
+    assert main([*BASE, *extra]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    for needle in needles:
+        assert needle in lines[0], (extra, lines[0])
+
+
+def test_scheduling_flags_reach_the_serve_config(monkeypatch):
+    seen = {}
+
+    def fake_serve(config, load):
+        seen["config"] = config
+        return 0
+
+    monkeypatch.setattr("serving.server.serve", fake_serve)
+    assert main([*BASE, "--prefill-rows", "2,4", "--prefill-token-budget", "96"]) == 0
+    assert seen["config"].prefill_rows == (2, 4) and seen["config"].prefill_token_budget == 96
+    assert main([*BASE, "--max-slots", "2"]) == 0  # the defaults follow the shapes
+    assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 32
