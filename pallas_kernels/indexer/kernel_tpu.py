@@ -2,7 +2,8 @@
 
 Grid (B, T / rows, pages_per_seq). One step scores `rows` queries of a sequence against one page of
 S keys (any S: the output block is one whole page); the page is chosen through the
-scalar-prefetched page table, and pages past the keys any of the sequence's queries can see are mapped onto the last needed page (no new DMA) and skipped. The
+scalar-prefetched page table, and pages past the keys any of the sequence's queries can see are
+mapped onto the last needed page (no new DMA) and skipped. The
 key page is dequantised in VMEM (nibbles split into even / odd halves, matched by q's even / odd
 columns; scales spread with a 0/1 matmul, see `_tiles`), then each head's bf16 dot is rounded,
 relu'd, weighted, rounded and added in head order (the contract's summation order).
