@@ -607,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-token-budget",
         type=int,
         help="prompt tokens prefilled per step beside the running decodes, summed over requests "
-        "(default: --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams",
+        "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams",
     )
     g = p.add_argument_group("admission")
     g.add_argument("--max-running", type=int, help="requests holding a slot (default: --max-slots)")

@@ -74,8 +74,10 @@ class ServeConfig:
     # Scheduling. Prompt tokens prefilled per scheduler step, summed over the requests' chunks (at most
     # max(prefill_rows) chunks, each at most max(prefill_buckets) tokens), handed out a page per request
     # in turn, oldest first. It bounds how long a step's prefill holds up the running streams. None:
-    # page_size * max(prefill_rows), one page of every row, so a step's prefill is at most one forward
-    # over [max(prefill_rows), page_size] tokens on JaxEngine. At least page_size.
+    # 2 * page_size * max(prefill_rows), two pages of every row, so a step's prefill is at most two
+    # forwards over [max(prefill_rows), page_size] tokens on JaxEngine (on tiny / XLA:CPU the best of
+    # one, two and four pages a row for both TTFT and TPOT at 16 and 32 streams: BENCHMARKS.md,
+    # Serving). At least page_size.
     prefill_token_budget: int | None = None
     enable_prefix_cache: bool = True
 
@@ -121,7 +123,7 @@ class ServeConfig:
                 f"prefill_rows must be ascending, positive and at most max_slots ({self.max_slots}), got {r}"
             )
         if self.prefill_token_budget is None:
-            object.__setattr__(self, "prefill_token_budget", self.page_size * r[-1])
+            object.__setattr__(self, "prefill_token_budget", 2 * self.page_size * r[-1])
         if self.prefill_token_budget < self.page_size:
             budget = self.prefill_token_budget
             raise ValueError(f"prefill_token_budget must be >= page_size ({self.page_size}), got {budget}")

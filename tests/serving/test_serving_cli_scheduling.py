@@ -52,4 +52,4 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
     assert main([*BASE, "--prefill-rows", "2,4", "--prefill-token-budget", "96"]) == 0
     assert seen["config"].prefill_rows == (2, 4) and seen["config"].prefill_token_budget == 96
     assert main([*BASE, "--max-slots", "2"]) == 0  # the defaults follow the shapes
-    assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 32
+    assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 64

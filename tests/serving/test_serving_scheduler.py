@@ -278,7 +278,7 @@ def test_a_step_dispatches_its_decode_before_its_prefill_and_streams_never_stall
 
 def test_serve_config_prefill_knobs():
     cfg = ServeConfig(max_slots=32, page_size=16, max_context=256, prefill_buckets=(64,))
-    assert cfg.prefill_rows == (4,) and cfg.prefill_token_budget == 64  # one page of each of 4 rows
+    assert cfg.prefill_rows == (4,) and cfg.prefill_token_budget == 128  # two pages of each of 4 rows
     assert ServeConfig(max_slots=2, page_size=16, max_context=256).prefill_rows == (2,)
     for bad, field in (
         (dict(prefill_rows=(4, 2)), "prefill_rows"),
