@@ -14,14 +14,12 @@ per shape):
   decoding, with capture / replay / patching); returns logits and the decisions taken.
 - `decode`: one token per row, then `ced_jax.sampling.sample` inside, so only the drawn tokens and
   log-probabilities come back (`generate`'s decode and the server's).
-- `prefill_pages`: one chunk of one slot as a `lax.while_loop` over its pages, `forward` on one page
-  (T = page_size) per iteration, then the sample after the chunk; also returns the slot state after
-  each full page (prefix snapshots). Every page of a prompt is computed by the same program from the
-  same inputs whether a request starts cold or resumes from a snapshot, so prefix hits are exact by
+- `prefill_batch`: chunks of R slots (the server's prefill), as a `lax.while_loop` over their pages:
+  `forward` on [R, page_size] per iteration (a row whose chunk is done brings 0 tokens and writes
+  nothing), then each row's sample after its chunk; also returns every row's slot state after each
+  full page (prefix snapshots). Every page of a prompt is computed by the same program from the same
+  inputs whether a request starts cold or resumes from a snapshot, so prefix hits are exact by
   construction (`serving.jax_engine`).
-- `prefill_batch`: `prefill_pages` for chunks of several slots at once, [R, page_size] per iteration
-  (rows whose chunk is done bring 0 tokens and write nothing); per-row samples and snapshots. The
-  server's prefill (`serving.jax_engine`).
 - `restore_slot`: puts a snapshot's rings and partial groups into a slot.
 
 Clients: `ced_jax.api.Model` (a `Session` is an `Engine` of `batch` slots with contiguous page tables)
@@ -164,68 +162,6 @@ def decode(
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
-def prefill_pages(
-    params,
-    state,
-    tokens,
-    rows,
-    start,
-    n,
-    slot,
-    page_table,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    *,
-    cfg,
-    impl,
-    max_logprobs,
-    mesh,
-    rules,
-):
-    """One chunk (tokens i32 [C], C a multiple of page_size, n valid) of one slot starting at `start`
-    (page aligned), a page per loop iteration: (new state, sample after the chunk, slot state after
-    each full page [C / page_size, ...])."""
-    layout = sharding.make_layout(mesh, rules)
-    ps = state.page_size
-    snapshot = state.slot_state(slot)
-    pages = tokens.shape[0] // ps
-    snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), snapshot)
-
-    def body(carry):
-        k, state, last, snaps = carry
-        off = k * ps
-        page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps)[None]
-        page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps)[None]
-        meta = StepMetadata(
-            start=(start + off)[None],
-            lens=jnp.minimum(n - off, ps)[None],
-            slots=slot[None],
-            page_tables=page_table[None],
-        )
-        logits, state, _ = forward(params, cfg, page_tokens, state, meta, page_rows, impl=impl, layout=layout)
-        i = n - 1 - off  # the chunk's last token, if it is on this page
-        last = jnp.where((i >= 0) & (i < ps), logits[0, jnp.clip(i, 0, ps - 1)], last)
-        snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, state.slot_state(slot))
-        return k + 1, state, last, snaps
-
-    last = jnp.zeros((cfg.vocab_size,), jnp.float32)
-    _, state, last, snaps = jax.lax.while_loop(
-        lambda c: c[0] * ps < n, body, (jnp.int32(0), state, last, snaps)
-    )
-    out = sample(
-        last[None],
-        (start + n)[None],
-        temperature[None],
-        top_p[None],
-        top_k[None],
-        seed[None],
-        num_logprobs=max_logprobs,
-    )
-    return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
-
-
 def prefill_batch(
     params,
     state,
@@ -246,13 +182,12 @@ def prefill_batch(
     mesh,
     rules,
 ):
-    """`prefill_pages` for R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of
-    page_size, n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page
-    aligned) through page_tables[r]. One `forward` on [R, page_size] per loop iteration, page k of
-    every row; a row whose chunk has no page k brings 0 tokens and writes nothing. Returns (new
-    state, the sample after each row's chunk (rows with n 0: garbage), the slot state of every row
-    after each page [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size
-    <= n[r]))."""
+    """Prefill R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of page_size,
+    n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page aligned)
+    through page_tables[r]. One `forward` on [R, page_size] per loop iteration, page k of every row;
+    a row whose chunk has no page k brings 0 tokens and writes nothing. Returns (new state, the
+    sample after each row's chunk (rows with n 0: garbage), the slot state of every row after each
+    page [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size <= n[r]))."""
     layout = sharding.make_layout(mesh, rules)
     ps = state.page_size
     num_rows, width = tokens.shape
@@ -303,9 +238,6 @@ class Programs:
         )
         self.decode = jax.jit(
             partial(decode, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
-        )
-        self.prefill_pages = jax.jit(
-            partial(prefill_pages, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
         )
         self.prefill_batch = jax.jit(
             partial(prefill_batch, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
@@ -435,35 +367,6 @@ class Engine:
                 max_logprobs=max_logprobs,
             )
         return out
-
-    def prefill_pages(
-        self, slot, padded_tokens, n, start, page_table, temperature, top_p, top_k, seed, *, max_logprobs
-    ):
-        """A chunk of one slot, a page at a time (padded_tokens [C], n valid): (sample outputs on
-        device, per-page slot states on device). The slot's history moves past the n tokens."""
-        history = self.history[slot : slot + 1]
-        rows = None
-        if self.hasher is not None:
-            rows = self.hasher.hash_ids(history, padded_tokens[None])[0]
-            self.history[slot] = self.hasher.next_history(history, padded_tokens[None, :n], np.array([n]))[0]
-        put = self.put
-        with self._mesh_context():
-            self.state, out, snaps = self.programs.prefill_pages(
-                self.model.params,
-                self.state,
-                put(padded_tokens),
-                None if rows is None else put(rows),
-                put(np.int32(start)),
-                put(np.int32(n)),
-                put(np.int32(slot)),
-                put(np.asarray(page_table, np.int32)),
-                put(np.float32(temperature)),
-                put(np.float32(top_p)),
-                put(np.int32(top_k)),
-                put(np.uint32(seed)),
-                max_logprobs=max_logprobs,
-            )
-        return out, snaps
 
     def prefill_batch(
         self, slots, padded_tokens, n, start, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
