@@ -16,3 +16,15 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 REPO = Path(__file__).resolve().parent.parent
 # DeepSeek's reference outputs on a tiny checkpoint (a copy of shared/golden/tiny-a).
 GOLDEN_TINY_A = REPO / "tests" / "golden" / "tiny-a"
+
+# Chat-encoding golden set (DeepSeek's reference encoder outputs). A copy lives in the repo so CI needs no
+# /work/shared; `--chat-golden DIR` runs the same tests on another set in the same format (a hidden one).
+GOLDEN_CHAT_ENCODING = REPO / "tests" / "golden" / "chat-encoding"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--chat-golden",
+        default=str(GOLDEN_CHAT_ENCODING),
+        help="directory of a chat-encoding golden set (cases.jsonl + tokenizer.json)",
+    )
