@@ -6,6 +6,7 @@
 - `bridge.py`: a deepseek-recipe `Conversation` (from its request converters) rendered with our encoder.
 """
 
+from serving.chat.bridge import render_conversation
 from serving.chat.effort import resolve_thinking
 from serving.chat.encoding import (
     ChatFormatError,
@@ -22,6 +23,7 @@ __all__ = [
     "RenderedPrompt",
     "encode_prompt",
     "parse_completion",
+    "render_conversation",
     "render_messages",
     "resolve_thinking",
 ]
