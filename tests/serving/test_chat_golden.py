@@ -52,7 +52,7 @@ def _render(case):
     return render_messages(
         case["messages"],
         thinking_mode=case["thinking_mode"],
-        reasoning_effort=case["reasoning_effort"],
+        reasoning_effort=case.get("reasoning_effort"),
         **options,
     )
 
@@ -115,15 +115,48 @@ def _stream(text: str, thinking: bool) -> dict:
 
 
 def test_stream_parser_agrees(case):
+    _check_stream_agrees(case["text"], case["thinking_mode"])
+
+
+_CALL = '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+_PARAMS = (
+    '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+    '<｜DSML｜ parameter name="s" string="true">a "q"\nb\\n'
+    "</｜DSML｜ parameter>\n"
+    '<｜DSML｜ parameter name="n" string="false">{"x": [1, 2.50]}</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "mode"),
+    [
+        ("Checking.\n" + _CALL + EOS, "chat"),
+        ("\n\nhello\n\n" + EOS, "chat"),
+        ("\nr\n</think>\n\nans" + EOS, "thinking"),
+        ("</think>" + _CALL, "thinking"),
+        ("x" + _PARAMS, "chat"),
+        ("  sp  " + EOS, "chat"),
+        ("x\n\n<｜DSML｜ calls>\n</｜DSML｜ calls>", "chat"),
+    ],
+)
+def test_stream_parser_agrees_on_edges(text, mode):
+    _check_stream_agrees(text, mode)
+
+
+def _check_stream_agrees(text, mode):
     """deepseek-recipe's stream parser (used by the HTTP layer) agrees with parse_completion."""
-    ours = parse_completion(case["text"], case["thinking_mode"])
+    ours = parse_completion(text, mode)
     # The engine reports EOS as a finish reason, never as text.
-    text = case["text"].removesuffix(EOS)
-    theirs = _stream(text, case["thinking_mode"] == "thinking")
-    # The stream processor drops newlines at the start of reasoning and of the answer (spec 17); the reference
-    # parser keeps them.
-    assert theirs["reasoning_content"] == ours["reasoning_content"].lstrip("\n")
-    assert theirs["content"] == ours["content"].lstrip("\n")
+    theirs = _stream(text.removesuffix(EOS), mode == "thinking")
+    # The stream processor drops newlines at the start and end of the reasoning, at the start of the answer,
+    # and between the answer and a tool-call block (spec 17: it matches `</think>` and the DSML start after
+    # optional newlines); the reference parser keeps them.
+    assert theirs["reasoning_content"] == ours["reasoning_content"].strip("\n")
+    content = ours["content"].lstrip("\n")
+    if ours["tool_calls"]:
+        content = content.rstrip("\n")
+    assert theirs["content"] == content
     calls = [theirs["tool_calls"][i] for i in sorted(theirs["tool_calls"])]
     assert [c["name"] for c in calls] == [c["function"]["name"] for c in ours["tool_calls"]]
     assert [json.loads(c["arguments"]) for c in calls] == [
