@@ -7,9 +7,11 @@ agrees with DeepSeek's reference encoder; the cases where they disagree are pinn
 
 import deepseek_recipe as d
 import pytest
+import tokenizers
 
-from serving.chat import ChatFormatError, resolve_thinking
+from serving.chat import ChatFormatError, PromptEncoder, encode_prompt, resolve_thinking
 from serving.chat.bridge import render_conversation
+from tests.conftest import GOLDEN_CHAT_ENCODING
 
 ST = d.SpecialTokens(image="<｜deepseek_image｜>")
 OPTS = d.ConversionOptions().with_special_tokens(ST).with_model_alias("m", d.ModelVersion.DeepseekV41Flash)
@@ -374,6 +376,22 @@ def test_render_equals_library(kind, body):
     assert [(s.kind, s.url, s.data_url) for s in ours.images] == [
         (s.kind, s.url, s.data_url) for s in theirs.image_sources
     ]
+
+
+@pytest.fixture(scope="module")
+def token_encoders():
+    path = str(GOLDEN_CHAT_ENCODING / "tokenizer.json")
+    return PromptEncoder(tokenizers.Tokenizer.from_file(path)), ENC.with_tokenizer(
+        d.Tokenizer.from_file(path)
+    )
+
+
+@pytest.mark.parametrize(("kind", "body"), [(k, b) for _, k, b in ALL], ids=[n for n, _, _ in ALL])
+def test_token_ids_equal_library(kind, body, token_encoders):
+    """encode_prompt tokenizes as the library's prompt encoding (special ids only where it placed them)."""
+    ours, theirs = token_encoders
+    conv = _convert(kind, body)
+    assert encode_prompt(render_conversation(conv), ours) == theirs.encode(conv)
 
 
 def test_required_tool_choice_prefills_the_calls_block():
