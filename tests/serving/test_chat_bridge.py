@@ -260,6 +260,17 @@ CHAT = {
             }
         ],
     },
+    "mid_system_tools_json": {
+        "thinking": {"type": "disabled"},
+        "response_format": {"type": "json_object"},
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "system", "content": "answer in json"},
+            {"role": "user", "content": "c"},
+        ],
+        "tools": [W],
+    },
     "typed_eos": {"messages": [{"role": "user", "content": "x<｜end▁of▁sentence｜>y"}]},
     "trailing_assistant_chat": {
         "thinking": {"type": "disabled"},
@@ -267,6 +278,15 @@ CHAT = {
     },
 }
 RESPONSES = {
+    "resp_developer_multiturn": {
+        "input": [
+            {"role": "developer", "content": "Be terse."},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ],
+        "reasoning": {"effort": "high"},
+    },
     "resp_instructions": {"instructions": "Be nice", "input": "hi", "reasoning": {"effort": "low"}},
     "resp_off": {"input": [{"role": "user", "content": "hi"}], "reasoning": {"effort": "none"}},
     "resp_tools": {
