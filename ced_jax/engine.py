@@ -45,7 +45,7 @@ from ced_jax import sharding
 from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.model import forward
-from ced_jax.sampling import sample
+from ced_jax.sampling import mask_words, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +139,7 @@ def decode(
     top_p,
     top_k,
     seed,
+    token_bitmask,
     *,
     cfg,
     impl,
@@ -147,7 +148,8 @@ def decode(
     rules,
 ):
     """One token per row (tokens i32 [B]; rows with lens 0 are idle and write nothing), then the
-    sampler: (new state, (token [B], logprob [B], top ids [B, K], top logprobs [B, K]))."""
+    sampler under each row's token mask (i32 [B, W], all ones = unconstrained): (new state, (token [B],
+    logprob [B], top ids [B, K], top logprobs [B, K]))."""
     logits, state, _ = forward(
         params,
         cfg,
@@ -158,7 +160,10 @@ def decode(
         impl=impl,
         layout=sharding.make_layout(mesh, rules),
     )
-    out = sample(logits[:, 0], meta.start + 1, temperature, top_p, top_k, seed, num_logprobs=max_logprobs)
+    out = sample(
+        logits[:, 0], meta.start + 1, temperature, top_p, top_k, seed, token_bitmask,
+        num_logprobs=max_logprobs,
+    )  # fmt: skip
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
@@ -175,6 +180,7 @@ def prefill_batch(
     top_p,
     top_k,
     seed,
+    token_bitmask,
     *,
     cfg,
     impl,
@@ -217,7 +223,7 @@ def prefill_batch(
     _, state, last, snaps = jax.lax.while_loop(
         lambda c: c[0] * ps < jnp.max(n), body, (jnp.int32(0), state, last, snaps)
     )
-    out = sample(last, start + n, temperature, top_p, top_k, seed, num_logprobs=max_logprobs)
+    out = sample(last, start + n, temperature, top_p, top_k, seed, token_bitmask, num_logprobs=max_logprobs)
     return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
 
 
@@ -331,24 +337,56 @@ class Engine:
             )
         return logits, aux
 
+    def token_bitmask(self, rows: int, token_bitmask=None) -> np.ndarray:
+        """The i32 [rows, W] token mask of a call: `token_bitmask`, or all ones (no constraint), so a
+        program always gets the same shape and dtype (one executable either way)."""
+        if token_bitmask is None:
+            return np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
+        return np.asarray(token_bitmask, np.int32)
+
     def decode(
-        self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
+        self,
+        slots,
+        tokens,
+        positions,
+        active,
+        page_tables,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        *,
+        max_logprobs,
+        token_bitmask=None,
     ):
         """One token for each row (row i is slot slots[i]; inactive rows idle): the sampler's outputs
         on the host (token, logprob, top ids, top logprobs), one row each."""
         return jax.device_get(
             self.dispatch_decode(
                 slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
-                max_logprobs=max_logprobs,
+                max_logprobs=max_logprobs, token_bitmask=token_bitmask,
             )
         )  # fmt: skip
 
     def dispatch_decode(
-        self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
+        self,
+        slots,
+        tokens,
+        positions,
+        active,
+        page_tables,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        *,
+        max_logprobs,
+        token_bitmask=None,
     ):
         """`decode` without waiting: the sampler's outputs stay on the device (JAX dispatch is
         asynchronous), so the host can prepare other work while the step runs; `jax.device_get`
-        them when needed. The history moves at once (it needs only the fed tokens)."""
+        them when needed. The history moves at once (it needs only the fed tokens). token_bitmask:
+        i32 [B, W] (`ced_jax.sampling.apply_token_bitmask`), None = unconstrained."""
         tokens = np.asarray(tokens, np.int32)
         lens = np.asarray(active, np.int32)
         rows = self.engram_rows(np.asarray(slots), tokens[:, None], lens)
@@ -364,17 +402,31 @@ class Engine:
                 put(np.asarray(top_p, np.float32)),
                 put(np.asarray(top_k, np.int32)),
                 put(np.asarray(seed, np.uint32)),
+                put(self.token_bitmask(len(tokens), token_bitmask)),
                 max_logprobs=max_logprobs,
             )
         return out
 
     def prefill_batch(
-        self, slots, padded_tokens, n, start, page_tables, temperature, top_p, top_k, seed, *, max_logprobs
+        self,
+        slots,
+        padded_tokens,
+        n,
+        start,
+        page_tables,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        *,
+        max_logprobs,
+        token_bitmask=None,
     ):
         """Chunks of R slots at once, a page of every row per iteration (`prefill_batch` program):
         padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns
         (sample outputs on device [R], per-page slot states on device [C / page_size, R, ...]);
-        nothing is waited for. Each row's history moves past its n tokens."""
+        nothing is waited for. Each row's history moves past its n tokens. token_bitmask: i32 [R, W]
+        for the samples, None = unconstrained."""
         slots = np.asarray(slots, np.int32)
         tokens = np.asarray(padded_tokens, np.int32)
         n = np.asarray(n, np.int32)
@@ -394,6 +446,7 @@ class Engine:
                 put(np.asarray(top_p, np.float32)),
                 put(np.asarray(top_k, np.int32)),
                 put(np.asarray(seed, np.uint32)),
+                put(self.token_bitmask(len(slots), token_bitmask)),
                 max_logprobs=max_logprobs,
             )
         return out, snaps

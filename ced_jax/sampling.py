@@ -10,11 +10,14 @@ Invariants (what makes serving reproducible):
   (a static `return_logprobs`-style flag is a classic cause of recompiles after warm-up). The only
   static argument is `num_logprobs`, fixed per engine.
 
-Semantics, in order: temperature scaling, then top-k, then top-p on the scaled distribution, then a
-categorical draw. temperature == 0 is greedy (argmax, lowest id on ties) and ignores top-k/top-p.
+Semantics, in order: the token mask (constrained decoding, `apply_token_bitmask`), temperature
+scaling, then top-k, then top-p on the scaled distribution, then a categorical draw. temperature == 0
+is greedy (argmax of the masked logits, lowest id on ties) and ignores top-k/top-p. The mask is an
+array too: an unconstrained row is all ones, which leaves its logits bit for bit as they were, so
+constrained and unconstrained rows share one program and give the same tokens as without masks.
 Ties at the top-k/top-p threshold are all kept (deterministic, and at most a few extra candidates).
 Returned log-probabilities are those of the raw model distribution (log_softmax of the logits, before
-temperature and filtering), as OpenAI-style APIs report them.
+the mask, temperature and filtering), as OpenAI-style APIs report them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,24 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Logits with the tokens a packed mask forbids set to -inf.
+
+    logits: f32[B, V]; bitmask: i32[B, W], W = ceil(V / 32): bit j of word w set <=> token 32 w + j
+    allowed (the llguidance / xgrammar layout); an all-ones row (-1 words) allows everything.
+    """
+    rows, vocab = logits.shape
+    # Arithmetic shift then & 1 reads bit j of each word, the sign bit included.
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] == 1  # [B, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def mask_words(vocab_size: int) -> int:
+    """W, the int32 words of one mask row for a vocabulary of `vocab_size` tokens."""
+    return -(-vocab_size // 32)
+
+
 def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
     """uint32[B, 2] keys: fold_in(PRNGKey(seed), position) per row."""
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
@@ -60,22 +81,24 @@ def sample(
     top_p: jax.Array,
     top_k: jax.Array,
     seed: jax.Array,
+    token_bitmask: jax.Array | None = None,
     *,
     num_logprobs: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Samples one token per row.
 
     logits: f32[B, V]; positions: i32[B], the absolute position each sampled token will occupy;
-    temperature, top_p: f32[B]; top_k: i32[B]; seed: u32[B].
+    temperature, top_p: f32[B]; top_k: i32[B]; seed: u32[B]; token_bitmask: i32[B, W] or None (no mask).
     Returns (token i32[B], logprob f32[B], top_ids i32[B, N], top_logprobs f32[B, N]), N = num_logprobs.
     """
     logits = logits.astype(jnp.float32)
-    filtered = filter_logits(logits, temperature, top_p, top_k)
+    masked = logits if token_bitmask is None else apply_token_bitmask(logits, token_bitmask)
+    filtered = filter_logits(masked, temperature, top_p, top_k)
     keys = row_keys(seed.astype(jnp.uint32), positions.astype(jnp.uint32))
     drawn = jax.vmap(jax.random.categorical)(keys, filtered)  # [B]
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy = jnp.argmax(masked, axis=-1)
     token = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V], of the raw logits (unmasked)
     token_logp = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
         top_logp, top_ids = jax.lax.top_k(logp, num_logprobs)

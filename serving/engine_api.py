@@ -51,6 +51,12 @@ are the same calls, waited for.
 Sampling is part of the engine's compiled programs (`ced_jax/sampling.py`): per-row parameters arrive as
 arrays, the key for the token at absolute position `p` is `fold_in(PRNGKey(seed), p)`, so a request's
 tokens depend only on its own seed, positions and logits, never on what else is in the batch.
+Constrained decoding (`serving/constraints.py`): each row of a decode step, and the sample of a last
+prefill chunk, comes with a packed token mask (i32[W], W = ceil(vocab_size / 32), bit j of word w set
+<=> token 32 w + j allowed; `None` or all ones = unconstrained) that the sampler applies before
+temperature, top-k/top-p and greedy; the masks are computed on the host by the scheduler. An all-ones
+row leaves the logits as they are, so unconstrained rows are unaffected by constrained neighbours,
+and the mask's shape never changes (no recompiles).
 Top-n log-probabilities are always computed for `max_logprobs` alternatives (a static shape); the
 scheduler slices what a request asked for.
 """
@@ -168,6 +174,7 @@ class PrefillChunk:
     is_last_chunk: bool  # sample the token at start_pos + T
     restore: Snapshot | None = None  # only on a first chunk resuming at start_pos in "snapshot" mode
     snapshot_at: tuple[int, ...] = ()  # page-aligned positions in (start_pos, start_pos + T]
+    token_bitmask: np.ndarray | None = None  # i32[W] for the last chunk's sample; None = all ones
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -196,6 +203,12 @@ class DecodeBatch:
     top_p: np.ndarray  # f32[S]
     top_k: np.ndarray  # i32[S]
     seed: np.ndarray  # u32[S]
+    token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(vocab_size / 32); None = all ones
+
+
+def mask_words(vocab_size: int) -> int:
+    """W, the int32 words of one token-mask row (`DecodeBatch.token_bitmask`)."""
+    return -(-vocab_size // 32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,9 @@ whose shapes, dtypes or shardings warm-up did not cover compiles, and shows in
 - decode: one token for each row of a batch of the smallest `decode_buckets` size that holds the
   active slots (ServeConfig: 8, 16, 32 for 32 slots), padded with distinct idle slots of length 0
   (they write nothing), sampling inside (`ced_jax.sampling`), so only tokens and log-probabilities
-  come back. A lone stream thus pays for 8 rows, not `max_slots`; why not 1, see
+  come back. Every row's sample is under its token mask (all ones when unconstrained), an argument
+  of fixed shape [rows, ceil(vocab / 32)], so constraints never compile anything. A lone stream thus
+  pays for 8 rows, not `max_slots`; why not 1, see
   `ServeConfig.decode_buckets`.
 - restore: puts a snapshot's rings and partial groups into a slot.
 `prefill_async` and `decode_async` only dispatch their program (JAX runs it asynchronously); the
@@ -61,6 +63,7 @@ import numpy as np
 from ced_jax import cache as cache_lib
 from ced_jax.engine import Engine, StateShapes
 from serving.config import ServeConfig
+from serving.constraints import ConstraintTokenizer
 from serving.engine_api import (
     CompileCounter,
     DecodeBatch,
@@ -70,6 +73,7 @@ from serving.engine_api import (
     PrefillResult,
     SampledToken,
     SamplingParams,
+    mask_words,
 )
 
 
@@ -95,6 +99,7 @@ class _PrefillRows:
     top_p: np.ndarray  # f32 [R]
     top_k: np.ndarray  # i32 [R]
     seed: np.ndarray  # u32 [R]
+    token_bitmask: np.ndarray  # i32 [R, W]; all ones = unconstrained
 
     @classmethod
     def idle(cls, size: int, engine: JaxEngine, slots: np.ndarray | None = None) -> _PrefillRows:
@@ -109,6 +114,7 @@ class _PrefillRows:
             top_p=np.ones(size, np.float32),
             top_k=np.zeros(size, np.int32),
             seed=np.zeros(size, np.uint32),
+            token_bitmask=np.full((size, mask_words(engine.cfg.vocab_size)), -1, np.int32),
         )
 
     @classmethod
@@ -124,6 +130,8 @@ class _PrefillRows:
             sp = c.sampling
             rows.temperature[r], rows.top_p[r] = sp.temperature, sp.top_p
             rows.top_k[r], rows.seed[r] = sp.top_k, sp.seed
+            if c.token_bitmask is not None:
+                rows.token_bitmask[r] = c.token_bitmask
         return rows
 
 
@@ -196,6 +204,15 @@ class ModelTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._model.decode_text(list(token_ids))
+
+    def constraint_tokenizer(self) -> ConstraintTokenizer | None:
+        """llguidance's view of the model's tokenizer.json, for constrained decoding (the scheduler
+        builds it once); None when the model has no tokenizer.json."""
+        path = self._model.tokenizer_path
+        if path is None:
+            return None
+        cfg = self._model.cfg
+        return ConstraintTokenizer(path, vocab_size=cfg.vocab_size, eos_token_ids=(cfg.eos_token_id,))
 
 
 class JaxEngine:
@@ -379,6 +396,9 @@ class JaxEngine:
             raise ValueError(f"chunk [{start}, {start + n}) is not page aligned or runs past max_context")
         if self._decoding[s]:
             raise ValueError(f"slot {s} is decoding")
+        w = mask_words(self.cfg.vocab_size)
+        if chunk.token_bitmask is not None and np.shape(chunk.token_bitmask) != (w,):
+            raise ValueError(f"token_bitmask shape {np.shape(chunk.token_bitmask)}, expected {(w,)}")
         fresh = self._pos[s] < 0
         if chunk.restore is not None:
             if not fresh or chunk.restore.pos != start:
@@ -398,6 +418,7 @@ class JaxEngine:
             return self.engine.prefill_batch(
                 rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
                 rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
+                token_bitmask=rows.token_bitmask,
             )  # fmt: skip
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
@@ -413,6 +434,10 @@ class JaxEngine:
                 raise ValueError(f"slot {s}: decode at {positions[s]}, state is at {self._pos[s]}")
             if positions[s] + 1 > self._spec.max_context:
                 raise ValueError(f"slot {s}: decode past max_context")
+        w = mask_words(self.cfg.vocab_size)
+        if batch.token_bitmask is not None and np.shape(batch.token_bitmask) != (len(active), w):
+            shape = np.shape(batch.token_bitmask)
+            raise ValueError(f"token_bitmask shape {shape}, expected {(len(active), w)}")
         # Inactive rows run with length 0 (nothing is written); their inputs only need to be valid.
         positions = np.where(active, positions, 0).astype(np.int32)
         tokens = np.where(active, tokens, self.cfg.pad_token_id).astype(np.int32)
@@ -428,17 +453,22 @@ class JaxEngine:
             slots, tokens[slots], positions[slots], active[slots], take(batch.page_tables, np.int32),
             take(batch.temperature, np.float32),
             take(batch.top_p, np.float32), take(batch.top_k, np.int32), take(batch.seed, np.uint32),
+            None if batch.token_bitmask is None else take(batch.token_bitmask, np.int32),
         )  # fmt: skip
         self._pos[active] += 1
         return _PendingDecode(out, slots, len(active))
 
-    def _decode_rows(self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed):
+    def _decode_rows(
+        self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
+        token_bitmask=None,
+    ):  # fmt: skip
         """The decode program over the rows `slots` (one compiled program per batch size), dispatched
-        (outputs on the device); idle rows (active False) write nothing and keep their history."""
+        (outputs on the device); idle rows (active False) write nothing and keep their history. A
+        None token_bitmask is all ones (the same program)."""
         with self._counter.watch():
             return self.engine.dispatch_decode(
                 slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
-                max_logprobs=self.max_logprobs,
+                max_logprobs=self.max_logprobs, token_bitmask=token_bitmask,
             )  # fmt: skip
 
     def release(self, slot: int) -> None:

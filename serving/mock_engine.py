@@ -9,8 +9,9 @@ prefix-cache bugs change the output. The most likely next token after a context 
 
 (`mock_target`). Logits put 0 on the target and fall by 0.7 per step around the ring of the
 `token_span` allowed tokens (so temperature sampling has something to choose from); everything else is
--30. Tokens are drawn by the real sampler (`ced_jax/sampling.py`), so greedy streams are exactly
-`mock_greedy_stream` and seeded streams exercise the production sampling code.
+-30. Tokens are drawn by the real sampler (`ced_jax/sampling.py`), under the requests' token masks
+(constrained decoding), so unconstrained greedy streams are exactly `mock_greedy_stream` and seeded
+streams exercise the production sampling code.
 
 `restore_mode="snapshot"` emulates an engine with state outside the pages (V4.1's SWA ring and
 compressor partial groups): the `window` term comes from a per-slot ring that only prefill/decode
@@ -41,6 +42,7 @@ from serving.engine_api import (
     PrefillChunk,
     PrefillResult,
     Ready,
+    mask_words,
 )
 
 _H_MOD = 1_000_003
@@ -181,6 +183,7 @@ class MockEngine:
                 np.ones(rows, np.float32),
                 np.zeros(rows, np.int32),
                 np.zeros(rows, np.uint32),
+                self._all_ones(rows),
             )
             np.asarray(out[0])
         self._warm = True
@@ -258,6 +261,7 @@ class MockEngine:
             np.array([sp.top_p], np.float32),
             np.array([sp.top_k], np.int32),
             np.array([sp.seed], np.uint32),
+            self._all_ones(1) if chunk.token_bitmask is None else self._row_mask(chunk.token_bitmask),
         )
         return PrefillResult(token=out.row(0), snapshots=snaps)
 
@@ -287,8 +291,9 @@ class MockEngine:
         self.max_active_seen = max(self.max_active_seen, int(np.sum(batch.active)))
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        mask = self._all_ones(S) if batch.token_bitmask is None else np.asarray(batch.token_bitmask, np.int32)
         return self._sample(
-            logits, batch.positions + 1, batch.temperature, batch.top_p, batch.top_k, batch.seed
+            logits, batch.positions + 1, batch.temperature, batch.top_p, batch.top_k, batch.seed, mask
         )
 
     def release(self, slot: int) -> None:
@@ -327,14 +332,24 @@ class MockEngine:
         ring = self._ring[s] if self._spec.restore_mode == "snapshot" else None
         return mock_logits(mock_target(context, self.rule, ring), self.rule, self._spec.vocab_size)
 
-    def _sample(self, logits, positions, temperature, top_p, top_k, seed) -> DecodeResult:
+    @staticmethod
+    def _row_mask(row: np.ndarray) -> np.ndarray:
+        return np.asarray(row, np.int32)[None]
+
+    def _all_ones(self, rows: int) -> np.ndarray:
+        return np.full((rows, mask_words(self._spec.vocab_size)), -1, np.int32)
+
+    def _sample(self, logits, positions, temperature, top_p, top_k, seed, token_bitmask=None) -> DecodeResult:
         from ced_jax.sampling import jitted_sample
 
+        if token_bitmask is None:
+            token_bitmask = self._all_ones(len(logits))
         fn = jitted_sample(self._spec.max_logprobs)
+        args = (logits, positions.astype(np.int32), temperature, top_p, top_k, seed, token_bitmask)
         if self._warm:
             with self._compiles.watch():
-                out = fn(logits, positions.astype(np.int32), temperature, top_p, top_k, seed)
+                out = fn(*args)
         else:
-            out = fn(logits, positions.astype(np.int32), temperature, top_p, top_k, seed)
+            out = fn(*args)
         tok, lp, ids, tlp = (np.asarray(x) for x in out)
         return DecodeResult(token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp)

@@ -42,6 +42,17 @@ by (identity, request_id), so two tenants may use the same id, a duplicate is on
 `abort` only finds the caller's own requests. The prefix cache is scoped by identity too
 (`serving/pages.py`), unless `ServeConfig.share_prefix_cache`.
 
+Constrained decoding (`serving/constraints.py`): a request with a `constraint` gets a grammar matcher
+when it is submitted (a constraint that cannot be compiled is an InvalidRequest naming the field).
+The scheduler keeps a packed token-mask row per slot (all ones for unconstrained slots) and hands it
+to the engine with every decode step and with a prompt's last prefill chunk. The mask of a request's
+next token is filled right after its previous token is consumed (in `_on_token`); this needs no
+pipelining change, because the next decode is only dispatched once this step's tokens are on the host
+anyway (step 4 above), so every mask is up to date when it is sent. A request whose grammar is
+complete finishes with STOP (EOS is only allowed where the grammar may end); a grammar that rejects
+a token (which the mask prevents; a resource limit could still cause it) ends the request with an
+error event.
+
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
 """
@@ -60,7 +71,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from serving.config import ServeConfig
-from serving.engine_api import DecodeBatch, Engine, PrefillChunk, SampledToken, SamplingParams
+from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
+from serving.engine_api import DecodeBatch, Engine, PrefillChunk, SampledToken, SamplingParams, mask_words
 from serving.metrics import Metrics
 from serving.pages import ROOT_KEY, PagePool
 from serving.text import Released, StreamText, Tokenizer
@@ -102,6 +114,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     deadline: float | None = None  # in the scheduler's clock (time.monotonic)
     identity: str = ""  # the tenant: namespaces request_id and scopes the prefix cache ("" = anonymous)
+    constraint: OutputConstraint | None = None  # what the output may be (constrained decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +161,10 @@ class _Seq:
         max_tokens: int,
         text: StreamText,
         cache_scope: str,
+        matcher: ConstraintMatcher | None = None,
     ):
         self.req = req
+        self.matcher = matcher  # the constraint's grammar state, if the request has one
         self.live_key = (req.identity, req.request_id)
         self.cache_scope = cache_scope  # prefix-cache scope: the identity, or "" when the cache is shared
         self.sink = sink
@@ -182,7 +197,11 @@ class Scheduler:
         config: ServeConfig,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        constraint_tokenizer: ConstraintTokenizer | None = None,
     ):
+        """constraint_tokenizer: llguidance's view of the model's tokenizer, for requests with a
+        `constraint`; by default the tokenizer's own `constraint_tokenizer()` if it has one
+        (`serving.jax_engine.ModelTokenizer`). Without one, constrained requests are refused."""
         spec = engine.spec
         config.check_engine(spec)
         self.engine = engine
@@ -208,6 +227,15 @@ class Scheduler:
         self._top_p = np.ones(S, np.float32)
         self._top_k = np.zeros(S, np.int32)
         self._seed = np.zeros(S, np.uint32)
+        self._bitmask = np.full((S, mask_words(spec.vocab_size)), -1, np.int32)  # all ones = unconstrained
+        self._constraint_tokenizer, self._no_constraints = constraint_tokenizer, ""
+        if constraint_tokenizer is None:
+            make = getattr(tokenizer, "constraint_tokenizer", None)
+            try:
+                self._constraint_tokenizer = make() if make is not None else None
+            except Exception as e:  # unconstrained serving goes on; constrained requests say why not
+                log.exception("no constrained decoding: the tokenizer could not be loaded for it")
+                self._no_constraints = f" ({type(e).__name__}: {e})"
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         # Shared with other threads, under _lock.
@@ -227,6 +255,26 @@ class Scheduler:
 
     def validate(self, req: GenerationRequest) -> int:
         """Raises InvalidRequest naming the field or limit; returns the effective max_tokens."""
+        return self._validate(req)[0]
+
+    def _validate(self, req: GenerationRequest) -> tuple[int, ConstraintMatcher | None]:
+        """`validate`, and the matcher of the request's constraint (compiling it is its check)."""
+        max_tokens = self._validate_fields(req)
+        if req.constraint is None:
+            return max_tokens, None
+        if not isinstance(req.constraint, OutputConstraint):
+            raise InvalidRequest("constraint", "must be a serving.constraints.OutputConstraint")
+        if self._constraint_tokenizer is None:
+            raise InvalidRequest(
+                "constraint",
+                f"this server cannot enforce output constraints: no tokenizer.json{self._no_constraints}",
+            )
+        try:
+            return max_tokens, self._constraint_tokenizer.matcher(req.constraint)
+        except ConstraintError as e:
+            raise InvalidRequest(f"constraint.{e.field}", e.message) from None
+
+    def _validate_fields(self, req: GenerationRequest) -> int:
         cfg, spec = self.config, self.spec
         if not req.request_id or len(req.request_id) > cfg.max_request_id_length:
             raise InvalidRequest("request_id", f"must have 1..{cfg.max_request_id_length} characters")
@@ -272,10 +320,10 @@ class Scheduler:
         Returns an opaque handle for `abort(..., handle=)`, which only aborts this very request even
         if its id is reused after it finished.
         """
-        max_tokens = self.validate(req)
+        max_tokens, matcher = self._validate(req)
         text = StreamText(self.tokenizer, req.stop, context=req.prompt_token_ids)
         scope = "" if self.config.share_prefix_cache else req.identity
-        seq = _Seq(req, sink, self.clock(), max_tokens, text, scope)
+        seq = _Seq(req, sink, self.clock(), max_tokens, text, scope, matcher)
         with self._lock:
             if self._failed is not None:
                 raise AdmissionError("engine_failed", f"the engine failed: {self._failed}")
@@ -447,6 +495,7 @@ class Scheduler:
             self._top_p[slot] = sp.top_p
             self._top_k[slot] = sp.top_k
             self._seed[slot] = sp.seed
+            self._fill_mask(seq)  # the first token's
             self._prefilling.append(seq)
             if self.metrics is not None:
                 self.metrics.queue_time.observe(now - seq.arrival)
@@ -504,6 +553,7 @@ class Scheduler:
             is_last_chunk=end == n,
             restore=seq.restore,
             snapshot_at=snapshot_at,
+            token_bitmask=self._bitmask[seq.slot].copy() if end == n and seq.matcher is not None else None,
         )
 
     def _prefill_finish(self, plan, pending) -> None:
@@ -548,6 +598,7 @@ class Scheduler:
             top_p=self._top_p.copy(),
             top_k=self._top_k.copy(),
             seed=self._seed.copy(),
+            token_bitmask=self._bitmask.copy(),
         )
         return active, self.engine.decode_async(batch)
 
@@ -572,6 +623,14 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.generation_tokens.inc()
         req = seq.req
+        m = seq.matcher
+        if m is not None:
+            m.consume(tok.token_id)
+            if m.error is not None:
+                self._finish(
+                    seq, FinishReason.ABORT, error=f"constraint: token {tok.token_id} was rejected: {m.error}"
+                )
+                return
         if tok.token_id in req.stop_token_ids or (tok.token_id in self._eos and not req.ignore_eos):
             self._finish(seq, FinishReason.STOP)
             return
@@ -583,12 +642,21 @@ class Scheduler:
             )
             payload = TokenLogprobs(tok.token_id, tok.logprob, top)
         rel = seq.text.push(tok.token_id, payload)
-        if rel.stopped:
+        if rel.stopped or (m is not None and m.done):  # a stop string, or the grammar is complete
             self._finish(seq, FinishReason.STOP, rel)
         elif seq.generated >= seq.max_tokens:
             self._finish(seq, FinishReason.LENGTH, rel)
-        elif rel.token_ids or rel.text:
-            self._emit(seq, rel)
+        else:
+            if rel.token_ids or rel.text:
+                self._emit(seq, rel)
+            self._fill_mask(seq)  # the next token's, before the next decode step is dispatched
+
+    def _fill_mask(self, seq: _Seq) -> None:
+        """The slot's mask row for the request's next token (all ones without a constraint)."""
+        if seq.matcher is None:
+            self._bitmask[seq.slot] = -1
+            return
+        seq.matcher.fill(self._bitmask[seq.slot])
 
     def _emit(self, seq: _Seq, rel: Released | None, reason=None, usage=None, error=None) -> None:
         ev = StreamEvent(
@@ -642,6 +710,7 @@ class Scheduler:
             self._free_slots.append(slot)
             self._free_slots.sort()
             self.page_tables[slot] = 0
+            self._bitmask[slot] = -1
             seq.slot = None
             if seq in self._prefilling:
                 self._prefilling.remove(seq)

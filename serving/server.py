@@ -47,6 +47,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving.config import ServeConfig
+from serving.constraints import constraint_from_proto
 from serving.engine_api import Engine, SamplingParams
 from serving.metrics import Metrics, MetricsServer
 from serving.proto import ced_pb2, ced_pb2_grpc
@@ -197,6 +198,7 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             ignore_eos=request.ignore_eos,
             deadline=deadline,
             identity=identity,
+            constraint=constraint_from_proto(request),
         )
 
     async def Generate(self, request, context):
