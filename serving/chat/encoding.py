@@ -592,7 +592,11 @@ class PromptEncoder:
 
     def __init__(self, tokenizer: tokenizers.Tokenizer):
         spec = json.loads(tokenizer.to_str())
-        self._special_ids = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+        added = spec.get("added_tokens", [])
+        self._special_ids = {t["content"]: t["id"] for t in added}
+        # Added tokens that swallow whitespace beside them, as the full tokenizer matches them.
+        self._lstrip = {t["content"] for t in added if t.get("lstrip")}
+        self._rstrip = {t["content"] for t in added if t.get("rstrip")}
         spec["added_tokens"] = []
         self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
@@ -601,18 +605,28 @@ class PromptEncoder:
 
     def encode(self, rendered: RenderedPrompt) -> list[int]:
         ids: list[int] = []
+        run = ""  # plain text not yet encoded
+        strip_next = False
         pos = 0
         prompt = rendered.prompt
         for start, end in rendered.special_ranges:
-            ids += self.plain(prompt[pos:start])
-            token = prompt[start:end]
-            if token in self._special_ids:
-                ids.append(self._special_ids[token])
-            else:
-                # A token this vocabulary lacks (a task token in a small tokenizer) is spelled out.
-                ids += self.plain(token)
+            run += prompt[pos:start]
             pos = end
-        ids += self.plain(prompt[pos:])
+            token = prompt[start:end]
+            if token not in self._special_ids:
+                # A token this vocabulary lacks (a task token in a small tokenizer) is plain text, encoded
+                # together with its neighbours as the full tokenizer would.
+                run += token
+                continue
+            if strip_next:
+                run = run.lstrip()
+            if token in self._lstrip:
+                run = run.rstrip()
+            ids += self.plain(run)
+            ids.append(self._special_ids[token])
+            run, strip_next = "", token in self._rstrip
+        run += prompt[pos:]
+        ids += self.plain(run.lstrip() if strip_next else run)
         return ids
 
 

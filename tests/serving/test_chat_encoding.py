@@ -97,6 +97,50 @@ def test_special_missing_from_vocabulary_is_spelled_out(tokenizer):
     assert encode_prompt(rendered, PromptEncoder(small)) == encode_prompt(rendered, small)
 
 
+def _variant(tokenizer, edit) -> tokenizers.Tokenizer:
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [t for t in (edit(dict(t)) for t in spec["added_tokens"]) if t is not None]
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t: {**t, "lstrip": True},
+        lambda t: {**t, "rstrip": True},
+        lambda t: {**t, "lstrip": True, "rstrip": True},
+        # Vocabularies without some of the renderer's tokens: those become plain text.
+        lambda t: (
+            None
+            if t["content"] in ("<｜query｜>", "<｜action｜>", "<｜latest_reminder｜>", "</think>")
+            else t
+        ),
+    ],
+    ids=["lstrip", "rstrip", "both", "missing"],
+)
+def test_golden_prompts_under_other_tokenizers(tokenizer, edit):
+    """On prompts with no typed special spellings, encode_prompt equals the full tokenizer's encoding."""
+    other = _variant(tokenizer, edit)
+    encoder = PromptEncoder(other)
+    cases = [json.loads(line) for line in (GOLDEN_CHAT_ENCODING / "cases.jsonl").read_text().splitlines()]
+    n = 0
+    for case in cases:
+        if case["kind"] != "encode" or "error" in case["expected"]:
+            continue
+        options = {k: case[k] for k in ("context", "drop_thinking", "add_default_bos_token") if k in case}
+        rendered = render_messages(
+            case["messages"],
+            thinking_mode=case["thinking_mode"],
+            reasoning_effort=case["reasoning_effort"],
+            **options,
+        )
+        assert encoder.encode(rendered) == other.encode(rendered.prompt, add_special_tokens=False).ids, case[
+            "id"
+        ]
+        n += 1
+    assert n > 20
+
+
 # Rules of the reference encoder the golden set does not exercise (expected strings written from its rules).
 
 
