@@ -189,7 +189,10 @@ class _Renderer:
                 block["content"] = self._replace_images(block["content"], f"{where}.content", images)
                 out.append(block)
             elif block.get("type") == "text":
-                _check_no_image_token(block.get("text") or "", f"{where}.text")
+                text = block.get("text") or ""
+                if not isinstance(text, str):
+                    raise ChatFormatError(f"{where}.text: expected a string")
+                _check_no_image_token(text, f"{where}.text")
                 out.append(block)
             else:
                 out.append(block)
