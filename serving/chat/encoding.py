@@ -210,8 +210,6 @@ class _Renderer:
             if isinstance(msg.get("content"), list) and "content_blocks" not in msg:
                 msg["content_blocks"] = msg.pop("content")
             if msg.get("content_blocks"):
-                if not isinstance(msg["content_blocks"], list):
-                    raise ChatFormatError(f"{where}.content_blocks: expected a list")
                 msg["content_blocks"] = self._replace_images(
                     msg["content_blocks"], f"{where}.content", images
                 )
@@ -345,7 +343,13 @@ class _Renderer:
         elif role == "user":
             out += self.sp(USER)
             blocks = msg.get("content_blocks")
-            out += self._user_blocks(blocks, f"{field}.content") if blocks else f"{content or ''}"
+            if blocks:
+                out += self._user_blocks(blocks, f"{field}.content")
+            else:
+                text = content or ""
+                if not isinstance(text, str):
+                    raise ChatFormatError(f"{field}.content: expected a string or content blocks")
+                out += text
         elif role == "latest_reminder":
             # The reference formats the content as is (a missing content renders as "None").
             out += self.sp(LATEST_REMINDER) + f"{content}"
