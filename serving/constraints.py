@@ -70,7 +70,8 @@ class OutputConstraint:
     "regex": `regex` (the whole output matches it); "tool_calls": `tools` (OpenAI function tools,
     `{"type": "function", "function": {"name", "description", "parameters"}}`), restricted to
     `tool_name` when set (a named `tool_choice`; None = any of them, `required`), one call only unless
-    `parallel_tool_calls`.
+    `parallel_tool_calls`, then at most `max_tool_calls` (None = no limit; the Responses API's
+    `max_tool_calls`).
     start_after_token: the constraint starts after this token has been generated (thinking mode:
     the id of `</think>`); until then rows are unconstrained. None = from the first token.
     """
@@ -81,6 +82,7 @@ class OutputConstraint:
     tools: Sequence[Mapping[str, Any]] = ()
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
     start_after_token: int | None = None
 
     def __post_init__(self):
@@ -93,6 +95,8 @@ class OutputConstraint:
                 raise ConstraintError(name, f"is not used by kind {self.kind!r}")
         if self.tool_name is not None and self.kind != "tool_calls":
             raise ConstraintError("tool_name", f"is not used by kind {self.kind!r}")
+        if self.max_tool_calls is not None and not 1 <= self.max_tool_calls <= 128:
+            raise ConstraintError("max_tool_calls", f"must be in 1..128, got {self.max_tool_calls}")
         if self.start_after_token is not None and self.start_after_token < 0:
             raise ConstraintError(
                 "start_after_token", f"must be a token id >= 0, got {self.start_after_token}"
@@ -137,6 +141,9 @@ class OutputConstraint:
             return None
         raise ConstraintError("kind", f"unknown output constraint kind {kind!r}")
 
+    def _max_calls(self) -> int | None:
+        return 1 if not self.parallel_tool_calls else self.max_tool_calls
+
     def selected_tools(self) -> list[tuple[int, str, Mapping[str, Any]]]:
         """(index in `tools`, name, parameters schema) of the tools a call may use."""
         if not self.tools:
@@ -174,7 +181,7 @@ class OutputConstraint:
         if dsml_token_id is None:
             raise ConstraintError("tools", f"the tokenizer has no {DSML_TOKEN} token for tool calls")
         return llg.LLMatcher.grammar_from_lark(
-            _tool_calls_lark(self.selected_tools(), dsml_token_id, self.parallel_tool_calls)
+            _tool_calls_lark(self.selected_tools(), dsml_token_id, self._max_calls())
         )
 
 
@@ -252,9 +259,10 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _tool_calls_lark(tools, dsml: int, parallel: bool) -> str:
+def _tool_calls_lark(tools, dsml: int, max_calls: int | None) -> str:
     d = f"<[{dsml}]>"
-    lines = [f'start: {"call+" if parallel else "call"} "</" {d} " calls>"']
+    calls = "call+" if max_calls is None else " ".join(["call"] + ["call?"] * (max_calls - 1))
+    lines = [f'start: {calls} "</" {d} " calls>"']
     lines.append("call: " + " | ".join(f"call_{i}" for i, _, _ in tools))
     for i, name, params in tools:
         props = params.get("properties", {})
@@ -377,6 +385,7 @@ def constraint_from_proto(message) -> OutputConstraint | None:
                 tools=tools,
                 tool_name=tc.name if tc.HasField("name") else None,
                 parallel_tool_calls=tc.parallel_tool_calls if tc.HasField("parallel_tool_calls") else True,
+                max_tool_calls=tc.max_tool_calls if tc.HasField("max_tool_calls") else None,
                 start_after_token=after,
             )
         except ConstraintError as e:
@@ -385,7 +394,9 @@ def constraint_from_proto(message) -> OutputConstraint | None:
                 if e.field.startswith("tools")
                 else e.field
             )
-            field = "tool_calls.name" if field == "tool_name" else field
+            field = {"tool_name": "tool_calls.name", "max_tool_calls": "tool_calls.max_tool_calls"}.get(
+                field, field
+            )
             raise ConstraintError(field, e.message) from None
     except ConstraintError as e:
         raise InvalidRequest(f"constraint.{e.field}", e.message) from None

@@ -206,6 +206,12 @@ def test_tool_calls_accept_the_golden_single_call_then_stop(ctok, hf):
 def test_tool_calls_accept_the_golden_two_calls(ctok, hf):
     c = OutputConstraint(kind="tool_calls", tools=[SEARCH, CALC])
     assert run(ctok, c, ids(hf, Q04)).done
+    assert rejected(
+        ctok, OutputConstraint(kind="tool_calls", tools=[SEARCH, CALC], max_tool_calls=1), ids(hf, Q04)
+    )
+    assert run(
+        ctok, OutputConstraint(kind="tool_calls", tools=[SEARCH, CALC], max_tool_calls=2), ids(hf, Q04)
+    ).done
     # one call only: the second invoke is refused
     assert rejected(
         ctok,
