@@ -41,8 +41,10 @@ def build_request(
     logprobs: int = 0,
     ignore_eos: bool = False,
     user: str = "",
+    constraint: ced_pb2.OutputConstraint | None = None,
 ) -> ced_pb2.GenerateRequest:
-    """A GenerateRequest; a str prompt is sent as text, a sequence of ints as token ids."""
+    """A GenerateRequest; a str prompt is sent as text, a sequence of ints as token ids. `constraint`:
+    constrained decoding (JSON Schema, JSON object, regex or DSML tool calls; see ced.proto)."""
     sampling = ced_pb2.SamplingParams(top_k=top_k)
     if temperature is not None:
         sampling.temperature = temperature
@@ -59,6 +61,7 @@ def build_request(
         logprobs=logprobs,
         ignore_eos=ignore_eos,
         user=user,
+        constraint=constraint,
     )
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -171,7 +174,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float)
     p.add_argument("--user", default="", help="end user the request is for (the identity without API keys)")
     p.add_argument("--api-key", help="sent as 'authorization: Bearer KEY' (servers with --api-key-file)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", help="constrain the output to JSON matching this JSON Schema (JSON text)")
+    g.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    g.add_argument("--regex", help="constrain the output to match this regular expression")
     a = p.parse_args(argv)
+    constraint = None
+    if a.json_schema is not None:
+        constraint = ced_pb2.OutputConstraint(json_schema=a.json_schema)
+    elif a.json_object:
+        constraint = ced_pb2.OutputConstraint(json_object=True)
+    elif a.regex is not None:
+        constraint = ced_pb2.OutputConstraint(regex=a.regex)
     kwargs = dict(
         max_tokens=a.max_tokens,
         temperature=a.temperature,
@@ -182,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logprobs=a.logprobs,
         ignore_eos=a.ignore_eos,
         user=a.user,
+        constraint=constraint,
     )
     try:
         finish, usage = None, None

@@ -322,3 +322,12 @@ def test_grpc_invalid_constraint_is_invalid_argument(server, constraint, field):
         _generate(server, req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(field + ":"), e.value.details()
+
+
+def test_client_command_regex(server, capsys):
+    from serving import client
+
+    rc = client.main([server.addr, "--prompt", "Yes or no?", "--regex", "(yes|no)!", "--temperature", "0",
+                      "--max-tokens", "16", "--timeout", "300"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.strip() in ("yes!", "no!") and "finish_reason=stop" in out.err
