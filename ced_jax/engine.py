@@ -13,10 +13,12 @@ per shape):
 - `step`: `forward` over a chunk of every row (the notebook API's prefill chunks and teacher-forced
   decoding, with capture / replay / patching); returns logits and the decisions taken.
 - `decode`: one token per row, then `ced_jax.sampling.sample` inside, so only the drawn tokens and
-  log-probabilities come back (`generate`'s decode and the server's).
+  log-probabilities come back (`generate`'s decode and the server's). Each row's sample is under a
+  packed token mask (constrained decoding; all ones when a client passes none), an argument like
+  the others, so constraints never change the program.
 - `prefill_batch`: chunks of R slots (the server's prefill), as a `lax.while_loop` over their pages:
   `forward` on [R, page_size] per iteration (a row whose chunk is done brings 0 tokens and writes
-  nothing), then each row's sample after its chunk; also returns every row's slot state after each
+  nothing), then each row's (masked) sample after its chunk; also returns every row's slot state after each
   full page (prefix snapshots). Every page of a prompt is computed by the same program from the same
   inputs whether a request starts cold or resumes from a snapshot, so prefix hits are exact by
   construction (`serving.jax_engine`).

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from ced_jax.api import ASSETS
 from ced_jax.sampling import jitted_sample
 from serving.constraints import ConstraintError, ConstraintTokenizer, OutputConstraint, constraint_from_proto
+from serving.mock_engine import ByteTokenizer
 from serving.proto import ced_pb2
 from serving.scheduler import InvalidRequest
 
@@ -306,6 +307,7 @@ def test_raw_string_parameters_honour_their_string_schema(ctok, hf):
             "tools[0].function.parameters.required",
         ),
         (dict(kind="tool_calls", tools=[WEATHER], tool_name="other"), "tool_name"),
+        (dict(kind="tool_calls", tools=[WEATHER], max_tool_calls=0), "max_tool_calls"),
         (dict(kind="regex", regex="a", start_after_token=-1), "start_after_token"),
     ],
 )
@@ -437,3 +439,89 @@ def test_mock_engine_applies_the_masks():
     )  # fmt: skip
     assert out.token_ids[1] == 200 and out.token_ids[0] != 200
     assert eng.compiles_after_warmup == 0
+
+
+class _ScriptedMatcher:
+    """A ConstraintMatcher stand-in: allows only `script[i]` as the i-th token; done after the script,
+    or an error at token `fail_at`."""
+
+    def __init__(self, script, fail_at=None):
+        self.script, self.fail_at, self.i, self.error = list(script), fail_at, 0, None
+
+    def fill(self, row):
+        row[:] = 0
+        t = self.script[self.i]
+        row[t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+    def consume(self, token_id):
+        if self.i == self.fail_at:
+            self.error = "scripted failure"
+        self.i += 1
+
+    @property
+    def done(self):
+        return self.i == len(self.script)
+
+
+class _ScriptedTokenizer:
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def matcher(self, constraint):
+        return _ScriptedMatcher(**self.kw)
+
+
+def _mock_scheduler(**matcher_kw):
+    from serving_helpers import make_engine_and_config
+
+    from serving.scheduler import Scheduler
+
+    engine, cfg = make_engine_and_config()
+    sched = Scheduler(engine, ByteTokenizer(), cfg, constraint_tokenizer=_ScriptedTokenizer(**matcher_kw))
+    return engine, sched
+
+
+def test_scheduler_masks_rows_finishes_when_done_and_frees_the_row():
+    from serving_helpers import request, run_until_idle
+
+    from serving.mock_engine import mock_greedy_stream
+    from serving.scheduler import FinishReason
+
+    script = [ByteTokenizer.OFFSET + ord(c) for c in "ok!"]
+    engine, sched = _mock_scheduler(script=script)
+    c = OutputConstraint(kind="regex", regex="ok!")  # the scripted matcher stands in for its grammar
+    events = {"c": [], "u": []}
+    sched.submit(request("c", "hello", max_tokens=20, constraint=c), events["c"].append)
+    sched.submit(request("u", "world", max_tokens=6, ignore_eos=True), events["u"].append)
+    run_until_idle(sched)
+    c_ids = [t for e in events["c"] for t in e.token_ids]
+    assert c_ids == script and events["c"][-1].finish_reason is FinishReason.STOP
+    u_ids = [t for e in events["u"] for t in e.token_ids]
+    assert u_ids == mock_greedy_stream(ByteTokenizer().encode("world"), 6)  # the neighbour is unmasked
+    assert (sched._bitmask == -1).all()  # released rows are unconstrained again
+
+
+def test_scheduler_ends_a_request_whose_grammar_fails_with_an_error():
+    from serving_helpers import request, run_until_idle
+
+    script = [ByteTokenizer.OFFSET + ord(c) for c in "abcdef"]
+    engine, sched = _mock_scheduler(script=script, fail_at=2)
+    events = []
+    sched.submit(
+        request("c", "hello", max_tokens=20, constraint=OutputConstraint(kind="json_object")), events.append
+    )
+    run_until_idle(sched)
+    assert events[-1].error is not None and "scripted failure" in events[-1].error
+    assert events[-1].finish_reason is None and sched.num_in_flight == 0 and sched.pool.num_referenced == 0
+
+
+def test_scheduler_without_a_constraint_tokenizer_refuses_constraints():
+    from serving_helpers import make_engine_and_config, request
+
+    from serving.scheduler import Scheduler
+
+    engine, cfg = make_engine_and_config()
+    sched = Scheduler(engine, ByteTokenizer(), cfg)  # the byte tokenizer has no tokenizer.json
+    with pytest.raises(InvalidRequest) as e:
+        sched.submit(request("c", "x", constraint=OutputConstraint(kind="json_object")), lambda ev: None)
+    assert e.value.field == "constraint"
