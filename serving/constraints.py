@@ -295,6 +295,22 @@ class ConstraintTokenizer:
         self.lltok = llg.LLTokenizer(str(path), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
+        # Fills the rows of one step on several threads, without the GIL (llguidance's own pool).
+        self._executor = llg.LLExecutor()
+
+    def fill_masks(self, rows: Sequence[tuple[ConstraintMatcher, int]], bitmask: np.ndarray) -> None:
+        """Writes each matcher's next-token mask into its row of `bitmask` (i32[S, W], C order), all
+        rows in one parallel call (`ConstraintMatcher.fill`, batched)."""
+        if bitmask.shape[1] != self.words or not bitmask.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"bitmask must be a C-ordered [S, {self.words}] array, got {bitmask.shape}")
+        active = []
+        for m, r in rows:
+            if m.active:
+                active.append((m._m, r))
+            else:
+                bitmask[r] = -1
+        if active:
+            llg_np.fill_next_token_bitmask_par(self._executor, active, bitmask)
 
     def token_id(self, text: str) -> int | None:
         """The id of an added (special) token, e.g. `</think>`; None if the tokenizer has none."""

@@ -45,13 +45,14 @@ by (identity, request_id), so two tenants may use the same id, a duplicate is on
 Constrained decoding (`serving/constraints.py`): a request with a `constraint` gets a grammar matcher
 when it is submitted (a constraint that cannot be compiled is an InvalidRequest naming the field).
 The scheduler keeps a packed token-mask row per slot (all ones for unconstrained slots) and hands it
-to the engine with every decode step and with a prompt's last prefill chunk. The mask of a request's
-next token is filled right after its previous token is consumed (in `_on_token`); this needs no
-pipelining change, because the next decode is only dispatched once this step's tokens are on the host
-anyway (step 4 above), so every mask is up to date when it is sent. A request whose grammar is
-complete finishes with STOP (EOS is only allowed where the grammar may end); a grammar that rejects
-a token (which the mask prevents; a resource limit could still cause it) ends the request with an
-error event.
+to the engine with every decode step and with a prompt's last prefill chunk. A request's matcher
+consumes each token as it arrives (`_on_token`), and the rows of every request that got a token are
+filled together, in one parallel llguidance call, right before the next engine dispatch
+(`_fill_masks`). This needs no pipelining change, because the next decode is only dispatched once
+this step's tokens are on the host anyway (step 4 above), so every mask is up to date when it is
+sent. A request whose grammar is complete finishes with STOP (EOS is only allowed where the grammar
+may end); a grammar that rejects a token (which the mask prevents; a resource limit could still
+cause it) ends the request with an error event.
 
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
@@ -228,6 +229,7 @@ class Scheduler:
         self._top_k = np.zeros(S, np.int32)
         self._seed = np.zeros(S, np.uint32)
         self._bitmask = np.full((S, mask_words(spec.vocab_size)), -1, np.int32)  # all ones = unconstrained
+        self._masks_due: list[_Seq] = []  # constrained requests whose row needs their next token's mask
         self._constraint_tokenizer, self._no_constraints = constraint_tokenizer, ""
         if constraint_tokenizer is None:
             make = getattr(tokenizer, "constraint_tokenizer", None)
@@ -531,6 +533,7 @@ class Scheduler:
         plan = self._plan_prefill()
         if not plan:
             return None
+        self._fill_masks()
         chunks = [self._chunk(seq, end) for seq, end in plan]
         return plan, self.engine.prefill_async(chunks)
 
@@ -589,6 +592,7 @@ class Scheduler:
         active = np.array([s is not None and s.decoding for s in self._slots])
         if not active.any():
             return None
+        self._fill_masks()
         batch = DecodeBatch(
             active=active,
             token_ids=self._tokens.copy(),
@@ -649,14 +653,22 @@ class Scheduler:
         else:
             if rel.token_ids or rel.text:
                 self._emit(seq, rel)
-            self._fill_mask(seq)  # the next token's, before the next decode step is dispatched
+            self._fill_mask(seq)  # the next token's, before the next engine call
 
     def _fill_mask(self, seq: _Seq) -> None:
-        """The slot's mask row for the request's next token (all ones without a constraint)."""
+        """Makes the slot's row the mask of the request's next token before the next engine call:
+        all ones without a constraint, else due for `_fill_masks`."""
         if seq.matcher is None:
             self._bitmask[seq.slot] = -1
-            return
-        seq.matcher.fill(self._bitmask[seq.slot])
+        else:
+            self._masks_due.append(seq)
+
+    def _fill_masks(self) -> None:
+        """Fills the rows of every request due (one batched call), skipping those that finished."""
+        due = [(s.matcher, s.slot) for s in self._masks_due if not s.done and s.slot is not None]
+        self._masks_due = []
+        if due:
+            self._constraint_tokenizer.fill_masks(due, self._bitmask)
 
     def _emit(self, seq: _Seq, rel: Released | None, reason=None, usage=None, error=None) -> None:
         ev = StreamEvent(

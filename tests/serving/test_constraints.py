@@ -470,6 +470,10 @@ class _ScriptedTokenizer:
     def matcher(self, constraint):
         return _ScriptedMatcher(**self.kw)
 
+    def fill_masks(self, rows, bitmask):
+        for m, r in rows:
+            m.fill(bitmask[r])
+
 
 def _mock_scheduler(**matcher_kw):
     from serving_helpers import make_engine_and_config
@@ -525,3 +529,26 @@ def test_scheduler_without_a_constraint_tokenizer_refuses_constraints():
     with pytest.raises(InvalidRequest) as e:
         sched.submit(request("c", "x", constraint=OutputConstraint(kind="json_object")), lambda ev: None)
     assert e.value.field == "constraint"
+
+
+def test_batched_fill_equals_row_fills(ctok, hf):
+    """`fill_masks` (one parallel call) writes what `fill` writes row by row; inactive rows all ones."""
+    cs = [
+        OutputConstraint(kind="json_schema", json_schema=SCHEMA),
+        OutputConstraint(kind="tool_calls", tools=[WEATHER]),
+        OutputConstraint(kind="regex", regex="[a-c]+!"),
+        OutputConstraint(kind="regex", regex="x", start_after_token=THINK_END),
+    ]
+    prefixes = ['{"name": "A', '<｜DSML｜ invoke name="get_weather">\n<', "ab", "thinking"]
+    ms = [ctok.matcher(c) for c in cs]
+    for m, p in zip(ms, prefixes, strict=True):
+        for t in ids(hf, p):
+            m.consume(t)
+    batch = np.zeros((6, ctok.words), np.int32)
+    ctok.fill_masks([(m, r) for r, m in zip((4, 0, 2, 5), ms, strict=True)], batch)
+    for r, m in zip((4, 0, 2, 5), ms, strict=True):
+        row = np.zeros(ctok.words, np.int32)
+        m.fill(row)
+        np.testing.assert_array_equal(batch[r], row)
+    assert (batch[5] == -1).all() and (batch[[1, 3]] == 0).all()
+    assert allowed(batch[0]) == {DSML}
