@@ -115,12 +115,19 @@ class OutputConstraint:
 
     @classmethod
     def from_recipe(
-        cls, kind: str, schema: str, *, start_after_token: int | None = None
+        cls,
+        kind: str,
+        schema: str,
+        *,
+        start_after_token: int | None = None,
+        parallel_tool_calls: bool = True,
+        max_tool_calls: int | None = None,
     ) -> OutputConstraint | None:
         """The constraint for deepseek-recipe's `InferenceOptions.output_constraint` (kind, schema):
         `json` with "" is `json_object`, with a schema `json_schema`; `regex`; `tool_call_required`
         (the tool list as a JSON array; one tool for a named choice) is `tool_calls`. `tool_call`
-        (`tool_choice` auto: text or calls, the model decides) is not constrained: None."""
+        (`tool_choice` auto: text or calls, the model decides) is not constrained: None.
+        parallel_tool_calls / max_tool_calls (the request's, if any) bound the number of calls."""
         if kind == "json":
             if not schema:
                 return cls(kind="json_object", start_after_token=start_after_token)
@@ -135,6 +142,8 @@ class OutputConstraint:
             return cls(
                 kind="tool_calls",
                 tools=_json_text("tools", schema, list),
+                parallel_tool_calls=parallel_tool_calls,
+                max_tool_calls=max_tool_calls,
                 start_after_token=start_after_token,
             )
         if kind == "tool_call":

@@ -323,6 +323,8 @@ def test_from_recipe_kinds():
     assert (c.kind, c.json_schema, c.start_after_token) == ("json_schema", SCHEMA, THINK_END)
     assert OutputConstraint.from_recipe("regex", "a+").regex == "a+"
     assert OutputConstraint.from_recipe("tool_call_required", json.dumps([WEATHER])).tools == (WEATHER,)
+    c = OutputConstraint.from_recipe("tool_call_required", json.dumps([WEATHER]), parallel_tool_calls=False)
+    assert c.parallel_tool_calls is False
     assert OutputConstraint.from_recipe("tool_call", json.dumps([WEATHER])) is None  # auto
     with pytest.raises(ConstraintError):
         OutputConstraint.from_recipe("json", "{not json")
