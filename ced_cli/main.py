@@ -364,13 +364,21 @@ def cmd_serve(args) -> int:
     from serving.tenants import ApiKeys
 
     api_keys = None
+    if args.api_key_file is not None and args.api_key is not None:
+        raise ValueError("--api-key and --api-key-file: give one or the other")
     if args.api_key_file is not None:
         try:
             api_keys = ApiKeys.load(args.api_key_file)
         except ValueError as e:
             raise ValueError(f"--api-key-file {e}") from None
+    if args.api_key is not None:
+        try:
+            api_keys = ApiKeys.parse([args.api_key], source="--api-key")
+        except ValueError as e:
+            raise ValueError(str(e).replace("line 1: ", "")) from None
     _check_port_option("--port", args.port)
     _check_port_option("--metrics-port", args.metrics_port, off=-1)
+    _check_port_option("--http-port", args.http_port, off=-1)
     _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
     _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
     chunk = args.prefill_chunk
@@ -395,6 +403,8 @@ def cmd_serve(args) -> int:
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.host,
+        http_port=None if args.http_port < 0 else args.http_port,
+        http_host=args.http_host,
         grace_period_s=args.grace_period,
     )  # validates the shapes before anything is loaded
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
@@ -635,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("tenants")
     g.add_argument(
+        "--api-key",
+        help="require this API key on every call (gRPC metadata or HTTP header: authorization: Bearer KEY, "
+        "or x-api-key: KEY); for several keys or named tenants use --api-key-file",
+    )
+    g.add_argument(
         "--api-key-file",
         help="require an API key on every call (authorization: Bearer KEY, or x-api-key: KEY); "
         "the file has one key per line, optionally followed by a name (the tenant's identity)",
@@ -653,6 +668,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free, -1: off)"
     )
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=-1,
+        help="HTTP API port: OpenAI Chat Completions / Completions (FIM) / Responses and Anthropic Messages, "
+        "as DeepSeek's hosted API (0: any free port, -1: off)",
+    )
+    g.add_argument("--http-host", help="address the HTTP API listens on (default: --host)")
     g.add_argument(
         "--grace-period",
         type=float,

@@ -18,7 +18,7 @@ from serving.engine_api import EngineSpec, check_shapes
 from serving.tenants import ApiKeys
 
 # The fields that name a TCP port the server listens on (checked to be in 0..65535).
-PORT_FIELDS = ("port", "metrics_port")
+PORT_FIELDS = ("port", "metrics_port", "http_port")
 
 
 def default_decode_buckets(max_slots: int) -> tuple[int, ...]:
@@ -93,6 +93,10 @@ class ServeConfig:
     port: int = 0  # 0 = ephemeral
     metrics_port: int | None = 0  # None = no metrics endpoint; 0 = ephemeral
     metrics_host: str = "127.0.0.1"
+    # The HTTP API (serving/http: OpenAI / Anthropic formats) in the same process; None = off, 0 = any
+    # free port. Its host: None = `host` (loopback unless told otherwise).
+    http_port: int | None = None
+    http_host: str | None = None
     grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
     # Threads that run Tokenize calls (their own pool: a burst of large Tokenize calls never holds up
     # Generate's tokenization or the scheduler thread); further calls wait for a free one.

@@ -384,6 +384,10 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _http_url(host: str, port: int) -> str:
+    return f"http://{_host_port(host, port)}"
+
+
 class PortUnavailable(ValueError):
     """A port the server should listen on cannot be had; the message names the option that chose it."""
 
@@ -432,8 +436,10 @@ class Server:
         self.servicer: InferenceServicer | None = None
         self._grpc: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
+        self.http = None  # serving.http.HttpFrontEnd when config.http_port is set
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self._grace_over = asyncio.Event()
         self._stopped = asyncio.Event()
 
@@ -478,6 +484,15 @@ class Server:
                     lambda: MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port),
                 )
                 self.metrics_port = self._metrics_server.port
+            if cfg.http_port is not None:
+                from serving.http import HttpFrontEnd  # its dependencies only when it is on
+
+                host = cfg.http_host or cfg.host
+                port = cfg.http_port
+                sock = _listen("--http-port", host, port, lambda: HttpFrontEnd.bind_socket(host, port))
+                self.http = HttpFrontEnd(cfg, self.metrics)
+                await self.http.start(sock)  # answers 503 (warming up) until attach()
+                self.http_port = self.http.port
         except BaseException:
             await self._close_listeners()
             raise
@@ -492,6 +507,8 @@ class Server:
         self.engine, self.scheduler = engine, scheduler
         scheduler.start()
         self.servicer = InferenceServicer(scheduler, tokenizer, self.config)
+        if self.http is not None:
+            self.http.attach(scheduler, tokenizer)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -558,6 +575,9 @@ class Server:
         return behavior
 
     async def _close_listeners(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
             self._grpc = None
@@ -574,6 +594,8 @@ class Server:
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
         loop = asyncio.get_running_loop()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.stop_admitting()  # /health 503, new requests 503; running streams carry on
         scheduler = self.scheduler
         if scheduler is not None:
             scheduler.stop_admitting()
@@ -613,6 +635,8 @@ async def serve_async(
     line = f"ced-jax: listening on {server.address}"
     if server.metrics_port is not None:
         line += f" (metrics port {server.metrics_port})"
+    if server.http_port is not None:
+        line += f" (HTTP API port {server.http_port})"
     print(f"{line}; loading and warming up (health NOT_SERVING until ready) ...", flush=True)
     loop = asyncio.get_running_loop()
     previous_sigint = signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -636,6 +660,8 @@ async def serve_async(
         line = f"ced-jax serving {engine.spec.model_name or 'model'} on {server.address}"
         if server.metrics_port is not None:
             line += f" metrics http://{config.metrics_host}:{server.metrics_port}/metrics"
+        if server.http_port is not None:
+            line += f" HTTP API {_http_url(config.http_host or config.host, server.http_port)}"
         print(line, flush=True)
         if ready is not None:
             ready(server)

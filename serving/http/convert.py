@@ -1,0 +1,542 @@
+"""HTTP request bodies -> engine requests: validation, model names, thinking, the prompt, limits.
+
+One `Prepared` per request, built off the event loop (deepseek-recipe's conversion is synchronous Rust):
+- The body is parsed here (bad JSON, a non-object, a wrong type: 400 naming the field; never a 500).
+- The model name is resolved against the served name and its aliases (unknown: 404).
+- Thinking and effort are resolved by the chat layer (`serving.chat.resolve_thinking`: hosted effort
+  names, integers 1-100, and the seeds' `thinking: {"type": "enabled", "effort": ...}`), then the body
+  is normalized so deepseek-recipe (which ignores `thinking.effort` and rejects integer efforts) converts
+  it to the same mode; the effort number goes to our renderer directly.
+- deepseek-recipe converts and validates the request (Chat Completions / Responses / Messages), giving
+  the conversation, sampling options (per-mode temperature / top_p rules), parsing options (stop strings,
+  tool-call and JSON parsing) and the output constraint. Its ConversionError is the hosted API's answer.
+- The prompt is rendered and encoded ONLY by our chat layer (`serving.chat`, exact to DeepSeek's reference
+  encoder; deepseek-recipe's own renderer differs from it in a few cases).
+- FIM (`/completions`) is built here: `BOS <fim_begin> prompt <fim_hole> suffix <fim_end>` (api-surface
+  §16.7), non-thinking only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+from typing import Any
+
+import deepseek_recipe as d
+
+from serving.chat import ChatFormatError, PromptEncoder, RenderedPrompt
+from serving.engine_api import SamplingParams
+from serving.http.errors import ApiError, from_conversion_error
+
+try:  # helper A's chat layer entry points (serving/chat); see _render / _resolve_thinking
+    from serving.chat import render_conversation as _chat_render_conversation
+    from serving.chat import resolve_thinking as _chat_resolve_thinking
+except ImportError:  # pragma: no cover - only while the chat layer is incomplete
+    _chat_render_conversation = _chat_resolve_thinking = None
+
+CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
+
+SERVED_MODEL = "deepseek-flash"
+# Accepted names: name -> thinking forced by the name when the request does not say (None: the default).
+# `deepseek-chat` / `deepseek-reasoner` are the hosted API's retired mode names (api-surface §2).
+DEFAULT_ALIASES: dict[str, bool | None] = {
+    "deepseek-v4-flash": None,
+    "deepseek-v4-flash-vision-exp": None,
+    "DeepSeek-V4.1-Flash": None,
+    "deepseek-chat": False,
+    "deepseek-reasoner": True,
+}
+FIM_MAX_TOKENS = 4096  # the hosted FIM limit (api-surface §10)
+MAX_TOKENS_UPPER = 393216  # the hosted max_tokens range is [1, 393216]
+SEED_MODULUS = 2**32  # the engine's seed is uint32
+_SPECIAL = d.SpecialTokens(image="<｜deepseek_image｜>")  # V4.1 spelling of the image placeholder
+_EFFORT_NAMES = {"none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelName:
+    requested: str  # echoed in responses
+    thinking: bool | None  # forced by the name (deepseek-chat / deepseek-reasoner), else None
+    deprecated: bool  # an alias: answered with a Deprecation header
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything the generation driver needs for one request."""
+
+    api: str
+    model: ModelName
+    stream: bool
+    include_usage: bool
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    logprobs: int  # top alternatives per token (0: none)
+    want_logprobs: bool
+    thinking: bool
+    effort: int | None
+    identity_hint: str  # the body's user / user_id / metadata.user_id (identity without API keys)
+    conv: Any = None  # deepseek-recipe ConversationRequest (chat, responses, messages)
+    echo: Any = None  # ResponsesEcho
+    namespace_map: dict | None = None  # Responses namespace tools
+    stop: tuple[str, ...] = ()  # FIM only: chat-style routes leave stop strings to deepseek-recipe
+    fim_echo: str = ""  # FIM `echo: true`: the prompt, returned before the completion
+    constraint: Any = None  # serving.constraints.OutputConstraint (helper B), or None
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body; 400 naming the problem otherwise."""
+    if not raw:
+        raise ApiError(400, "request body: is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ApiError(400, "request body: is not UTF-8 text") from None
+    except ValueError as e:
+        raise ApiError(400, f"request body: invalid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] if absent/None or of `kinds` (bool is not a number), else 400 naming the field."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in kinds:
+        raise ApiError(400, f"{name}: expected {what}, got a boolean", param=name)
+    if not isinstance(v, kinds):
+        raise ApiError(400, f"{name}: expected {what}, got {type(v).__name__}", param=name)
+    return v
+
+
+class Converter:
+    """Builds `Prepared` requests for one served model (tokenizer, context size, limits)."""
+
+    def __init__(
+        self,
+        hf_tokenizer,
+        *,
+        max_context: int,
+        max_tokens_limit: int,
+        max_logprobs: int,
+        aliases: dict[str, bool | None] | None = None,
+    ):
+        self.encoder = PromptEncoder(hf_tokenizer)
+        self._hf = hf_tokenizer
+        self.max_context = max_context
+        self.max_tokens_limit = max_tokens_limit
+        self.max_logprobs = max_logprobs
+        self.aliases = dict(DEFAULT_ALIASES if aliases is None else aliases)
+        opts = d.ConversionOptions().with_special_tokens(_SPECIAL)
+        # deepseek-recipe sees every request as `deepseek-flash` (names are resolved before it).
+        self._opts = opts.with_model_alias(SERVED_MODEL, d.ModelVersion.DeepseekV41Flash)
+        self._fallback_encoding = d.DeepseekV41Encoding().with_special_tokens(_SPECIAL)
+
+        def special(name: str) -> int:
+            tid = hf_tokenizer.token_to_id(name)
+            if tid is None:
+                raise ValueError(f"tokenizer: has no special token {name}")
+            return tid
+
+        self.bos_id = special("<｜begin▁of▁sentence｜>")
+        self.think_end_id = special("</think>")
+        self._fim = [special("<｜fim▁begin｜>"), special("<｜fim▁hole｜>"), special("<｜fim▁end｜>")]
+
+    @property
+    def model_names(self) -> list[str]:
+        return [SERVED_MODEL, *self.aliases]
+
+    # ---- model names -------------------------------------------------------------------------
+    def resolve_model(self, name: Any, anthropic: bool) -> ModelName:
+        """The served model for `name`; 404 in the API's format for an unknown one.
+
+        # TODO(C2): serving/http/models.py owns names, aliases and their metric; call it here.
+        """
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "model: is required (a string)", param="model")
+        if name == SERVED_MODEL:
+            return ModelName(name, None, False)
+        if name in self.aliases:
+            return ModelName(name, self.aliases[name], True)
+        if anthropic and name.startswith("claude"):
+            # The hosted Anthropic endpoint maps claude-* names to its models (api-surface §2).
+            return ModelName(name, None, False)
+        names = ", ".join(self.model_names)
+        raise ApiError(
+            404,
+            f"model: The supported API model names are {names}, but you passed {name}.",
+            param="model",
+            code="model_not_found",
+        )
+
+    # ---- entry point -------------------------------------------------------------------------
+    def prepare(self, api: str, raw: bytes) -> Prepared:
+        body = parse_body(raw)
+        if api == COMPLETIONS:
+            return self._prepare_fim(body)
+        return self._prepare_chat(api, body)
+
+    # ---- chat-style APIs ---------------------------------------------------------------------
+    def _thinking_fields(self, api: str, body: dict) -> tuple[Any, Any, str]:
+        """(thinking object, effort value, the effort field's name) as the API spells them."""
+        if api == CHAT:
+            return body.get("thinking"), body.get("reasoning_effort"), "reasoning_effort"
+        if api == MESSAGES:
+            oc = body.get("output_config")
+            effort = oc.get("effort") if isinstance(oc, dict) else None
+            return body.get("thinking"), effort, "output_config.effort"
+        r = body.get("reasoning")
+        effort = r.get("effort") if isinstance(r, dict) else None
+        return None, effort, "reasoning.effort"
+
+    def _normalize_thinking(self, api: str, body: dict, model: ModelName) -> tuple[bool, int | None]:
+        """Resolves thinking + effort (chat layer) and rewrites the body so deepseek-recipe agrees."""
+        thinking_obj, effort, effort_field = self._thinking_fields(api, body)
+        if thinking_obj is not None and not isinstance(thinking_obj, dict):
+            raise ApiError(400, 'thinking: expected an object such as {"type": "enabled"}', param="thinking")
+        if thinking_obj is None and model.thinking is not None:
+            thinking_obj = {"type": "enabled" if model.thinking else "disabled"}
+        try:
+            thinking, budget = _resolve_thinking(thinking_obj, effort)
+        except ChatFormatError as e:
+            raise ApiError(400, str(e), param=effort_field.split(".")[0]) from None
+        seed_effort = thinking_obj.get("effort") if isinstance(thinking_obj, dict) else None
+        # deepseek-recipe: a string effort it knows stays (it picks the max_tokens default from it);
+        # an integer (a local extension) is removed; the seeds' thinking.effort is copied over.
+        name = effort if isinstance(effort, str) else seed_effort if effort is None else None
+        name = name if isinstance(name, str) and name in _EFFORT_NAMES else None
+        if api == RESPONSES:
+            r = dict(body.get("reasoning") or {})
+            r.pop("effort", None)
+            if not thinking:
+                r["effort"] = "none"
+            elif name is not None and name != "none":
+                r["effort"] = name
+            body["reasoning"] = r
+            return thinking, budget
+        t = {"type": "enabled" if thinking else "disabled"}
+        body["thinking"] = t
+        if api == CHAT:
+            body.pop("reasoning_effort", None)
+            if thinking and name is not None and name != "none":
+                body["reasoning_effort"] = name
+        else:
+            oc = dict(body.get("output_config") or {})
+            oc.pop("effort", None)
+            if thinking and name is not None and name != "none":
+                oc["effort"] = name
+            body["output_config"] = oc
+        return thinking, budget
+
+    def _prepare_chat(self, api: str, body: dict) -> Prepared:
+        model = self.resolve_model(body.get("model"), anthropic=api == MESSAGES)
+        stream = _field(body, "stream", (bool,), "a boolean") or False
+        n = _field(body, "n", (int,), "an integer")
+        if n is not None and n != 1:
+            raise ApiError(400, "n: Invalid n value (currently only n = 1 is supported)", param="n")
+        if api == RESPONSES and body.get("previous_response_id") is not None:
+            raise ApiError(
+                400,
+                "previous_response_id: not supported (this server stores no responses); send the whole "
+                "conversation in `input`",
+                param="previous_response_id",
+            )
+        thinking, effort = self._normalize_thinking(api, body, model)
+        identity = _identity_hint(api, body)
+        include_usage = False
+        so = body.get("stream_options")
+        if isinstance(so, dict) and so.get("include_usage") is True:
+            include_usage = True
+        body["model"] = SERVED_MODEL
+        cls = {CHAT: d.ChatCompletionRequest, RESPONSES: d.ResponsesRequest, MESSAGES: d.MessagesRequest}[api]
+        echo = ns_map = None
+        try:
+            req = cls(body)
+            if api == RESPONSES:
+                echo = req.echo()
+                ns_map = req.namespace_tool_map(self._opts)
+                req = cls(body)  # echo() leaves it usable, but be independent of that detail
+            conv = req.convert(self._opts)
+        except d.ConversionError as e:
+            raise from_conversion_error(e.status_code, e.body) from None
+        except ValueError as e:  # serde: bad JSON types; name the field deepseek-recipe did not
+            raise ApiError(400, _blame(cls, body, self._opts, str(e)), param=None) from None
+        conversation = conv.conversation
+        for i, m in enumerate(conversation.messages):
+            if m.image_sources:
+                where = m.image_sources[0].path or f"messages[{i}]"
+                raise ApiError(
+                    400,
+                    f"{where}: image input is not supported by this server yet (the engine runs text only)",
+                    param=where,
+                )
+        last = conversation.messages[-1] if conversation.messages else None
+        if last is not None and last.prefix and conversation.thinking_mode:
+            raise ApiError(
+                400,
+                "messages[-1].prefix: chat prefix completion is supported in non-thinking mode only; send "
+                '"thinking": {"type": "disabled"}',
+                param="thinking",
+            )
+        rendered = _render(conversation, effort, self._fallback_encoding)
+        ids = self.encoder.encode(rendered)
+        io = conv.inference_options
+        max_tokens = self._max_tokens(conv, len(ids), io.max_tokens, api)
+        logprobs = 0
+        if io.logprobs:
+            logprobs = max(1, io.top_logprobs or 0)
+            if logprobs > self.max_logprobs:
+                raise ApiError(
+                    400,
+                    f"top_logprobs: {logprobs} exceeds this server's limit {self.max_logprobs}",
+                    param="top_logprobs",
+                )
+        sampling = _sampling(io.temperature, io.top_p, io.seed)
+        return Prepared(
+            api=api,
+            model=model,
+            stream=bool(stream),
+            include_usage=include_usage,
+            prompt_ids=tuple(ids),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            logprobs=logprobs,
+            want_logprobs=bool(io.logprobs),
+            thinking=conversation.thinking_mode,
+            effort=effort,
+            identity_hint=identity,
+            conv=conv,
+            echo=echo,
+            namespace_map=ns_map,
+            constraint=self._constraint(io.output_constraint, conversation.thinking_mode),
+        )
+
+    def _max_tokens(self, conv, prompt_tokens: int, requested: int | None, api: str) -> int:
+        """The hosted defaults (8192 / 65536 / 131072) and range, lowered to the context left; a
+        requested value beyond the server's limit or the context is refused naming the field."""
+        field = {RESPONSES: "max_output_tokens"}.get(api, "max_tokens")
+        if prompt_tokens >= self.max_context:
+            raise ApiError(
+                400,
+                f"messages: This model's maximum context length is {self.max_context} tokens. However, "
+                f"your messages resulted in {prompt_tokens} tokens. "
+                "Please reduce the length of the messages.",
+                param="messages",
+            )
+        try:
+            resolved = conv.resolve_max_tokens(prompt_tokens, self.max_context)
+        except d.ConversionError as e:
+            err = from_conversion_error(e.status_code, e.body)
+            raise ApiError(err.status, f"{field}: {err.message}", param=field) from None
+        if requested is not None and requested > self.max_tokens_limit:
+            raise ApiError(
+                400,
+                f"{field}: {requested} exceeds this server's limit of {self.max_tokens_limit} output tokens "
+                "(ced-jax serve --max-tokens-limit)",
+                param=field,
+            )
+        return max(1, min(resolved, self.max_tokens_limit, self.max_context - prompt_tokens))
+
+    def _constraint(self, oc, thinking: bool):
+        """The engine-side constraint for deepseek-recipe's `output_constraint` (helper B's module).
+
+        In thinking mode it starts after `</think>`. None while serving.constraints is not there.
+        """
+        if oc is None:
+            return None
+        try:
+            from serving.constraints import OutputConstraint
+        except ImportError:  # TODO(B): remove once serving/constraints.py has landed
+            return None
+        return OutputConstraint.from_recipe(
+            oc.kind, oc.schema, start_after_token=self.think_end_id if thinking else None
+        )
+
+    # ---- FIM -----------------------------------------------------------------------------------
+    def _prepare_fim(self, body: dict) -> Prepared:
+        model = self.resolve_model(body.get("model"), anthropic=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt: is required (a string)", param="prompt")
+        suffix = _field(body, "suffix", (str,), "a string") or ""
+        thinking_obj = body.get("thinking")
+        wants_thinking = model.thinking is True
+        if thinking_obj is not None:
+            if not isinstance(thinking_obj, dict):
+                raise ApiError(400, "thinking: expected an object", param="thinking")
+            wants_thinking = thinking_obj.get("type") in ("enabled", "adaptive")
+        effort = body.get("reasoning_effort")
+        if effort is not None and effort != "none":
+            wants_thinking = True
+        if wants_thinking:
+            raise ApiError(
+                400,
+                "thinking: FIM completion is supported in non-thinking mode only; omit thinking or send "
+                '"thinking": {"type": "disabled"}',
+                param="thinking",
+            )
+        n = _field(body, "n", (int,), "an integer")
+        if n is not None and n != 1:
+            raise ApiError(400, "n: Invalid n value (currently only n = 1 is supported)", param="n")
+        stream = _field(body, "stream", (bool,), "a boolean") or False
+        so = body.get("stream_options")
+        include_usage = isinstance(so, dict) and so.get("include_usage") is True
+        max_tokens = _field(body, "max_tokens", (int,), "an integer")
+        if max_tokens is not None and not 1 <= max_tokens <= FIM_MAX_TOKENS:
+            raise ApiError(
+                400,
+                "max_tokens: Invalid max_tokens value, the valid range of max_tokens is "
+                f"[1, {FIM_MAX_TOKENS}] for FIM completion",
+                param="max_tokens",
+            )
+        temperature = _field(body, "temperature", (int, float), "a number")
+        if temperature is not None and not 0 <= temperature <= 2:
+            raise ApiError(
+                400,
+                "temperature: Invalid temperature value, the valid range of temperature is [0, 2]",
+                param="temperature",
+            )
+        top_p = _field(body, "top_p", (int, float), "a number")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ApiError(
+                400, "top_p: Invalid top_p value, the valid range of top_p is (0, 1]", param="top_p"
+            )
+        seed = _field(body, "seed", (int,), "an integer")
+        if seed is not None and seed < 0:
+            raise ApiError(400, "seed: must be >= 0", param="seed")
+        stop = body.get("stop")
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            stops = tuple(stop)
+        else:
+            raise ApiError(400, "stop: expected a string or an array of strings", param="stop")
+        if len(stops) > 16:
+            raise ApiError(400, f"stop: Stop string array too long: {len(stops)}", param="stop")
+        if any(not s for s in stops):
+            raise ApiError(400, "stop: stop strings must not be empty", param="stop")
+        logprobs = _field(body, "logprobs", (int,), "an integer") or 0
+        if not 0 <= logprobs <= min(20, self.max_logprobs):
+            raise ApiError(
+                400,
+                f"logprobs: must be in [0, {min(20, self.max_logprobs)}], got {logprobs}",
+                param="logprobs",
+            )
+        echo = _field(body, "echo", (bool,), "a boolean") or False
+        b, hole_begin, hole, hole_end = self.bos_id, *self._fim
+        ids = [b, hole_begin, *self.encoder.plain(prompt), hole, *self.encoder.plain(suffix), hole_end]
+        if len(ids) >= self.max_context:
+            raise ApiError(
+                400,
+                f"prompt: This model's maximum context length is {self.max_context} tokens. However, your "
+                f"prompt and suffix resulted in {len(ids)} tokens. Please reduce their length.",
+                param="prompt",
+            )
+        if max_tokens is not None and max_tokens > self.max_tokens_limit:
+            raise ApiError(
+                400,
+                f"max_tokens: {max_tokens} exceeds this server's limit of {self.max_tokens_limit} "
+                "output tokens",
+                param="max_tokens",
+            )
+        limit = max_tokens if max_tokens is not None else FIM_MAX_TOKENS
+        return Prepared(
+            api=COMPLETIONS,
+            model=model,
+            stream=bool(stream),
+            include_usage=include_usage,
+            prompt_ids=tuple(ids),
+            max_tokens=max(1, min(limit, self.max_tokens_limit, self.max_context - len(ids))),
+            sampling=_sampling(1.0 if temperature is None else temperature, top_p, seed),
+            logprobs=logprobs,
+            want_logprobs=logprobs > 0,
+            thinking=False,
+            effort=None,
+            identity_hint=body.get("user") if isinstance(body.get("user"), str) else "",
+            stop=stops,
+            fim_echo=prompt if echo else "",
+        )
+
+
+def _sampling(temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
+    t = 1.0 if temperature is None else float(temperature)
+    p = 1.0 if top_p is None or top_p <= 0 else min(1.0, float(top_p))
+    s = secrets.randbits(32) if seed is None else int(seed) % SEED_MODULUS
+    return SamplingParams(temperature=t, top_p=p, top_k=0, seed=s)
+
+
+def _identity_hint(api: str, body: dict) -> str:
+    """The end-user id a request names (hosted `user_id`; Anthropic `metadata.user_id`; else `user`)."""
+    if api == MESSAGES:
+        md = body.get("metadata")
+        v = md.get("user_id") if isinstance(md, dict) else None
+    else:
+        v = body.get("user_id", body.get("user"))
+    return v if isinstance(v, str) else ""
+
+
+def _blame(cls, body: dict, opts, message: str) -> str:
+    """deepseek-recipe's serde message ("invalid type: string, expected f32") names no field: find the
+    top-level field whose removal makes the conversion pass that stage, and name it."""
+    detail = message.removeprefix("invalid request body: ").removeprefix("invalid JSON request: ")
+    for key in list(body):
+        if key == "model":
+            continue
+        trial = {k: v for k, v in body.items() if k != key}
+        try:
+            cls(trial).convert(opts)
+        except d.ConversionError:
+            return f"{key}: {detail}"
+        except ValueError as e:
+            if str(e) == message:
+                continue
+            return f"{key}: {detail}"
+        except Exception:  # noqa: BLE001 - any other outcome still means `key` was the culprit
+            return f"{key}: {detail}"
+        return f"{key}: {detail}"
+    return f"request body: {detail}"
+
+
+# ---- the chat layer (helper A) -------------------------------------------------------------------
+
+
+def _resolve_thinking(thinking: Any, effort: Any) -> tuple[bool, int | None]:
+    if _chat_resolve_thinking is not None:
+        return _chat_resolve_thinking(thinking, effort, default_thinking=True)
+    # Interim only while serving.chat.resolve_thinking is missing: the hosted names (api-surface §3.2).
+    table = {"minimal": 50, "low": 50, "medium": 75, "high": 75, "xhigh": 75, "max": 100, "ultra": 100}
+    kind = thinking.get("type", "enabled") if isinstance(thinking, dict) else "enabled"
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise ChatFormatError(f"thinking.type: expected enabled, disabled or adaptive, got {kind!r}")
+    if effort is None and isinstance(thinking, dict):
+        effort = thinking.get("effort")
+    if kind == "disabled" or effort == "none":
+        return False, None
+    if effort is None:
+        return True, 75
+    if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
+        return True, effort
+    if isinstance(effort, str) and effort in table:
+        return True, table[effort]
+    raise ChatFormatError(
+        f"reasoning_effort: expected low, high, max, none or an integer 1-100, got {effort!r}"
+    )
+
+
+def _render(conversation, effort: int | None, fallback_encoding) -> RenderedPrompt:
+    """The prompt of `conversation`, rendered by our V4.1 encoder (serving.chat)."""
+    if _chat_render_conversation is not None:
+        try:
+            return _chat_render_conversation(conversation, effort=effort)
+        except ChatFormatError as e:
+            raise ApiError(400, str(e)) from None
+    # Interim only while serving.chat.render_conversation is missing.
+    r = fallback_encoding.render_conversation(conversation)
+    return RenderedPrompt(prompt=r.prompt, images=[], special_ranges=list(r.special_ranges))

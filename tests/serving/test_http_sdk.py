@@ -1,0 +1,399 @@
+"""The HTTP API through the official `openai` and `anthropic` SDKs, unmodified, over localhost.
+
+One real server for the module: the tiny model (random weights) on JaxEngine, gRPC and HTTP in one
+process and event loop (`serving.server.Server` with `http_port=0`). The model's output means nothing,
+so the tests check structure and exactness: the prompt the server encoded (usage.prompt_tokens equals
+the length of our chat layer's rendering of the same request), the answer equals greedy generation of
+the engine over gRPC for that prompt (decoded and split at `</think>` here), the SDKs' typed
+exceptions for each error status.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx2 as httpx
+import openai
+import pytest
+import tokenizers
+from serving_helpers import ServerThread
+
+import ced_jax
+from serving import client as grpc_client
+from serving.chat import PromptEncoder, RenderedPrompt
+from serving.config import ServeConfig
+from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.tenants import ApiKeys
+
+pytestmark = pytest.mark.timeout(900)
+
+SLOTS, PAGE, CONTEXT, CHUNK = 4, 16, 1024, 64
+KEY = "sk-test-0123456789"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+NO_THINKING = {"thinking": {"type": "disabled"}}
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ced_jax.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    config = ServeConfig(
+        max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_buckets=(CHUNK,), max_tokens_limit=512,
+        default_max_tokens=16, max_queued=8, metrics_port=None, http_port=0,
+        api_keys=ApiKeys.parse([f"{KEY} tester"]),
+    )  # fmt: skip
+    engine = JaxEngine(model, config)
+    engine.warmup()  # compiles here: ServerThread gives start() 30 s
+    st = ServerThread(engine, ModelTokenizer(model), config)
+    st.base = f"http://127.0.0.1:{st.server.http_port}"
+    yield st
+    st.close()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.base, api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.base + "/anthropic", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    return tokenizers.Tokenizer.from_file(str(model.tokenizer_path))
+
+
+def _engine_tokens(server, ids: list[int], max_tokens: int, **sampling) -> list[int]:
+    """The engine's tokens for `ids` over gRPC (greedy unless told; the stop token is not sent)."""
+    sampling.setdefault("temperature", 0.0)
+    out = grpc_client.generate(server.addr, ids, max_tokens=max_tokens, api_key=KEY, **sampling)
+    return list(out.token_ids)
+
+
+def _encode(hf, prompt: str, specials: list[str]) -> list[int]:
+    """Token ids of a prompt written out by hand, `specials` being its control tokens in order."""
+    ranges, pos = [], 0
+    for s in specials:
+        i = prompt.index(s, pos)
+        ranges.append((i, i + len(s)))
+        pos = i + len(s)
+    return PromptEncoder(hf).encode(RenderedPrompt(prompt, [], ranges))
+
+
+def _split_thinking(hf, ids: list[int]) -> tuple[str, str]:
+    """(reasoning, answer) of a thinking-mode completion: the text before / after `</think>`."""
+    end = hf.token_to_id("</think>")
+    if end in ids:
+        i = ids.index(end)
+        return hf.decode(ids[:i], skip_special_tokens=False), hf.decode(
+            ids[i + 1 :], skip_special_tokens=False
+        )
+    return hf.decode(ids, skip_special_tokens=False), ""
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def test_chat_non_thinking_is_greedy_generation_of_the_rendered_prompt(server, oai, hf):
+    r = oai.chat.completions.create(
+        model="deepseek-flash",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body=NO_THINKING,
+    )
+    # The exact prompt of spec §16.3 (non-thinking), encoded with our chat layer's encoder.
+    prompt = "<｜begin▁of▁sentence｜><｜System｜>Be brief.<｜User｜>Hello<｜Assistant｜></think>"
+    ids = _encode(
+        hf, prompt, ["<｜begin▁of▁sentence｜>", "<｜System｜>", "<｜User｜>", "<｜Assistant｜>", "</think>"]
+    )
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_cache_hit_tokens + r.usage.prompt_cache_miss_tokens == len(ids)
+    expected = _engine_tokens(server, ids, 12)
+    text = hf.decode(expected, skip_special_tokens=False)
+    # deepseek-recipe drops leading newlines of an answer and an incomplete UTF-8 sequence at its end
+    # (the tokenizer decodes that to U+FFFD).
+    assert r.choices[0].message.content == text.lstrip("\n").rstrip("\ufffd")
+    finish = r.choices[0].finish_reason
+    assert finish in ("stop", "length")
+    # The engine's count: every generated token, the stop token (never sent) included.
+    assert r.usage.completion_tokens == len(expected) + (finish == "stop")
+    assert r.model == "deepseek-flash" and r.object == "chat.completion"
+    server.assert_idle()
+
+
+def test_chat_thinking_default_streams_reasoning_separately(server, oai, hf):
+    seed = 1234
+    kw = dict(
+        model="deepseek-flash",
+        messages=[{"role": "user", "content": "Is 97 prime?"}],
+        max_tokens=24,
+        seed=seed,
+    )
+    stream = oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    reasoning = content = ""
+    finish = usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            d = c.delta
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            content += d.content or ""
+            finish = c.finish_reason or finish
+    # Thinking is the default, effort high = 75 (spec §16.4): the prompt ends with <think>.
+    effort = "Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+    prompt = f"<｜begin▁of▁sentence｜><｜System｜>{effort}<｜User｜>Is 97 prime?<｜Assistant｜><think>"
+    ids = _encode(
+        hf, prompt, ["<｜begin▁of▁sentence｜>", "<｜System｜>", "<｜User｜>", "<｜Assistant｜>", "<think>"]
+    )
+    assert usage.prompt_tokens == len(ids)
+    # Thinking mode samples at temperature 1 whatever was asked; the same seed over gRPC: the same tokens.
+    out = _engine_tokens(server, ids, 24, temperature=1.0, top_p=1.0, seed=seed)
+    want_reasoning, want_content = _split_thinking(hf, out)
+    assert reasoning == want_reasoning.lstrip("\n").rstrip("\ufffd")
+    assert content == want_content.lstrip("\n").rstrip("\ufffd")
+    assert finish == ("length" if len(out) == 24 else "stop")
+    end = hf.token_to_id("</think>")
+    assert usage.completion_tokens_details.reasoning_tokens == (out.index(end) if end in out else len(out))
+    # The same request again, not streamed: the same answer, and its prompt now comes from the prefix cache.
+    r = oai.chat.completions.create(**kw)
+    assert r.choices[0].message.reasoning_content == reasoning
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_cache_hit_tokens > 0
+    assert r.usage.prompt_cache_hit_tokens + r.usage.prompt_cache_miss_tokens == len(ids)
+    server.assert_idle()
+
+
+def test_forced_tool_call_and_the_tool_result_turn(server, oai):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    r = oai.chat.completions.create(
+        model="deepseek-flash", messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=64,
+        extra_body=NO_THINKING,
+    )  # fmt: skip
+    msg = r.choices[0].message
+    # The prompt opens the calls block (tool_choice required), so the parser starts inside it: whatever the
+    # random model writes is read as a call. Without helper B's grammar it need not finish one.
+    if r.choices[0].finish_reason == "tool_calls":
+        call = msg.tool_calls[0]
+        assert call.function.name == "get_weather"
+        json.loads(call.function.arguments)
+        calls = [{"id": call.id, "type": "function", "function": call.function.model_dump()}]
+    else:
+        calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    messages += [
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp": 18}'},
+    ]
+    r2 = oai.chat.completions.create(
+        model="deepseek-flash", messages=messages, tools=[WEATHER], max_tokens=8, extra_body=NO_THINKING
+    )
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    server.assert_idle()
+
+
+def test_prefix_completion_and_fim(server, oai, hf):
+    r = oai.chat.completions.create(
+        model="deepseek-flash", max_tokens=8, temperature=0, extra_body=NO_THINKING,
+        messages=[
+            {"role": "user", "content": "Write quicksort"},
+            {"role": "assistant", "content": "```python\n", "prefix": True},
+        ],
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="non-thinking"):
+        oai.chat.completions.create(
+            model="deepseek-flash", max_tokens=8,
+            messages=[
+                {"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "prefix": True}
+            ],
+        )  # fmt: skip
+    fim = openai.OpenAI(base_url=server.base + "/beta", api_key=KEY, max_retries=0, timeout=300)
+    c = fim.completions.create(
+        model="deepseek-flash",
+        prompt="def fib(n):\n    ",
+        suffix="\n\nprint(fib(10))",
+        max_tokens=10,
+        temperature=0,
+    )
+    ids = [hf.token_to_id(t) for t in ("<｜begin▁of▁sentence｜>", "<｜fim▁begin｜>")]
+    ids += PromptEncoder(hf).plain("def fib(n):\n    ") + [hf.token_to_id("<｜fim▁hole｜>")]
+    ids += PromptEncoder(hf).plain("\n\nprint(fib(10))") + [hf.token_to_id("<｜fim▁end｜>")]
+    assert c.usage.prompt_tokens == len(ids)
+    expected = _engine_tokens(server, ids, 10)
+    assert c.choices[0].text == hf.decode(expected)
+    with pytest.raises(openai.BadRequestError, match="non-thinking"):
+        fim.completions.create(
+            model="deepseek-flash", prompt="a", max_tokens=4, extra_body={"thinking": {"type": "enabled"}}
+        )
+    server.assert_idle()
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def test_responses_api_stream_and_not(server, oai):
+    r = oai.responses.create(
+        model="deepseek-flash", input="Hi", max_output_tokens=10, reasoning={"effort": "low"}
+    )
+    assert r.status in ("completed", "incomplete")
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens >= 1
+    # Streamed: the SDK's typed events; a truncated answer ends with response.incomplete (as OpenAI's).
+    events = list(
+        oai.responses.create(
+            model="deepseek-flash",
+            input="Hi",
+            max_output_tokens=10,
+            reasoning={"effort": "none"},
+            stream=True,
+        )
+    )
+    types = [ev.type for ev in events]
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens == 10 or final.status == "completed"
+    assert r.usage.input_tokens > final.usage.input_tokens  # thinking (effort low) adds the effort line
+    server.assert_idle()
+
+
+# ------------------------------------------------------------------------------------------ anthropic
+
+
+def test_anthropic_messages_thinking_and_tools(server, claude):
+    m = claude.messages.create(
+        model="deepseek-flash", max_tokens=12, messages=[{"role": "user", "content": "Hello"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )  # fmt: skip
+    assert m.type == "message" and m.role == "assistant"
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0
+    tool = {
+        "name": "get_weather",
+        "description": "Weather",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    with claude.messages.stream(
+        model="claude-sonnet-4", max_tokens=12, tools=[tool],
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    ) as s:  # fmt: skip
+        kinds = [ev.type for ev in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    # The tool-result turn after a tool_use block.
+    m2 = claude.messages.create(
+        model="deepseek-flash", max_tokens=6, tools=[tool], thinking={"type": "disabled"},
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                               "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18C"}]},
+        ],
+    )  # fmt: skip
+    assert m2.usage.output_tokens >= 1
+    server.assert_idle()
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_are_the_sdks_typed_exceptions(server, oai, claude):
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="n = 1"):
+        oai.chat.completions.create(model="deepseek-flash", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="json"):
+        oai.chat.completions.create(
+            model="deepseek-flash", messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_object"}, extra_body=NO_THINKING,
+        )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="image"):
+        oai.chat.completions.create(
+            model="deepseek-flash",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}}]}],
+        )
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oai.chat.completions.create(
+            model="deepseek-flash", messages=[{"role": "user", "content": "x"}], max_tokens=CONTEXT
+        )
+    bad = openai.OpenAI(base_url=server.base, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="deepseek-flash", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(
+            base_url=server.base + "/anthropic", api_key="wrong", max_retries=0
+        ).messages.create(model="deepseek-flash", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="gpt-4", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="deepseek-flash", max_tokens=4, messages=[])
+    server.assert_idle()
+
+
+def test_alias_answers_with_deprecation_header(server, oai):
+    raw = oai.chat.completions.with_raw_response.create(
+        model="deepseek-chat", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    assert raw.headers.get("deprecation")
+    r = raw.parse()
+    assert r.model == "deepseek-chat"
+    assert not getattr(r.choices[0].message, "reasoning_content", None)  # deepseek-chat = non-thinking
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b"",
+        b'"text"',
+        b'{"model": 5, "messages": []}',
+        b'{"model": "deepseek-flash", "messages": "hi"}',
+        b'{"model": "deepseek-flash", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+        b'{"model": "deepseek-flash", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        b'{"model": "deepseek-flash", "messages": [{"role": "user", "content": "x"}], "thinking": 3}',
+        b'{"model": "deepseek-flash", "messages": [{"role": "wizard", "content": "x"}]}',
+        b'{"model": "deepseek-flash", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+        b"\xff\xfe",
+    ],
+)
+def test_malformed_bodies_are_4xx_naming_the_problem(server, body):
+    for path, anthropic_route in (("/v1/chat/completions", False), ("/anthropic/v1/messages", True),
+                                  ("/v1/responses", False), ("/beta/completions", False)):  # fmt: skip
+        r = httpx.post(
+            server.base + path, content=body, timeout=60,
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )  # fmt: skip
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+        err = r.json()
+        if anthropic_route:
+            assert err["type"] == "error" and err["error"]["message"]
+        else:
+            assert err["error"]["message"] and "Traceback" not in r.text
+
+
+def test_health_models_and_unknown_route(server):
+    assert httpx.get(server.base + "/health").status_code == 200
+    r = httpx.get(server.base + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and "deepseek-flash" in [m["id"] for m in r.json()["data"]]
+    r = httpx.get(server.base + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
