@@ -15,6 +15,9 @@ import dataclasses
 import math
 
 from serving.engine_api import EngineSpec, check_shapes
+from serving.http.accounting import PricingConfig
+from serving.http.limits import AdmissionLimits
+from serving.http.models import ModelNames
 from serving.tenants import ApiKeys
 
 # The fields that name a TCP port the server listens on (checked to be in 0..65535).
@@ -97,6 +100,9 @@ class ServeConfig:
     # free port. Its host: None = `host` (loopback unless told otherwise).
     http_port: int | None = None
     http_host: str | None = None
+    http_models: ModelNames = ModelNames()  # served name and aliases (serving/http/models.py)
+    http_limits: AdmissionLimits = AdmissionLimits()  # 2500 concurrent; the effort-max tier (limits.py)
+    http_pricing: PricingConfig = PricingConfig()  # the hosted prices of the cost ledger (accounting.py)
     grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
     # Threads that run Tokenize calls (their own pool: a burst of large Tokenize calls never holds up
     # Generate's tokenization or the scheduler thread); further calls wait for a free one.

@@ -485,7 +485,7 @@ class Server:
                 )
                 self.metrics_port = self._metrics_server.port
             if cfg.http_port is not None:
-                from serving.http import HttpFrontEnd  # its dependencies only when it is on
+                from serving.http.app import HttpFrontEnd  # its dependencies only when it is on
 
                 host = cfg.http_host or cfg.host
                 port = cfg.http_port

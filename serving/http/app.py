@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import socket
-import time
+from datetime import UTC, datetime
 from typing import Any
 
 import deepseek_recipe as d
@@ -33,8 +33,11 @@ from starlette.routing import Route
 
 from serving.config import ServeConfig
 from serving.http import stream as gen
-from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, SERVED_MODEL, Converter, Prepared
+from serving.http.accounting import CostLedger
+from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter, Prepared
 from serving.http.errors import ApiError
+from serving.http.limits import Admission, TooManyRequests
+from serving.http.models import ModelCatalog
 from serving.tenants import Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,10 @@ class HttpFrontEnd:
     def __init__(self, config: ServeConfig, metrics=None):
         self.config = config
         self.metrics = metrics
+        registry = None if metrics is None else metrics.registry  # exported on the server's /metrics
+        self.catalog = ModelCatalog(config.http_models, registry=registry)
+        self.admission = Admission(config.http_limits, registry=registry)
+        self.ledger = CostLedger(config.http_pricing, registry=registry)
         self.scheduler = None
         self.converter: Converter | None = None
         self.tokenizer: d.Tokenizer | None = None
@@ -121,6 +128,7 @@ class HttpFrontEnd:
         cfg = self.config
         self.converter = Converter(
             tokenizers.Tokenizer.from_file(str(path)),
+            catalog=self.catalog,
             max_context=scheduler.spec.max_context,
             max_tokens_limit=cfg.max_tokens_limit,
             max_logprobs=cfg.max_logprobs,
@@ -172,10 +180,7 @@ class HttpFrontEnd:
             self._authenticate(request, anthropic=False)
         except ApiError as e:
             return _error_response(e, False)
-        names = [SERVED_MODEL] if self.converter is None else self.converter.model_names
-        created = int(time.time())
-        data = [{"id": n, "object": "model", "created": created, "owned_by": "deepseek"} for n in names]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": self.catalog.listed()})
 
     def _authenticate(self, request: Request, anthropic: bool) -> str | None:
         """The API key's identity (None without keys configured); 401 in the API's format otherwise."""
@@ -217,12 +222,7 @@ class HttpFrontEnd:
         p: Prepared = await asyncio.to_thread(self.converter.prepare, api, raw)
         if identity is None:
             identity = p.identity_hint[: self.config.max_user_length]
-        # TODO(C2): serving/http/limits.py admission (global limit -> 429 + Retry-After; effort max queue),
-        # serving/http/models.py per-name metric, serving/http/accounting.py ledger at the end.
-        headers = {}
-        if p.model.deprecated:
-            headers["Deprecation"] = "true"
-            headers["Warning"] = f'299 - "model name {p.model.requested} is an alias of {SERVED_MODEL}"'
+        headers = self.catalog.headers(p.model)  # an alias: Deprecation / warning headers
         rid = gen.response_id(api)
         outcome = gen.Outcome()
         if p.stream:
@@ -231,13 +231,48 @@ class HttpFrontEnd:
             return StreamingResponse(
                 _chain(first, events), media_type="text/event-stream", headers={**_SSE_HEADERS, **headers}
             )
-        work = asyncio.ensure_future(self._full(api, p, rid, identity, outcome))
-        body = await _unless_disconnected(request, work)
+        async with self._admitted(p):
+            work = asyncio.ensure_future(self._full(api, p, rid, identity, outcome))
+            try:
+                body = await _unless_disconnected(request, work)
+            finally:
+                self._account(outcome)
         return Response(body, media_type="application/json", headers=headers)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, p: Prepared):
+        """Holds the request's admission (serving/http/limits.py) for its whole life: effort `max`
+        requests go through their own tier; beyond the limits: 429 with Retry-After."""
+        tier = "max" if p.thinking and p.effort is not None and p.effort >= 100 else "default"
+        try:
+            admission = self.admission.admit(tier)
+            await admission.__aenter__()
+        except TooManyRequests as e:
+            raise ApiError(429, e.message, headers=e.headers) from None
+        try:
+            yield
+        finally:
+            await admission.__aexit__(None, None, None)
+
+    def _account(self, outcome: gen.Outcome) -> None:
+        """Prices a finished request on the hosted API's table (serving/http/accounting.py)."""
+        u = outcome.usage
+        if u is None:
+            return
+        hit = u.cached_prompt_tokens
+        self.ledger.record(hit, u.prompt_tokens - hit, u.completion_tokens, datetime.now(UTC))
 
     # ---- streaming -------------------------------------------------------------------------------
     async def _sse(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome):
         """SSE messages. The first item is yielded once the request is admitted (or raises)."""
+        async with self._admitted(p):
+            try:
+                async for item in self._sse_admitted(api, p, rid, identity, outcome):
+                    yield item
+            finally:
+                self._account(outcome)
+
+    async def _sse_admitted(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome):
         if api == COMPLETIONS:
             objs = gen.fim_objects(self.scheduler, p, rid, identity, outcome)
             started = False

@@ -25,28 +25,14 @@ from typing import Any
 
 import deepseek_recipe as d
 
-from serving.chat import ChatFormatError, PromptEncoder, RenderedPrompt
+from serving.chat import ChatFormatError, PromptEncoder, render_conversation, resolve_thinking
+from serving.constraints import ConstraintError, OutputConstraint
 from serving.engine_api import SamplingParams
 from serving.http.errors import ApiError, from_conversion_error
-
-try:  # helper A's chat layer entry points (serving/chat); see _render / _resolve_thinking
-    from serving.chat import render_conversation as _chat_render_conversation
-    from serving.chat import resolve_thinking as _chat_resolve_thinking
-except ImportError:  # pragma: no cover - only while the chat layer is incomplete
-    _chat_render_conversation = _chat_resolve_thinking = None
+from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
 
-SERVED_MODEL = "deepseek-flash"
-# Accepted names: name -> thinking forced by the name when the request does not say (None: the default).
-# `deepseek-chat` / `deepseek-reasoner` are the hosted API's retired mode names (api-surface §2).
-DEFAULT_ALIASES: dict[str, bool | None] = {
-    "deepseek-v4-flash": None,
-    "deepseek-v4-flash-vision-exp": None,
-    "DeepSeek-V4.1-Flash": None,
-    "deepseek-chat": False,
-    "deepseek-reasoner": True,
-}
 FIM_MAX_TOKENS = 4096  # the hosted FIM limit (api-surface §10)
 MAX_TOKENS_UPPER = 393216  # the hosted max_tokens range is [1, 393216]
 SEED_MODULUS = 2**32  # the engine's seed is uint32
@@ -55,18 +41,11 @@ _EFFORT_NAMES = {"none", "minimal", "low", "medium", "high", "xhigh", "max", "ul
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelName:
-    requested: str  # echoed in responses
-    thinking: bool | None  # forced by the name (deepseek-chat / deepseek-reasoner), else None
-    deprecated: bool  # an alias: answered with a Deprecation header
-
-
-@dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the generation driver needs for one request."""
 
     api: str
-    model: ModelName
+    model: Resolved  # the requested name (echoed), what it means (serving/http/models.py)
     stream: bool
     include_usage: bool
     prompt_ids: tuple[int, ...]
@@ -82,7 +61,7 @@ class Prepared:
     namespace_map: dict | None = None  # Responses namespace tools
     stop: tuple[str, ...] = ()  # FIM only: chat-style routes leave stop strings to deepseek-recipe
     fim_echo: str = ""  # FIM `echo: true`: the prompt, returned before the completion
-    constraint: Any = None  # serving.constraints.OutputConstraint (helper B), or None
+    constraint: OutputConstraint | None = None  # enforced by the engine (serving/constraints.py)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -119,21 +98,20 @@ class Converter:
         self,
         hf_tokenizer,
         *,
+        catalog: ModelCatalog,
         max_context: int,
         max_tokens_limit: int,
         max_logprobs: int,
-        aliases: dict[str, bool | None] | None = None,
     ):
         self.encoder = PromptEncoder(hf_tokenizer)
         self._hf = hf_tokenizer
         self.max_context = max_context
         self.max_tokens_limit = max_tokens_limit
         self.max_logprobs = max_logprobs
-        self.aliases = dict(DEFAULT_ALIASES if aliases is None else aliases)
+        self.catalog = catalog
         opts = d.ConversionOptions().with_special_tokens(_SPECIAL)
         # deepseek-recipe sees every request as `deepseek-flash` (names are resolved before it).
         self._opts = opts.with_model_alias(SERVED_MODEL, d.ModelVersion.DeepseekV41Flash)
-        self._fallback_encoding = d.DeepseekV41Encoding().with_special_tokens(_SPECIAL)
 
         def special(name: str) -> int:
             tid = hf_tokenizer.token_to_id(name)
@@ -145,32 +123,13 @@ class Converter:
         self.think_end_id = special("</think>")
         self._fim = [special("<｜fim▁begin｜>"), special("<｜fim▁hole｜>"), special("<｜fim▁end｜>")]
 
-    @property
-    def model_names(self) -> list[str]:
-        return [SERVED_MODEL, *self.aliases]
-
     # ---- model names -------------------------------------------------------------------------
-    def resolve_model(self, name: Any, anthropic: bool) -> ModelName:
-        """The served model for `name`; 404 in the API's format for an unknown one.
-
-        # TODO(C2): serving/http/models.py owns names, aliases and their metric; call it here.
-        """
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "model: is required (a string)", param="model")
-        if name == SERVED_MODEL:
-            return ModelName(name, None, False)
-        if name in self.aliases:
-            return ModelName(name, self.aliases[name], True)
-        if anthropic and name.startswith("claude"):
-            # The hosted Anthropic endpoint maps claude-* names to its models (api-surface §2).
-            return ModelName(name, None, False)
-        names = ", ".join(self.model_names)
-        raise ApiError(
-            404,
-            f"model: The supported API model names are {names}, but you passed {name}.",
-            param="model",
-            code="model_not_found",
-        )
+    def resolve_model(self, name: Any, anthropic: bool) -> Resolved:
+        """The served model for `name` (counted per name); 404 in the API's format for an unknown one."""
+        try:
+            return self.catalog.resolve(name, "anthropic" if anthropic else "openai")
+        except UnknownModel as e:
+            raise ApiError(e.status, f"model: {e.message}", param=e.param, code=e.code) from None
 
     # ---- entry point -------------------------------------------------------------------------
     def prepare(self, api: str, raw: bytes) -> Prepared:
@@ -192,15 +151,15 @@ class Converter:
         effort = r.get("effort") if isinstance(r, dict) else None
         return None, effort, "reasoning.effort"
 
-    def _normalize_thinking(self, api: str, body: dict, model: ModelName) -> tuple[bool, int | None]:
+    def _normalize_thinking(self, api: str, body: dict, model: Resolved) -> tuple[bool, int | None]:
         """Resolves thinking + effort (chat layer) and rewrites the body so deepseek-recipe agrees."""
         thinking_obj, effort, effort_field = self._thinking_fields(api, body)
         if thinking_obj is not None and not isinstance(thinking_obj, dict):
             raise ApiError(400, 'thinking: expected an object such as {"type": "enabled"}', param="thinking")
-        if thinking_obj is None and model.thinking is not None:
-            thinking_obj = {"type": "enabled" if model.thinking else "disabled"}
+        if thinking_obj is None and model.thinking_override is not None:
+            thinking_obj = {"type": "enabled" if model.thinking_override else "disabled"}
         try:
-            thinking, budget = _resolve_thinking(thinking_obj, effort)
+            thinking, budget = resolve_thinking(thinking_obj, effort, default_thinking=True)
         except ChatFormatError as e:
             raise ApiError(400, str(e), param=effort_field.split(".")[0]) from None
         seed_effort = thinking_obj.get("effort") if isinstance(thinking_obj, dict) else None
@@ -281,7 +240,10 @@ class Converter:
                 '"thinking": {"type": "disabled"}',
                 param="thinking",
             )
-        rendered = _render(conversation, effort, self._fallback_encoding)
+        try:
+            rendered = render_conversation(conversation, effort=effort)
+        except ChatFormatError as e:
+            raise ApiError(400, str(e)) from None
         ids = self.encoder.encode(rendered)
         io = conv.inference_options
         max_tokens = self._max_tokens(conv, len(ids), io.max_tokens, api)
@@ -311,7 +273,7 @@ class Converter:
             conv=conv,
             echo=echo,
             namespace_map=ns_map,
-            constraint=self._constraint(io.output_constraint, conversation.thinking_mode),
+            constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body),
         )
 
     def _max_tokens(self, conv, prompt_tokens: int, requested: int | None, api: str) -> int:
@@ -340,20 +302,24 @@ class Converter:
             )
         return max(1, min(resolved, self.max_tokens_limit, self.max_context - prompt_tokens))
 
-    def _constraint(self, oc, thinking: bool):
-        """The engine-side constraint for deepseek-recipe's `output_constraint` (helper B's module).
-
-        In thinking mode it starts after `</think>`. None while serving.constraints is not there.
-        """
+    def _constraint(self, oc, thinking: bool, body: dict) -> OutputConstraint | None:
+        """The engine's constraint for deepseek-recipe's `output_constraint` (JSON schema / object, regex,
+        a required or named tool call); in thinking mode it starts after `</think>`. The request's
+        `parallel_tool_calls` (false: one call) and Responses' `max_tool_calls` bound the calls."""
         if oc is None:
             return None
+        parallel = body.get("parallel_tool_calls")
+        max_calls = body.get("max_tool_calls")
         try:
-            from serving.constraints import OutputConstraint
-        except ImportError:  # TODO(B): remove once serving/constraints.py has landed
-            return None
-        return OutputConstraint.from_recipe(
-            oc.kind, oc.schema, start_after_token=self.think_end_id if thinking else None
-        )
+            return OutputConstraint.from_recipe(
+                oc.kind,
+                oc.schema,
+                start_after_token=self.think_end_id if thinking else None,
+                parallel_tool_calls=parallel if isinstance(parallel, bool) else True,
+                max_tool_calls=max_calls if type(max_calls) is int else None,
+            )
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param="response_format") from None
 
     # ---- FIM -----------------------------------------------------------------------------------
     def _prepare_fim(self, body: dict) -> Prepared:
@@ -365,7 +331,7 @@ class Converter:
             raise ApiError(400, "prompt: is required (a string)", param="prompt")
         suffix = _field(body, "suffix", (str,), "a string") or ""
         thinking_obj = body.get("thinking")
-        wants_thinking = model.thinking is True
+        wants_thinking = model.thinking_override is True
         if thinking_obj is not None:
             if not isinstance(thinking_obj, dict):
                 raise ApiError(400, "thinking: expected an object", param="thinking")
@@ -502,41 +468,3 @@ def _blame(cls, body: dict, opts, message: str) -> str:
             return f"{key}: {detail}"
         return f"{key}: {detail}"
     return f"request body: {detail}"
-
-
-# ---- the chat layer (helper A) -------------------------------------------------------------------
-
-
-def _resolve_thinking(thinking: Any, effort: Any) -> tuple[bool, int | None]:
-    if _chat_resolve_thinking is not None:
-        return _chat_resolve_thinking(thinking, effort, default_thinking=True)
-    # Interim only while serving.chat.resolve_thinking is missing: the hosted names (api-surface §3.2).
-    table = {"minimal": 50, "low": 50, "medium": 75, "high": 75, "xhigh": 75, "max": 100, "ultra": 100}
-    kind = thinking.get("type", "enabled") if isinstance(thinking, dict) else "enabled"
-    if kind not in ("enabled", "disabled", "adaptive"):
-        raise ChatFormatError(f"thinking.type: expected enabled, disabled or adaptive, got {kind!r}")
-    if effort is None and isinstance(thinking, dict):
-        effort = thinking.get("effort")
-    if kind == "disabled" or effort == "none":
-        return False, None
-    if effort is None:
-        return True, 75
-    if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
-        return True, effort
-    if isinstance(effort, str) and effort in table:
-        return True, table[effort]
-    raise ChatFormatError(
-        f"reasoning_effort: expected low, high, max, none or an integer 1-100, got {effort!r}"
-    )
-
-
-def _render(conversation, effort: int | None, fallback_encoding) -> RenderedPrompt:
-    """The prompt of `conversation`, rendered by our V4.1 encoder (serving.chat)."""
-    if _chat_render_conversation is not None:
-        try:
-            return _chat_render_conversation(conversation, effort=effort)
-        except ChatFormatError as e:
-            raise ApiError(400, str(e)) from None
-    # Interim only while serving.chat.render_conversation is missing.
-    r = fallback_encoding.render_conversation(conversation)
-    return RenderedPrompt(prompt=r.prompt, images=[], special_ranges=list(r.special_ranges))

@@ -81,7 +81,7 @@ def submit(scheduler: Scheduler, p: Prepared, request_id: str, identity: str):
         stop=p.stop,
         logprobs=p.logprobs,
         identity=identity,
-        **({"constraint": p.constraint} if p.constraint is not None else {}),
+        constraint=p.constraint,
     )
     try:
         return scheduler.submit_async(req)
