@@ -349,6 +349,30 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _http_models(args):
+    """ModelNames with the --model-alias values (each NAME or NAME=thinking|non-thinking)."""
+    from serving.http.models import ModelNames, parse_alias
+
+    try:
+        return ModelNames(extra_aliases=tuple(parse_alias(v) for v in args.model_alias or ()))
+    except ValueError as e:
+        raise ValueError(f"--model-alias: {e}") from None
+
+
+def _http_limits(args):
+    """AdmissionLimits from --http-max-concurrent / --max-effort-concurrent / --max-effort-queue."""
+    from serving.http.limits import AdmissionLimits
+
+    _check_at_least("--http-max-concurrent", args.http_max_concurrent, 1)
+    _check_at_least("--max-effort-concurrent", args.max_effort_concurrent, 1)
+    _check_at_least("--max-effort-queue", args.max_effort_queue, 0)
+    return AdmissionLimits(
+        max_concurrent=args.http_max_concurrent,
+        max_tier_concurrent=args.max_effort_concurrent,
+        max_tier_queue=args.max_effort_queue,
+    )
+
+
 def _check_port_option(option: str, port: int, off: int | None = None) -> None:
     if port != off and not 0 <= port <= 65535:
         also = "" if off is None else f", or {off} (off)"
@@ -405,6 +429,8 @@ def cmd_serve(args) -> int:
         metrics_host=args.host,
         http_port=None if args.http_port < 0 else args.http_port,
         http_host=args.http_host,
+        http_models=_http_models(args),
+        http_limits=_http_limits(args),
         grace_period_s=args.grace_period,
     )  # validates the shapes before anything is loaded
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
@@ -676,6 +702,31 @@ def build_parser() -> argparse.ArgumentParser:
         "as DeepSeek's hosted API (0: any free port, -1: off)",
     )
     g.add_argument("--http-host", help="address the HTTP API listens on (default: --host)")
+    limits = serve.http_limits
+    g.add_argument(
+        "--http-max-concurrent",
+        type=int,
+        default=limits.max_concurrent,
+        help="HTTP requests in flight; beyond: 429 with Retry-After (the hosted API's limit by default)",
+    )
+    g.add_argument(
+        "--max-effort-concurrent",
+        type=int,
+        default=limits.max_tier_concurrent,
+        help="HTTP requests at reasoning effort max running at once (their own tier)",
+    )
+    g.add_argument(
+        "--max-effort-queue",
+        type=int,
+        default=limits.max_tier_queue,
+        help="effort-max requests waiting for their tier; beyond: 429",
+    )
+    g.add_argument(
+        "--model-alias",
+        action="append",
+        help="accept another model name on the HTTP API: NAME, or NAME=thinking / NAME=non-thinking to "
+        "force the mode (repeatable; deepseek-v4-flash, deepseek-chat, deepseek-reasoner, ... by default)",
+    )
     g.add_argument(
         "--grace-period",
         type=float,
