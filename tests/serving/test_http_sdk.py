@@ -146,6 +146,30 @@ def test_chat_non_thinking_is_greedy_generation_of_the_rendered_prompt(server, o
     server.assert_idle()
 
 
+def test_stop_string_ends_the_answer_and_frees_the_slot(server, oai, hf):
+    """A stop string (deepseek-recipe matches it in the answer text) cuts the answer before it and
+    aborts the engine request at once."""
+    kw = dict(model="deepseek-flash", messages=[{"role": "user", "content": "Count"}], temperature=0,
+              extra_body=NO_THINKING)  # fmt: skip
+    full = oai.chat.completions.create(max_tokens=40, **kw).choices[0].message.content
+    text = full.rstrip("\ufffd")
+    assert len(text) >= 6
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    r = oai.chat.completions.create(max_tokens=40, stop=[stop], **kw)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == text[: text.index(stop)]
+    server.assert_idle()
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(server):
+    body = {"model": "deepseek-flash", "messages": [{"role": "user", "content": "long"}], "max_tokens": 500,
+            "thinking": {"type": "disabled"}}  # fmt: skip
+    with pytest.raises(httpx.TimeoutException):
+        auth = {"authorization": f"Bearer {KEY}"}
+        httpx.post(server.base + "/v1/chat/completions", json=body, headers=auth, timeout=1.0)
+    server.assert_idle(timeout=3)  # sooner than 500 tokens take (checked: fails without the abort)
+
+
 def test_chat_thinking_default_streams_reasoning_separately(server, oai, hf):
     seed = 1234
     kw = dict(
