@@ -199,6 +199,11 @@ class ModelTokenizer:
     def __init__(self, model):
         self._model = model
 
+    @property
+    def tokenizer_file(self):
+        """The model's tokenizer.json (None without one): the HTTP API renders and decodes with it."""
+        return self._model.tokenizer_path
+
     def encode(self, text: str) -> list[int]:
         return self._model.encode(text)
 

@@ -334,12 +334,8 @@ class HttpFrontEnd:
 
 
 def _tokenizer_file(tokenizer):
-    """The tokenizer.json behind a serving tokenizer: `tokenizer_file` if it has one, else that of the
-    `ced_jax` model a `serving.jax_engine.ModelTokenizer` wraps; None when there is none."""
-    path = getattr(tokenizer, "tokenizer_file", None)
-    if path is None:
-        path = getattr(getattr(tokenizer, "_model", None), "tokenizer_path", None)
-    return path
+    """The tokenizer.json behind a serving tokenizer (`ModelTokenizer.tokenizer_file`); None if none."""
+    return getattr(tokenizer, "tokenizer_file", None)
 
 
 async def _first(agen):
