@@ -21,10 +21,21 @@ GOLDEN_TINY_A = REPO / "tests" / "golden" / "tiny-a"
 # /work/shared; `--chat-golden DIR` runs the same tests on another set in the same format (a hidden one).
 GOLDEN_CHAT_ENCODING = REPO / "tests" / "golden" / "chat-encoding"
 
+# Vision + DSpark golden fixture (a copy of shared/golden/tiny-v: a tiny checkpoint with a vision tower
+# and DSpark stages, two images, DeepSeek's reference outputs). `--vision-golden DIR` runs the vision and
+# DSpark parity tests on another fixture in the same format (a hidden one with other shapes, possibly
+# without some optional arrays: tests compare the arrays a fixture has and say which were absent).
+GOLDEN_TINY_V = REPO / "tests" / "golden" / "tiny-v"
+
 
 def pytest_addoption(parser):
     parser.addoption(
         "--chat-golden",
         default=str(GOLDEN_CHAT_ENCODING),
         help="directory of a chat-encoding golden set (cases.jsonl + tokenizer.json)",
+    )
+    parser.addoption(
+        "--vision-golden",
+        default=str(GOLDEN_TINY_V),
+        help="directory of a vision/DSpark golden fixture in the format of shared/golden/tiny-v",
     )
