@@ -158,6 +158,9 @@ class Model:
         capture: bool = False,
         prefill_chunk: int | None = None,
         patch_layers: Sequence[int] | None = None,
+        token_types=None,
+        span_embeds=None,
+        images: Sequence | None = None,
     ) -> dict:
         """Prefill `prompt_ids` from position 0, then feed `decode_ids` one at a time (teacher forcing).
 
@@ -166,9 +169,14 @@ class Model:
         (prefill_topk_layer{l}, decode_topk_layer{l}, prefill_gate_indices, decode_gate_indices);
         with patch what each block produced (prefill_block_output, decode_block_output).
         patch_layers: replace the block inputs of these layers only (default: every layer of `patch`);
-        the other blocks run on what the model computes."""
+        the other blocks run on what the model computes.
+
+        Images (spec 6.3): token_types [T] (-1 text, 0..3 image span) with span_embeds [T, D] (the
+        span rows, ignored at text positions), or `images` (one image per span of token_types, in
+        order: bytes, a path or a `PreparedImage`) run through `self.vision`. Decode ids are text."""
         prompt = _check_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size, allow_empty=False)
         dec = _check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
+        types, spans = self._prompt_image_inputs(len(prompt), token_types, span_embeds, images)
         replay, patch = replay or {}, patch or {}
         t, n = len(prompt), len(dec)
         _check_replay_patch(self.cfg, replay, patch, t, n)
@@ -191,6 +199,8 @@ class Model:
                 forced=forced,
                 capture_blocks=capture_blocks,
                 index_k_mode=index_k_mode,
+                token_types=None if types is None else types[None, s:e],
+                span_embeds=None if spans is None else spans[None, s:e],
             )
             out.setdefault("prefill_logits_full", []).append(logits[0])
             _collect(out, aux, "prefill", capture_blocks, batch_index=0)
@@ -207,6 +217,30 @@ class Model:
         if "decode_logits" not in result:
             result["decode_logits"] = np.zeros((0, self.cfg.vocab_size), np.float32)
         return result
+
+    def _prompt_image_inputs(self, t: int, token_types, span_embeds, images):
+        """Validate a prompt's image inputs: (token_types i32 [T], span_embeds f32 [T, D]) or (None, None)."""
+        if images is not None:
+            if span_embeds is not None:
+                raise ValueError("images: give either images or span_embeds, not both")
+            if token_types is None:
+                raise ValueError("images: token_types of the prompt are needed to place the images")
+            span_embeds = self.span_embeds_for(token_types, images)
+        if token_types is None and span_embeds is None:
+            return None, None
+        if token_types is None or span_embeds is None:
+            raise ValueError("token_types and span_embeds must be given together")
+        types = np.asarray(token_types)
+        if types.shape != (t,) or not np.issubdtype(types.dtype, np.integer):
+            raise ValueError(f"token_types: expected {t} integers (one per prompt id), got shape {list(types.shape)}")
+        if types.size and (types.min() < -1 or types.max() > 3):
+            raise ValueError("token_types: values must be -1 (text) or 0..3 (image span)")
+        spans = np.asarray(span_embeds, np.float32)
+        if spans.shape != (t, self.cfg.hidden_size):
+            raise ValueError(
+                f"span_embeds: expected shape {[t, self.cfg.hidden_size]}, got {list(spans.shape)}"
+            )
+        return types.astype(np.int32), spans
 
     def generate(
         self,
@@ -297,12 +331,16 @@ class Session:
         forced: dict | None = None,
         capture_blocks: bool = False,
         index_k_mode: str = "intended",
+        token_types: np.ndarray | None = None,
+        span_embeds: np.ndarray | None = None,
     ):
-        """Feed tokens [B, T] (lens[b] valid). Returns (logits np [B, T, V], aux as numpy)."""
+        """Feed tokens [B, T] (lens[b] valid), with optional image spans (token_types [B, T],
+        span_embeds [B, T, D]). Returns (logits np [B, T, V], aux as numpy)."""
         tokens, lens = self._check(tokens, lens)
         logits, aux = self.engine.step(
             tokens, self.positions, lens, self.slots, self.page_tables, forced=forced,
             capture_blocks=capture_blocks, index_k_mode=index_k_mode,
+            token_types=token_types, span_embeds=span_embeds,
         )  # fmt: skip
         self.positions = self.positions + lens
         return np.asarray(logits), jax.tree.map(np.asarray, aux)

@@ -112,9 +112,25 @@ def _replicated(tree, mesh):
 
 
 def step(
-    params, tokens, state, meta, engram_rows, forced, *, cfg, capture_blocks, index_k_mode, impl, mesh, rules
+    params,
+    tokens,
+    state,
+    meta,
+    engram_rows,
+    forced,
+    token_types=None,
+    span_embeds=None,
+    *,
+    cfg,
+    capture_blocks,
+    index_k_mode,
+    impl,
+    mesh,
+    rules,
 ):
-    """`forward` over a chunk of every row: (logits [B, T, V], new state, aux)."""
+    """`forward` over a chunk of every row: (logits [B, T, V], new state, aux). token_types i32 [B, T]
+    and span_embeds f32 [B, T, D]: image spans (`forward`), None for both = text only (its own
+    executable: jit traces None as an empty argument)."""
     logits, state, aux = forward(
         params,
         cfg,
@@ -123,6 +139,8 @@ def step(
         meta,
         engram_rows,
         forced,
+        token_types=token_types,
+        span_embeds=span_embeds,
         capture_blocks=capture_blocks,
         index_k_mode=index_k_mode,
         impl=impl,
@@ -183,6 +201,8 @@ def prefill_batch(
     top_k,
     seed,
     token_bitmask,
+    token_types=None,
+    span_embeds=None,
     *,
     cfg,
     impl,
@@ -195,7 +215,9 @@ def prefill_batch(
     through page_tables[r]. One `forward` on [R, page_size] per loop iteration, page k of every row;
     a row whose chunk has no page k brings 0 tokens and writes nothing. Returns (new state, the
     sample after each row's chunk (rows with n 0: garbage), the slot state of every row after each
-    page [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size <= n[r]))."""
+    page [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size <= n[r])).
+    token_types i32 [R, C] (-1 for text) and span_embeds f32 [R, C, D]: image spans, sliced per page
+    like the tokens; None for both = the text program (a separate executable)."""
     layout = sharding.make_layout(mesh, rules)
     ps = state.page_size
     num_rows, width = tokens.shape
@@ -207,13 +229,17 @@ def prefill_batch(
         off = k * ps
         lens = jnp.clip(n - off, 0, ps)
         page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps, axis=1)
-        page_rows = None if rows is None else jax.lax.dynamic_slice_in_dim(rows, off, ps, axis=1)
+        page = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, off, ps, axis=1)
+        page_rows, page_types, page_spans = page(rows), page(token_types), page(span_embeds)
         # A row done with its chunk stays at its start (positions within its sequence; it writes
         # nothing with 0 tokens).
         meta = StepMetadata(
             start=jnp.where(lens > 0, start + off, start), lens=lens, slots=slots, page_tables=page_tables
         )
-        logits, state, _ = forward(params, cfg, page_tokens, state, meta, page_rows, impl=impl, layout=layout)
+        logits, state, _ = forward(
+            params, cfg, page_tokens, state, meta, page_rows, token_types=page_types,
+            span_embeds=page_spans, impl=impl, layout=layout,
+        )  # fmt: skip
         i = n - 1 - off  # each row's last token, if it is on this page
         here = (i >= 0) & (i < ps)
         picked = jnp.take_along_axis(logits, jnp.clip(i, 0, ps - 1)[:, None, None], axis=1)[:, 0]
@@ -287,14 +313,39 @@ class Engine:
         """A fresh sequence in `slot` (or one resumed at a snapshot whose history is given)."""
         self.history[slot] = self.empty_history(1)[0] if history is None else history
 
-    def engram_rows(self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray | None:
-        """The Engram hash rows of a chunk [B, T] of these slots; their histories move past it."""
+    def engram_rows(
+        self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray, dead: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """The Engram hash rows of a chunk [B, T] of these slots; their histories move past it.
+        dead: bool [B, T], True at image-span tokens (DEAD in the n-gram history, spec 4.4)."""
         if self.hasher is None:
             return None
         history = self.history[slots]
-        rows = self.hasher.hash_ids(history, tokens)
-        self.history[slots] = self.hasher.next_history(history, tokens, np.asarray(lens, np.int64))
+        rows = self.hasher.hash_ids(history, tokens, dead)
+        self.history[slots] = self.hasher.next_history(history, tokens, np.asarray(lens, np.int64), dead)
         return rows
+
+    def image_inputs(self, tokens: np.ndarray, token_types, span_embeds):
+        """Check a chunk's image inputs against tokens [B, T]: (token_types i32 [B, T], span_embeds
+        f32 [B, T, D], dead bool [B, T]), or (None, None, None) for a text-only chunk."""
+        if token_types is None and span_embeds is None:
+            return None, None, None
+        if token_types is None or span_embeds is None:
+            raise ValueError("token_types and span_embeds must be given together")
+        types = np.asarray(token_types)
+        if types.shape != tokens.shape or not np.issubdtype(types.dtype, np.integer):
+            raise ValueError(
+                f"token_types: expected integers of shape {list(tokens.shape)}, "
+                f"got {types.dtype} {list(types.shape)}"
+            )
+        if types.size and (types.min() < -1 or types.max() > 3):
+            raise ValueError("token_types: values must be -1 (text) or 0..3 (image span)")
+        spans = np.asarray(span_embeds, np.float32)
+        want = (*tokens.shape, self.cfg.hidden_size)
+        if spans.shape != want:
+            raise ValueError(f"span_embeds: expected shape {list(want)}, got {list(spans.shape)}")
+        types = types.astype(np.int32)
+        return types, spans, types >= 0
 
     def metadata(self, start, lens, slots, page_tables) -> StepMetadata:
         put = self.put
@@ -322,10 +373,15 @@ class Engine:
         forced: dict | None = None,
         capture_blocks: bool = False,
         index_k_mode: str = "intended",
+        token_types: np.ndarray | None = None,
+        span_embeds: np.ndarray | None = None,
     ):
-        """Run a chunk tokens [B, T] of rows `slots` (lens valid tokens each): (logits, aux) on device."""
+        """Run a chunk tokens [B, T] of rows `slots` (lens valid tokens each): (logits, aux) on device.
+        token_types i32 [B, T] / span_embeds f32 [B, T, D]: image spans (see `forward`); None for
+        both runs the text program."""
         tokens = np.asarray(tokens, np.int32)
-        rows = self.engram_rows(np.asarray(slots), tokens, lens)
+        types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
+        rows = self.engram_rows(np.asarray(slots), tokens, lens, dead)
         with self._mesh_context():
             logits, self.state, aux = self.programs.step(
                 self.model.params,
@@ -334,6 +390,8 @@ class Engine:
                 self.metadata(start, lens, slots, page_tables),
                 None if rows is None else self.put(rows),
                 None if forced is None else jax.tree.map(self.put, forced),
+                None if types is None else self.put(types),
+                None if spans is None else self.put(spans),
                 capture_blocks=capture_blocks,
                 index_k_mode=index_k_mode,
             )
@@ -423,16 +481,22 @@ class Engine:
         *,
         max_logprobs,
         token_bitmask=None,
+        token_types=None,
+        span_embeds=None,
     ):
         """Chunks of R slots at once, a page of every row per iteration (`prefill_batch` program):
         padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns
         (sample outputs on device [R], per-page slot states on device [C / page_size, R, ...]);
         nothing is waited for. Each row's history moves past its n tokens. token_bitmask: i32 [R, W]
-        for the samples, None = unconstrained."""
+        for the samples, None = unconstrained. token_types i32 [R, C] (-1 everywhere in text rows and
+        padding) and span_embeds f32 [R, C, D] (rows of image-span positions, others ignored): image
+        spans, whose Engram history slots are DEAD; None for both = the text program. A text chunk
+        gives the same logits and state through either program (tests/ced_jax/test_vision_engine.py)."""
         slots = np.asarray(slots, np.int32)
         tokens = np.asarray(padded_tokens, np.int32)
         n = np.asarray(n, np.int32)
-        rows = self.engram_rows(slots, tokens, n)
+        types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
+        rows = self.engram_rows(slots, tokens, n, dead)
         put = self.put
         with self._mesh_context():
             self.state, out, snaps = self.programs.prefill_batch(
@@ -449,6 +513,8 @@ class Engine:
                 put(np.asarray(top_k, np.int32)),
                 put(np.asarray(seed, np.uint32)),
                 put(self.token_bitmask(len(slots), token_bitmask)),
+                None if types is None else put(types),
+                None if spans is None else put(spans),
                 max_logprobs=max_logprobs,
             )
         return out, snaps

@@ -170,14 +170,26 @@ class Transformer(nnx.Module):
 
 
 # ---------------------------------------------------------------------------------- forward
-def _moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids, impl: str, layout: sharding.Layout | None):
+def _moe(
+    p: dict,
+    cfg: ModelConfig,
+    x: jax.Array,
+    forced_ids,
+    impl: str,
+    layout: sharding.Layout | None,
+    image_mask: jax.Array | None = None,
+):
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     scores = moe_lib.router_scores(flat, p["gate"]["weight"])
     forced = None if forced_ids is None else forced_ids.reshape(b * t, -1)
+    bias = p["gate"]["bias"]
+    if image_mask is not None:
+        # Image-span tokens select experts with the vision bias (spec 6.3), per token: [N, E].
+        bias = jnp.where(image_mask.reshape(b * t, 1), p["gate"]["bias_vl"], bias)
     ids, weights, own = moe_lib.route(
         scores,
-        p["gate"]["bias"],
+        bias,
         cfg.num_experts_per_tok,
         cfg.routed_scaling_factor,
         cfg.norm_topk_prob,
@@ -212,6 +224,8 @@ def forward(
     engram_rows: jax.Array | None = None,
     forced: dict | None = None,
     *,
+    token_types: jax.Array | None = None,
+    span_embeds: jax.Array | None = None,
     capture_blocks: bool = False,
     index_k_mode: str = "intended",
     impl: str = "reference",
@@ -224,6 +238,12 @@ def forward(
     n_engram_layers, C] from `EngramHasher`; forced: optional {'topk': {layer: i32 [B, T, X]},
     'experts': i32 [L, B, T, X], 'block_input': {layer: [B, T, M, D]}, 'pre_mix': {layer: [B, T, M]}}
     to replay recorded decisions / patch the inputs of chosen blocks.
+
+    Image spans (spec 6.3): token_types i32 [B, T] (-1 text; 0 START, 1 IMAGE, 2 NEWLINE, 3 END of
+    an image span) and span_embeds f32 [B, T, D] (bf16 values: aligner rows and the learned delimiter
+    vectors at span positions, ignored elsewhere), given together or not at all. A span token's
+    embedding is its span_embeds row, its experts are selected with `gate.bias_vl` in every MoE
+    layer, and its Engram gate is shut; text tokens are computed exactly as without them.
 
     Returns (logits f32 [B, T, V], new state, aux) with aux = {'topk': {layer: own top-k},
     'experts': own expert ids [L, B, T, X], 'block_output' (if capture_blocks): [L, B, T, M, D],
@@ -241,8 +261,13 @@ def forward(
         width = max(cache.capacity("index_k", s, meta) for s in cfg.kv_source_layer_ids)
         last = cache.entries("index_k", cfg.kv_source_layer_ids[-1], meta)
         shared["index_k_ptr"] = jnp.pad(last, ((0, 0), (0, width - last.shape[1]), (0, 0)))
+    if (token_types is None) != (span_embeds is None):
+        raise ValueError("token_types and span_embeds must be given together")
+    image_mask = None if token_types is None else token_types >= 0
     M = cfg.hc_mult
     h = round_bf16(params["embed"]["weight"].astype(jnp.float32)[tokens])
+    if image_mask is not None:
+        h = jnp.where(image_mask[..., None], round_bf16(span_embeds.astype(jnp.float32)), h)
     x = jnp.broadcast_to(h[:, :, None, :], (b, t, M, h.shape[-1]))
     pre = jnp.zeros((b, t, M), jnp.float32).at[..., 0].set(1.0)
     own_topk, own_experts, block_outputs = {}, [], []
@@ -250,7 +275,13 @@ def forward(
         p = params["layers"][str(i)]
         if i in cfg.engram_layer_ids:
             k = cfg.engram_layer_ids.index(i)
-            x = engram(x, engram_rows[:, :, k], p["engram"], eps=cfg.rms_norm_eps)
+            x = engram(
+                x,
+                engram_rows[:, :, k],
+                p["engram"],
+                eps=cfg.rms_norm_eps,
+                token_mask=None if image_mask is None else ~image_mask,
+            )
         if capture_blocks and i > 0:
             block_outputs.append(x)
         if str(i) in forced.get("block_input", {}):
@@ -280,7 +311,7 @@ def forward(
         ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
         f_in = rms_norm(hc_collapse(x, attn_pre), p["ffn_norm"]["weight"], cfg.rms_norm_eps)
         forced_ids = forced["experts"][i] if "experts" in forced else None
-        y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout)
+        y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout, image_mask)
         own_experts.append(ids)
         x = hc_expand(y, residual, ffn_post, ffn_comb)
         pre = ffn_pre
