@@ -12,6 +12,15 @@ a traceback reach a client (an unexpected exception is logged and answered 500 "
 
 API keys (`--api-key` / `--api-key-file`, serving/tenants.py, constant-time check): OpenAI routes take
 `Authorization: Bearer KEY`; Anthropic routes `x-api-key: KEY` or Bearer (Authorization wins).
+
+Images (issue 14): image parts in every API (serving/http/images.py) as base64, Files API ids or URLs
+(fetched only when `ImageFetchConfig.allow_image_urls`, serving/image_fetch.py); expanded into spans by the
+engine's `ImagePipeline` given to `attach` (None: the model has no vision tower, image parts answer 400).
+Files API on `/files`, `/v1/files`, `/anthropic/v1/files` (serving/files.py): `POST` (multipart `file`,
+`purpose`), `GET` (list), `GET /{id}`, `GET /{id}/content`, `DELETE /{id}`; OpenAI's file objects, or
+Anthropic's when the request comes from the Anthropic SDK (an `anthropic-version` / `anthropic-beta`
+header or the `/anthropic` prefix). Files belong to the API key's identity (without keys: one shared
+anonymous scope, as unauthenticated as the rest of the API).
 """
 
 from __future__ import annotations
@@ -32,12 +41,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from serving.config import ServeConfig
+from serving.files import IMAGE_PURPOSES, FileError, FilesConfig, FileStore, StoredFile
 from serving.http import stream as gen
 from serving.http.accounting import CostLedger
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter, Prepared
 from serving.http.errors import ApiError
+from serving.http.images import ImageInputConfig, ImageResolver
 from serving.http.limits import Admission, TooManyRequests
 from serving.http.models import ModelCatalog
+from serving.image_fetch import ImageFetchConfig, ImageFetcher
 from serving.tenants import Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -52,6 +64,8 @@ FIM_PATHS = ("/completions", "/v1/completions", "/beta/completions")
 RESPONSES_PATHS = ("/responses", "/v1/responses")
 MESSAGES_PATHS = ("/anthropic/v1/messages", "/anthropic/messages", "/v1/messages")
 MODELS_PATHS = ("/models", "/v1/models")
+FILES_PATHS = ("/files", "/v1/files", "/anthropic/v1/files")
+_UPLOAD_OVERHEAD = 64 * 1024  # multipart headers and the other form fields, beyond the file's own bytes
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DISCONNECT_POLL_S = 0.25
 
@@ -74,6 +88,12 @@ class HttpFrontEnd:
         self.catalog = ModelCatalog(config.http_models, registry=registry)
         self.admission = Admission(config.http_limits, registry=registry)
         self.ledger = CostLedger(config.http_pricing, registry=registry)
+        # ServeConfig carries these as http_files / http_image_fetch / http_images; defaults without them.
+        files_cfg = getattr(config, "http_files", None) or FilesConfig()
+        fetch_cfg = getattr(config, "http_image_fetch", None) or ImageFetchConfig()
+        image_cfg = getattr(config, "http_images", None) or ImageInputConfig()
+        self.files = FileStore(files_cfg)
+        self.image_resolver = ImageResolver(self.files, ImageFetcher(fetch_cfg), image_cfg)
         self.scheduler = None
         self.converter: Converter | None = None
         self.tokenizer: d.Tokenizer | None = None
@@ -117,8 +137,9 @@ class HttpFrontEnd:
         if self._task.done():
             self._task.result()  # raises what uvicorn raised
 
-    def attach(self, scheduler, tokenizer) -> None:
-        """Serves `scheduler`'s model; without a tokenizer.json the routes answer 503 saying why."""
+    def attach(self, scheduler, tokenizer, images=None) -> None:
+        """Serves `scheduler`'s model; without a tokenizer.json the routes answer 503 saying why.
+        `images`: the engine's ImagePipeline (serving/vision.py); None: the model takes no images."""
         path = _tokenizer_file(tokenizer)
         if path is None:
             self.unavailable = "this model has no tokenizer.json; the HTTP API needs one"
@@ -132,6 +153,8 @@ class HttpFrontEnd:
             max_context=scheduler.spec.max_context,
             max_tokens_limit=cfg.max_tokens_limit,
             max_logprobs=cfg.max_logprobs,
+            images=images,
+            resolver=self.image_resolver,
         )
         self.tokenizer = d.Tokenizer.from_file(str(path))
         self.scheduler = scheduler
@@ -157,6 +180,12 @@ class HttpFrontEnd:
         for paths, api in ((CHAT_PATHS, CHAT), (FIM_PATHS, COMPLETIONS), (RESPONSES_PATHS, RESPONSES)):
             routes += [Route(p, self._handler(api), methods=["POST"]) for p in paths]
         routes += [Route(p, self._handler(MESSAGES), methods=["POST"]) for p in MESSAGES_PATHS]
+        for p in FILES_PATHS:
+            routes += [
+                Route(p, self._files_route(self._files_collection), methods=["GET", "POST"]),
+                Route(p + "/{file_id}", self._files_route(self._file_item), methods=["GET", "DELETE"]),
+                Route(p + "/{file_id}/content", self._files_route(self._file_content), methods=["GET"]),
+            ]
 
         async def http_error(request: Request, exc: HTTPException):
             status = exc.status_code
@@ -219,7 +248,14 @@ class HttpFrontEnd:
         if self.unavailable is not None:
             raise ApiError(503, self.unavailable, headers={"Retry-After": "5"})
         raw = await request.body()
-        p: Prepared = await asyncio.to_thread(self.converter.prepare, api, raw)
+        p = await _prepare(self.converter, api, raw, identity or "")
+        try:
+            return await self._run(api, request, p, identity)
+        finally:
+            if not p.stream:  # a stream releases its file leases when it ends (_sse)
+                p.release()
+
+    async def _run(self, api: str, request: Request, p: Prepared, identity: str | None) -> Response:
         if identity is None:
             identity = p.identity_hint[: self.config.max_user_length]
         headers = self.catalog.headers(p.model)  # an alias: Deprecation / warning headers
@@ -262,15 +298,128 @@ class HttpFrontEnd:
         hit = u.cached_prompt_tokens
         self.ledger.record(hit, u.prompt_tokens - hit, u.completion_tokens, datetime.now(UTC))
 
+    # ---- Files API -------------------------------------------------------------------------------
+    def _files_route(self, method):
+        """A Files API handler in the caller's API format (OpenAI or Anthropic), authenticated."""
+
+        async def handle(request: Request) -> Response:
+            anthropic = _wants_anthropic_files(request)
+            try:
+                scope = self._authenticate(request, anthropic) or ""
+                return await method(request, scope, anthropic)
+            except FileError as e:
+                code = "file_not_found" if e.status == 404 else None
+                return _error_response(ApiError(e.status, e.message, param=e.field, code=code), anthropic)
+            except ApiError as e:
+                return _error_response(e, anthropic)
+
+        handle.__name__ = method.__name__
+        return handle
+
+    async def _files_collection(self, request: Request, scope: str, anthropic: bool) -> Response:
+        if request.method == "POST":
+            record = await self._upload(request, scope, anthropic)
+            return JSONResponse(_file_object(record, anthropic))
+        q = request.query_params
+        purpose = q.get("purpose")
+        files = self.files.list(scope, purpose=purpose or None)
+        if q.get("order", "desc" if not anthropic else "desc") == "desc":
+            files.reverse()
+        after = q.get("after_id" if anthropic else "after")
+        if after:
+            ids = [f.id for f in files]
+            files = files[ids.index(after) + 1 :] if after in ids else []
+        limit = _query_int(q, "limit", 1000 if anthropic else 10000)
+        page, more = files[:limit], len(files) > limit
+        data = [_file_object(f, anthropic) for f in page]
+        first = page[0].id if page else None
+        last = page[-1].id if page else None
+        if anthropic:
+            return JSONResponse({"data": data, "first_id": first, "last_id": last, "has_more": more})
+        return JSONResponse(
+            {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
+        )
+
+    async def _file_item(self, request: Request, scope: str, anthropic: bool) -> Response:
+        file_id = request.path_params["file_id"]
+        if request.method == "DELETE":
+            record = self.files.delete(scope, file_id)
+            if anthropic:
+                return JSONResponse({"id": record.id, "type": "file_deleted"})
+            return JSONResponse({"id": record.id, "object": "file", "deleted": True})
+        return JSONResponse(_file_object(self.files.get(scope, file_id), anthropic))
+
+    async def _file_content(self, request: Request, scope: str, anthropic: bool) -> Response:
+        record, data = self.files.content(scope, request.path_params["file_id"])
+        return Response(data, media_type=record.mime_type)
+
+    async def _upload(self, request: Request, scope: str, anthropic: bool) -> StoredFile:
+        """A multipart upload (`file`, OpenAI `purpose` and `expires_after[...]`) into the store."""
+        from starlette.datastructures import UploadFile
+
+        limit = self.files.config.max_file_bytes
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(
+                400, "request body: expected multipart/form-data with a `file` field", param="file"
+            )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit + _UPLOAD_OVERHEAD:
+            raise ApiError(
+                413, f"file: the upload is {length} bytes; this server accepts files up to {limit} bytes",
+                param="file",
+            )  # fmt: skip
+        try:
+            form = await request.form(max_files=1, max_fields=16)
+        except Exception as e:  # noqa: BLE001 - the form parser's errors are the client's malformed body
+            raise ApiError(400, f"request body: malformed multipart form ({e})", param="file") from None
+        try:
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise ApiError(400, "file: is required (a multipart file field)", param="file")
+            purpose = form.get("purpose")
+            if anthropic and purpose is None:
+                purpose = "vision"
+            if not isinstance(purpose, str) or not purpose:
+                raise ApiError(
+                    400, f"purpose: is required; one of {', '.join(IMAGE_PURPOSES)}", param="purpose"
+                )
+            if purpose not in IMAGE_PURPOSES:
+                raise ApiError(
+                    400,
+                    f"purpose: {purpose!r} is not served here; this server stores images for vision input "
+                    f"(purpose one of {', '.join(IMAGE_PURPOSES)})",
+                    param="purpose",
+                )
+            expires = None
+            seconds = form.get("expires_after[seconds]")
+            if seconds is not None:
+                anchor = form.get("expires_after[anchor]", "created_at")
+                if anchor != "created_at" or not isinstance(seconds, str) or not seconds.isdigit():
+                    raise ApiError(
+                        400, "expires_after: expected anchor created_at and a whole number of seconds",
+                        param="expires_after",
+                    )  # fmt: skip
+                expires = float(seconds)
+            data = await upload.read(limit + 1)
+            filename = upload.filename or "upload"
+        finally:
+            await form.close()
+        return await asyncio.to_thread(
+            self.files.upload, scope, data, filename=filename, purpose=purpose, expires_after_s=expires
+        )
+
     # ---- streaming -------------------------------------------------------------------------------
     async def _sse(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome):
         """SSE messages. The first item is yielded once the request is admitted (or raises)."""
-        async with self._admitted(p):
-            try:
-                async for item in self._sse_admitted(api, p, rid, identity, outcome):
-                    yield item
-            finally:
-                self._account(outcome)
+        try:
+            async with self._admitted(p):
+                try:
+                    async for item in self._sse_admitted(api, p, rid, identity, outcome):
+                        yield item
+                finally:
+                    self._account(outcome)
+        finally:
+            p.release()
 
     async def _sse_admitted(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome):
         if api == COMPLETIONS:
@@ -331,6 +480,50 @@ class HttpFrontEnd:
         return json.dumps(
             gen.patch_usage(api, json.loads(resp.to_json()), outcome), ensure_ascii=False
         ).encode()
+
+
+def _wants_anthropic_files(request: Request) -> bool:
+    """The Anthropic SDK's Files API calls (it always sends anthropic-version) get Anthropic's objects."""
+    h = request.headers
+    return request.url.path.startswith("/anthropic") or "anthropic-version" in h or "anthropic-beta" in h
+
+
+def _file_object(f: StoredFile, anthropic: bool) -> dict:
+    if anthropic:
+        created = datetime.fromtimestamp(f.created_at, UTC).isoformat().replace("+00:00", "Z")
+        return {
+            "id": f.id, "type": "file", "filename": f.filename, "mime_type": f.mime_type,
+            "size_bytes": f.size, "created_at": created, "downloadable": True,
+        }  # fmt: skip
+    return {
+        "id": f.id, "object": "file", "bytes": f.size, "created_at": f.created_at, "filename": f.filename,
+        "purpose": f.purpose, "status": "processed", "status_details": None, "expires_at": f.expires_at,
+    }  # fmt: skip
+
+
+def _query_int(q, name: str, default: int) -> int:
+    v = q.get(name)
+    if v is None:
+        return default
+    if not v.isdigit() or int(v) < 1:
+        raise ApiError(400, f"{name}: expected a positive integer, got {v!r}", param=name)
+    return int(v)
+
+
+async def _prepare(converter: Converter, api: str, raw: bytes, identity: str) -> Prepared:
+    """`converter.prepare` off the event loop; if the client leaves meanwhile, the thread still finishes,
+    and the leases its result holds are released then (no file stays referenced by a gone request)."""
+    work = asyncio.ensure_future(asyncio.to_thread(converter.prepare, api, raw, identity))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+
+        def release(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                done.result().release()
+
+        work.add_done_callback(release)
+        raise
 
 
 def _tokenizer_file(tokenizer):

@@ -12,6 +12,10 @@ One `Prepared` per request, built off the event loop (deepseek-recipe's conversi
   tool-call and JSON parsing) and the output constraint. Its ConversionError is the hosted API's answer.
 - The prompt is rendered and encoded ONLY by our chat layer (`serving.chat`, exact to DeepSeek's reference
   encoder; deepseek-recipe's own renderer differs from it in a few cases).
+- Images (serving/http/images.py): image parts of every form are found and rewritten before conversion,
+  resolved to bytes after rendering (base64, a leased Files API file, an allowed URL), and expanded into
+  their token spans by the engine's image pipeline (`ImagePipeline.build_prompt`), so `prompt_ids` and the
+  usage count each image as its span length. A model without a vision tower answers 400.
 - FIM (`/completions`) is built here: `BOS <fim_begin> prompt <fim_hole> suffix <fim_end>` (api-surface
   §16.7), non-thinking only.
 """
@@ -29,6 +33,7 @@ from serving.chat import ChatFormatError, PromptEncoder, render_conversation, re
 from serving.constraints import ConstraintError, OutputConstraint
 from serving.engine_api import SamplingParams
 from serving.http.errors import ApiError, from_conversion_error
+from serving.http.images import ImageResolver, extract_images, index_of
 from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
@@ -62,6 +67,13 @@ class Prepared:
     stop: tuple[str, ...] = ()  # FIM only: chat-style routes leave stop strings to deepseek-recipe
     fim_echo: str = ""  # FIM `echo: true`: the prompt, returned before the completion
     constraint: OutputConstraint | None = None  # enforced by the engine (serving/constraints.py)
+    images: tuple = ()  # the image spans for GenerationRequest.images (serving/vision.py RequestImage)
+    leases: tuple = ()  # Files API leases held while the request runs (serving/files.py); see release()
+
+    def release(self) -> None:
+        """Gives back the request's file leases (idempotent); the app calls it when the request ends."""
+        for lease in self.leases:
+            lease.release()
 
 
 def parse_body(raw: bytes) -> dict:
@@ -102,8 +114,14 @@ class Converter:
         max_context: int,
         max_tokens_limit: int,
         max_logprobs: int,
+        images=None,
+        resolver: ImageResolver | None = None,
     ):
+        """`images`: the engine's ImagePipeline (serving/vision.py), None for a model without a vision tower;
+        `resolver`: turns image references into bytes (the server's file store and URL fetcher)."""
         self.encoder = PromptEncoder(hf_tokenizer)
+        self.images = images
+        self.resolver = resolver
         self._hf = hf_tokenizer
         self.max_context = max_context
         self.max_tokens_limit = max_tokens_limit
@@ -132,11 +150,20 @@ class Converter:
             raise ApiError(e.status, f"model: {e.message}", param=e.param, code=e.code) from None
 
     # ---- entry point -------------------------------------------------------------------------
-    def prepare(self, api: str, raw: bytes) -> Prepared:
+    def prepare(self, api: str, raw: bytes, identity: str = "") -> Prepared:
+        """The request's `Prepared`; `identity` scopes Files API ids (the API key's name, "" without keys).
+        The caller must `release()` the result when the request ends (it may hold file leases)."""
         body = parse_body(raw)
         if api == COMPLETIONS:
             return self._prepare_fim(body)
-        return self._prepare_chat(api, body)
+        leases: list = []
+        try:
+            p = self._prepare_chat(api, body, identity, leases)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        return dataclasses.replace(p, leases=tuple(leases))
 
     # ---- chat-style APIs ---------------------------------------------------------------------
     def _thinking_fields(self, api: str, body: dict) -> tuple[Any, Any, str]:
@@ -190,7 +217,7 @@ class Converter:
             body["output_config"] = oc
         return thinking, budget
 
-    def _prepare_chat(self, api: str, body: dict) -> Prepared:
+    def _prepare_chat(self, api: str, body: dict, identity_scope: str, leases: list) -> Prepared:
         model = self.resolve_model(body.get("model"), anthropic=api == MESSAGES)
         stream = _field(body, "stream", (bool,), "a boolean") or False
         n = _field(body, "n", (int,), "an integer")
@@ -204,6 +231,16 @@ class Converter:
                 param="previous_response_id",
             )
         thinking, effort = self._normalize_thinking(api, body, model)
+        refs = extract_images(api, body)  # rewrites image parts in `body` before conversion
+        if refs:
+            if self.images is None:
+                raise ApiError(
+                    400,
+                    f"{refs[0].field}: this model has no vision input (its checkpoint has no vision tower); "
+                    "send text only",
+                    param=refs[0].field,
+                )
+            self.resolver.precheck(refs)
         identity = _identity_hint(api, body)
         include_usage = False
         so = body.get("stream_options")
@@ -224,14 +261,6 @@ class Converter:
         except ValueError as e:  # serde: bad JSON types; name the field deepseek-recipe did not
             raise ApiError(400, _blame(cls, body, self._opts, str(e)), param=None) from None
         conversation = conv.conversation
-        for i, m in enumerate(conversation.messages):
-            if m.image_sources:
-                where = m.image_sources[0].path or f"messages[{i}]"
-                raise ApiError(
-                    400,
-                    f"{where}: image input is not supported by this server yet (the engine runs text only)",
-                    param=where,
-                )
         last = conversation.messages[-1] if conversation.messages else None
         if last is not None and last.prefix and conversation.thinking_mode:
             raise ApiError(
@@ -244,7 +273,7 @@ class Converter:
             rendered = render_conversation(conversation, effort=effort)
         except ChatFormatError as e:
             raise ApiError(400, str(e)) from None
-        ids = self.encoder.encode(rendered)
+        ids, spans = self._prompt_ids(api, rendered, refs, identity_scope, leases)
         io = conv.inference_options
         max_tokens = self._max_tokens(conv, len(ids), io.max_tokens, api)
         logprobs = 0
@@ -274,7 +303,34 @@ class Converter:
             echo=echo,
             namespace_map=ns_map,
             constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body),
+            images=spans,
         )
+
+    def _prompt_ids(self, api: str, rendered, refs: list, identity: str, leases: list):
+        """(prompt ids, image spans): the encoded prompt, each image placeholder expanded to its span."""
+        if not rendered.images:
+            return self.encoder.encode(rendered), ()
+        order = [index_of(getattr(src, "url", None)) for src in rendered.images]
+        if any(i is None or i >= len(refs) for i in order):
+            raise ApiError(400, "messages: an image in a form this server does not read", param="messages")
+        data = self.resolver.resolve([refs[i] for i in order], identity, leases)
+
+        def encode(text: str) -> list[int]:
+            # The pipeline tokenizes the rendered prompt; ours keeps client text apart from special tokens.
+            if text != rendered.prompt:
+                raise ValueError("the image pipeline must encode the rendered prompt as given")
+            return self.encoder.encode(rendered)
+
+        field = "input" if api == RESPONSES else "messages"
+        try:
+            ids, spans = self.images.build_prompt(rendered.prompt, data, encode, field=field)
+        except ValueError as e:  # serving.vision.ImageInputError (and the pre-processing's ImageError)
+            where = getattr(e, "field", None) or field
+            message = str(getattr(e, "message", None) or e)
+            if not message.startswith(where):
+                message = f"{where}: {message}"
+            raise ApiError(400, message, param=where) from None
+        return tuple(int(t) for t in ids), tuple(spans)
 
     def _max_tokens(self, conv, prompt_tokens: int, requested: int | None, api: str) -> int:
         """The hosted defaults (8192 / 65536 / 131072) and range, lowered to the context left; a

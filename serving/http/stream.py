@@ -73,6 +73,8 @@ def response_id(api: str) -> str:
 
 def submit(scheduler: Scheduler, p: Prepared, request_id: str, identity: str):
     """Submits `p` to the scheduler; admission and validation failures as ApiErrors."""
+    # Image spans only when there are any, so a text request does not depend on the field.
+    images = {"images": p.images} if p.images else {}
     req = GenerationRequest(
         request_id=request_id,
         prompt_token_ids=p.prompt_ids,
@@ -82,6 +84,7 @@ def submit(scheduler: Scheduler, p: Prepared, request_id: str, identity: str):
         logprobs=p.logprobs,
         identity=identity,
         constraint=p.constraint,
+        **images,
     )
     try:
         return scheduler.submit_async(req)
