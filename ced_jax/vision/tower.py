@@ -47,7 +47,7 @@ def _linear(x: jax.Array, params: dict, name: str) -> jax.Array:
     return round_bf16(y)
 
 
-def _rope_tables(n_w: jax.Array, num_patches: int, vcfg: VisionConfig) -> tuple[jax.Array, jax.Array]:
+def rope_tables(n_w: jax.Array, num_patches: int, vcfg: VisionConfig) -> tuple[jax.Array, jax.Array]:
     """cos, sin [P, Dh/2]: the row position's frequencies, then the column's (each Dh/4 wide)."""
     head_dim = vcfg.hidden_size // vcfg.num_attention_heads
     inv_freq = jnp.asarray(rope_inv_freq(head_dim // 2, float(vcfg.rope_theta), None))
@@ -94,6 +94,25 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> 
     return round_bf16(jnp.transpose(out, (1, 0, 2)))
 
 
+def vit_block(
+    params: dict, x: jax.Array, block: int, cos: jax.Array, sin: jax.Array, n_valid: jax.Array, vcfg: VisionConfig
+) -> jax.Array:
+    """One pre-norm ViT block: x [P, W] -> [P, W] (bf16 values); cos/sin from `rope_tables`."""
+    num = x.shape[0]
+    heads = vcfg.num_attention_heads
+    head_dim = vcfg.hidden_size // heads
+    p = f"vision.blocks.{block}."
+    h = rms_norm(x, params[f"{p}norm1.weight"], VIT_NORM_EPS)
+    qkv = _linear(h, params, f"{p}attn.wqkv")
+    q, k, v = (t.reshape(num, heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
+    o = _attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, n_valid)
+    x = round_bf16(x + _linear(o.reshape(num, -1), params, f"{p}attn.wo"))
+    h = rms_norm(x, params[f"{p}norm2.weight"], VIT_NORM_EPS)
+    gate, up = jnp.split(_linear(h, params, f"{p}mlp.w1"), 2, axis=-1)
+    act = round_bf16(round_bf16(jax.nn.silu(gate)) * up)
+    return round_bf16(x + _linear(act, params, f"{p}mlp.w2"))
+
+
 def vit_forward(
     params: dict, patches: jax.Array, n_w: jax.Array, n_valid: jax.Array, vcfg: VisionConfig,
     *, keep_block_inputs: bool = False,
@@ -101,30 +120,18 @@ def vit_forward(
     """patches: f32 [P, 3*patch^2] (bf16 values, rows past n_valid are padding) -> (ViT output
     [P, W] after the final norm, block inputs [L+1, P, W] when asked: index 0 is the patch
     embedding, b+1 the output of block b)."""
-    num = patches.shape[0]
-    heads = vcfg.num_attention_heads
-    head_dim = vcfg.hidden_size // heads
-    cos, sin = _rope_tables(n_w, num, vcfg)
+    cos, sin = rope_tables(n_w, patches.shape[0], vcfg)
     x = _linear(patches, params, "vision.patch_embed.proj")
     inputs = [x]
     for b in range(vcfg.num_hidden_layers):
-        p = f"vision.blocks.{b}."
-        h = rms_norm(x, params[f"{p}norm1.weight"], VIT_NORM_EPS)
-        qkv = _linear(h, params, f"{p}attn.wqkv")
-        q, k, v = (t.reshape(num, heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
-        o = _attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, n_valid)
-        x = round_bf16(x + _linear(o.reshape(num, -1), params, f"{p}attn.wo"))
-        h = rms_norm(x, params[f"{p}norm2.weight"], VIT_NORM_EPS)
-        gate, up = jnp.split(_linear(h, params, f"{p}mlp.w1"), 2, axis=-1)
-        act = round_bf16(round_bf16(jax.nn.silu(gate)) * up)
-        x = round_bf16(x + _linear(act, params, f"{p}mlp.w2"))
+        x = vit_block(params, x, b, cos, sin, n_valid, vcfg)
         inputs.append(x)
     out = rms_norm(x, params["vision.norm.weight"], VIT_NORM_EPS)
     return out, (jnp.stack(inputs) if keep_block_inputs else None)
 
 
 def aligner_gather_index(n_h: jax.Array, n_w: jax.Array, num_tokens: int, ratio: int) -> tuple[jax.Array, jax.Array]:
-    """(patch index [N, C*r*r... no: [N, r*r]], in-image mask) of each token's r x r window, in
+    """(patch index [N, r*r], in-image mask [N, r*r]) of each token's r x r window, in
     reading order over the n_llm_h x n_llm_w token grid; windows past the image edge read zeros
     (the reference's zero padding to multiples of r)."""
     n_llm_w = -(-n_w // ratio)
