@@ -137,7 +137,10 @@ class ImageFetcher:
             target += "?" + parts.query
         try:
             conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "ced-jax"})
-            conn.sock.settimeout(_time_left(deadline))
+            # The connection drops its socket reference once a response will close it; the response
+            # still reads from that socket, so keep it to set each read's timeout.
+            sock = conn.sock
+            sock.settimeout(_time_left(deadline))
             resp = conn.getresponse()
             if resp.status in _REDIRECTS or resp.status != 200:
                 return resp.status, resp.getheader("Location"), b""
@@ -149,7 +152,7 @@ class ImageFetcher:
                 )
             chunks, got = [], 0
             while True:
-                conn.sock.settimeout(_time_left(deadline))
+                sock.settimeout(_time_left(deadline))
                 chunk = resp.read1(_READ_CHUNK)
                 if not chunk:
                     break

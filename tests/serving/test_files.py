@@ -152,7 +152,9 @@ def front():
 
 
 def _oai(front, key=ALICE):
-    return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=front.client, max_retries=0)
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key=key, http_client=front.client, max_retries=0
+    )
 
 
 def test_openai_sdk_upload_list_retrieve_content_delete(front):
@@ -199,7 +201,9 @@ def test_upload_refusals_name_the_field(front):
     with pytest.raises(openai.BadRequestError, match="purpose") as e:
         oai.files.create(file=("a.png", PNG), purpose="batch")
     assert e.value.body["param"] == "purpose"
-    r = front.client.post("/v1/files", headers={"Authorization": f"Bearer {ALICE}"}, json={"purpose": "vision"})
+    r = front.client.post(
+        "/v1/files", headers={"Authorization": f"Bearer {ALICE}"}, json={"purpose": "vision"}
+    )
     assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
 
 
