@@ -118,14 +118,14 @@ def vit_forward(
     *, keep_block_inputs: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """patches: f32 [P, 3*patch^2] (bf16 values, rows past n_valid are padding) -> (ViT output
-    [P, W] after the final norm, block inputs [L+1, P, W] when asked: index 0 is the patch
-    embedding, b+1 the output of block b)."""
+    [P, W] after the final norm, block inputs [L, P, W] when asked: index b is what block b
+    received, so index 0 is the patch embedding)."""
     cos, sin = rope_tables(n_w, patches.shape[0], vcfg)
     x = _linear(patches, params, "vision.patch_embed.proj")
-    inputs = [x]
+    inputs = []
     for b in range(vcfg.num_hidden_layers):
-        x = vit_block(params, x, b, cos, sin, n_valid, vcfg)
         inputs.append(x)
+        x = vit_block(params, x, b, cos, sin, n_valid, vcfg)
     out = rms_norm(x, params["vision.norm.weight"], VIT_NORM_EPS)
     return out, (jnp.stack(inputs) if keep_block_inputs else None)
 
@@ -223,7 +223,7 @@ class VisionEncoder:
 
     def features(self, image: PreparedImage, *, bucket: int | None = None, keep_block_inputs: bool = False) -> dict:
         """{"vit_output": f32 [P, W], "aligner_output": f32 [n_llm_h * n_llm_w, D], and with
-        keep_block_inputs "vit_block_input": f32 [L+1, P, W]}; bf16 values. `bucket`: the padded
+        keep_block_inputs "vit_block_input": f32 [L, P, W] (block b's input)}; bf16 values. `bucket`: the padded
         patch count to run at (default: the smallest configured bucket that fits)."""
         num = image.num_patches
         bucket = self.bucket_for(num) if bucket is None else bucket
