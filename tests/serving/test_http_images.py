@@ -1,0 +1,475 @@
+"""Image input in the HTTP front end: every API's image parts -> the golden prompt, and every refusal.
+
+The ground truth is the tiny-v fixture (`inputs.json`: DeepSeek's reference rendering of a system message
+and a user turn with two images, and the token ids with each image expanded into its span). The same
+conversation sent as OpenAI Chat (base64 data URLs, file ids), Responses (`input_image`) and Anthropic
+Messages (base64, file sources) must give exactly the fixture's `prompt_ids` and span starts. The image
+pipeline here is `FixturePipeline`: the `ImagePipeline.build_prompt` contract (serving/vision.py) over
+`ced_jax.vision`'s pre-processing, so these tests need no engine. Error answers go through the real app
+with the official SDKs (Starlette's TestClient is the SDKs' HTTP client), in each API's error shape.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import re
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import anthropic
+import openai
+import pytest
+import tokenizers
+from starlette.testclient import TestClient
+
+from ced_jax.config import ModelConfig
+from ced_jax.vision import build_vl_prompt, prepare_image
+from serving.chat import PromptEncoder, render_messages
+from serving.config import ServeConfig
+from serving.files import FileStore
+from serving.http.app import HttpFrontEnd
+from serving.http.convert import CHAT, MESSAGES, RESPONSES, Converter
+from serving.http.errors import ApiError
+from serving.http.images import ImageInputConfig, ImageResolver
+from serving.http.models import ModelCatalog
+from serving.image_fetch import ImageFetchConfig, ImageFetcher
+from serving.tenants import ApiKeys
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
+INPUTS = json.loads((GOLDEN / "inputs.json").read_text())
+IMAGES = [(GOLDEN / name).read_bytes() for name in INPUTS["image_files"]]
+DATA_URLS = ["data:image/png;base64," + base64.b64encode(b).decode() for b in IMAGES]
+SYSTEM = INPUTS["messages"][0]["content"]
+TEXTS = [p["text"] for p in INPUTS["messages"][1]["content"] if p["type"] == "text"]
+KEY = "sk-images-0123456789"
+NO_THINKING = {"thinking": {"type": "disabled"}}  # the fixture renders in chat (non-thinking) mode
+
+
+class FixtureImageError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, f"{field}: {message}"
+
+
+class FixturePipeline:
+    """`ImagePipeline.build_prompt` over ced_jax.vision's pre-processing (no ViT: spans only)."""
+
+    def __init__(self):
+        cfg = ModelConfig.from_pretrained(GOLDEN)
+        self.vcfg, self.image_token_id = cfg.vision, cfg.image_token_id
+        self.calls: list[list[bytes]] = []
+
+    def build_prompt(self, prompt_text, images, encode, *, field="messages"):
+        self.calls.append(list(images))
+        try:
+            prepared = [prepare_image(b, self.vcfg) for b in images]
+            vl = build_vl_prompt(prompt_text, prepared, encode, image_token_id=self.image_token_id)
+        except ValueError as e:
+            raise FixtureImageError(field, str(e)) from None
+        return tuple(int(t) for t in vl.ids), tuple(
+            (start, p.span_len) for start, p in zip(vl.span_starts, prepared, strict=True)
+        )
+
+
+def _converter(pipeline=None, *, fetch=None, limits=None, files=None) -> Converter:
+    resolver = ImageResolver(files or FileStore(), ImageFetcher(fetch), limits)
+    return Converter(
+        tokenizers.Tokenizer.from_file(str(GOLDEN / "tokenizer.json")),
+        catalog=ModelCatalog(ServeConfig().http_models),
+        max_context=4096,
+        max_tokens_limit=64,
+        max_logprobs=5,
+        images=pipeline,
+        resolver=resolver,
+    )
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    return FixturePipeline()
+
+
+@pytest.fixture()
+def conv(pipeline):
+    return _converter(pipeline)
+
+
+def _chat(image_parts: list[dict], **extra) -> bytes:
+    parts = [
+        {"type": "text", "text": TEXTS[0]},
+        image_parts[0],
+        {"type": "text", "text": TEXTS[1]},
+        image_parts[1],
+        {"type": "text", "text": TEXTS[2]},
+    ]
+    body = {
+        "model": "deepseek-flash",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}],
+        **NO_THINKING,
+        **extra,
+    }
+    return json.dumps(body).encode()
+
+
+def _responses(image_parts: list[dict]) -> bytes:
+    parts = [
+        {"type": "input_text", "text": TEXTS[0]},
+        image_parts[0],
+        {"type": "input_text", "text": TEXTS[1]},
+        image_parts[1],
+        {"type": "input_text", "text": TEXTS[2]},
+    ]
+    body = {
+        "model": "deepseek-flash",
+        "instructions": SYSTEM,
+        "input": [{"role": "user", "content": parts}],
+        "reasoning": {"effort": "none"},
+    }
+    return json.dumps(body).encode()
+
+
+def _messages(image_blocks: list[dict]) -> bytes:
+    blocks = [
+        {"type": "text", "text": TEXTS[0]},
+        image_blocks[0],
+        {"type": "text", "text": TEXTS[1]},
+        image_blocks[1],
+        {"type": "text", "text": TEXTS[2]},
+    ]
+    body = {
+        "model": "deepseek-flash",
+        "max_tokens": 8,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": blocks}],
+        **NO_THINKING,
+    }
+    return json.dumps(body).encode()
+
+
+def _b64_block(data: bytes, media_type: str = "image/png") -> dict:
+    return {
+        "type": "image",
+        "source": {"type": "base64", "media_type": media_type, "data": base64.b64encode(data).decode()},
+    }
+
+
+def _expect_fixture(p) -> None:
+    assert list(p.prompt_ids) == INPUTS["prompt_ids"]
+    assert p.images == tuple((im["start"], im["span_len"]) for im in INPUTS["images"])
+
+
+# ---- the chat layer ------------------------------------------------------------------------------------
+
+
+def test_chat_layer_renders_the_fixture_prompt_and_lists_images_in_order():
+    rendered = render_messages(
+        INPUTS["messages"], thinking_mode=INPUTS["thinking_mode"], reasoning_effort=INPUTS["reasoning_effort"]
+    )
+    assert rendered.prompt == INPUTS["prompt_text"]
+    assert [r["url"] for r in rendered.images] == INPUTS["image_files"]
+    # Unexpanded ids: the fixture's ids with each span collapsed to one placeholder.
+    expected, ids = (
+        list(INPUTS["prompt_ids"]),
+        PromptEncoder(tokenizers.Tokenizer.from_file(str(GOLDEN / "tokenizer.json"))).encode(rendered),
+    )
+    for im in reversed(INPUTS["images"]):
+        expected[im["start"] : im["start"] + im["span_len"]] = [expected[im["start"]]]
+    assert ids == expected
+
+
+# ---- every API and every way of sending an image gives the fixture's prompt ---------------------------
+
+
+def test_openai_chat_base64_data_urls(conv):
+    parts = [{"type": "image_url", "image_url": {"url": u, "detail": "high"}} for u in DATA_URLS]
+    p = conv.prepare(CHAT, _chat(parts))
+    _expect_fixture(p)
+    assert len(p.prompt_ids) == len(INPUTS["prompt_ids"])  # usage counts each image as its span
+
+
+def test_openai_chat_file_ids_hold_leases_until_released(pipeline):
+    files = FileStore()
+    conv = _converter(pipeline, files=files)
+    ids = [files.upload("", b, filename=f"{i}.png", purpose="vision").id for i, b in enumerate(IMAGES)]
+    p = conv.prepare(CHAT, _chat([{"type": "file", "file": {"file_id": i}} for i in ids]))
+    _expect_fixture(p)
+    assert len(p.leases) == 2
+    for i in ids:  # deleted while the request runs: the request keeps its bytes
+        files.delete("", i)
+    assert files.stored_bytes == sum(len(b) for b in IMAGES)
+    p.release()
+    assert files.stored_bytes == 0 and files.record_count == 0
+
+
+def test_openai_file_data_part(conv):
+    parts = [{"type": "file", "file": {"file_data": u, "filename": "x.png"}} for u in DATA_URLS]
+    _expect_fixture(conv.prepare(CHAT, _chat(parts)))
+
+
+def test_responses_input_image_data_url_and_file_id(pipeline):
+    files = FileStore()
+    conv = _converter(pipeline, files=files)
+    fid = files.upload("", IMAGES[1], filename="b.png", purpose="vision").id
+    parts = [{"type": "input_image", "image_url": DATA_URLS[0]}, {"type": "input_image", "file_id": fid}]
+    p = conv.prepare(RESPONSES, _responses(parts))
+    _expect_fixture(p)
+    p.release()
+
+
+def test_anthropic_base64_and_file_sources(pipeline):
+    files = FileStore()
+    conv = _converter(pipeline, files=files)
+    fid = files.upload("", IMAGES[1], filename="b.png", purpose="vision").id
+    blocks = [_b64_block(IMAGES[0]), {"type": "image", "source": {"type": "file", "file_id": fid}}]
+    p = conv.prepare(MESSAGES, _messages(blocks))
+    _expect_fixture(p)
+    p.release()
+    assert files.stored_bytes == len(IMAGES[1])  # the file itself stays until deleted or expired
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """The fixture directory over HTTP on 127.0.0.1 (a threaded http.server)."""
+    handler = functools.partial(QuietHandler, directory=str(GOLDEN))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_image_urls_from_an_allowed_host(pipeline, image_server):
+    fetch = ImageFetchConfig(allow_image_urls=True, allowed_hosts=("127.0.0.1",), timeout_s=5)
+    conv = _converter(pipeline, fetch=fetch)
+    urls = [f"{image_server}/{name}" for name in INPUTS["image_files"]]
+    _expect_fixture(conv.prepare(CHAT, _chat([{"type": "image_url", "image_url": {"url": u}} for u in urls])))
+    blocks = [{"type": "image", "source": {"type": "url", "url": u}} for u in urls]
+    _expect_fixture(conv.prepare(MESSAGES, _messages(blocks)))
+    # The same server by another name is not on the allow-list: refused, naming why.
+    other = urls[0].replace("127.0.0.1", "localhost")
+    with pytest.raises(
+        ApiError, match=rf"{re.escape(FIELD)}: host 'localhost' is not in this server's allow-list"
+    ):
+        conv.prepare(CHAT, _one_image(other))
+    with pytest.raises(ApiError, match=rf"{re.escape(FIELD)}: fetching the image URL answered HTTP 404"):
+        conv.prepare(CHAT, _one_image(f"{image_server}/missing.png"))
+
+
+def test_the_same_image_twice_is_passed_as_one_bytes_object(pipeline):
+    conv = _converter(pipeline)
+    parts = [{"type": "image_url", "image_url": {"url": DATA_URLS[0]}}] * 2
+    conv.prepare(CHAT, _chat(parts))
+    first, second = pipeline.calls[-1]
+    assert first is second
+
+
+def test_files_are_scoped_to_the_identity(pipeline):
+    files = FileStore()
+    conv = _converter(pipeline, files=files)
+    fid = files.upload("alice", IMAGES[0], filename="a.png", purpose="vision").id
+    parts = [
+        {"type": "file", "file": {"file_id": fid}},
+        {"type": "image_url", "image_url": {"url": DATA_URLS[1]}},
+    ]
+    conv.prepare(CHAT, _chat(parts), "alice").release()
+    with pytest.raises(ApiError, match=r"messages\[1\].content\[1\].file.file_id: no such file") as e:
+        conv.prepare(CHAT, _chat(parts), "bob")
+    assert e.value.status == 400 and e.value.param == "messages[1].content[1].file.file_id"
+
+
+# ---- refusals name the field and the problem ---------------------------------------------------------------
+
+
+def _one_image(url: str) -> bytes:
+    return _chat(
+        [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "image_url", "image_url": {"url": DATA_URLS[1]}},
+        ]
+    )
+
+
+FIELD = "messages[1].content[1].image_url.url"
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("data:image/png;base64,@@not base64@@", "invalid base64"),
+        ("data:image/png," + "x" * 8, "must be base64-encoded"),
+        ("data:text/plain;base64,aGVsbG8=", "not an image type"),
+        ("data:image/png;base64," + base64.b64encode(b"hello, not an image").decode(), "is not an image"),
+        (
+            "data:image/jpeg;base64," + base64.b64encode(IMAGES[0]).decode(),
+            "declared as image/jpeg but the data is image/png",
+        ),
+        ("ftp://example.org/a.png", "expected an http(s) URL or a data: URL"),
+        ("https://example.org/a.png", "URL fetching is disabled on this server; send the image as base64"),
+    ],
+)
+def test_bad_images_are_400_naming_the_field(conv, url, problem):
+    with pytest.raises(ApiError) as e:
+        conv.prepare(CHAT, _one_image(url))
+    assert e.value.status == 400 and e.value.param == FIELD
+    assert e.value.message.startswith(FIELD) and problem in e.value.message
+
+
+def test_truncated_image_is_400_from_the_pipeline(conv):
+    truncated = "data:image/png;base64," + base64.b64encode(IMAGES[0][: len(IMAGES[0]) // 2]).decode()
+    with pytest.raises(ApiError, match="truncated") as e:
+        conv.prepare(CHAT, _one_image(truncated))
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_size_and_count_limits(pipeline):
+    small = _converter(pipeline, limits=ImageInputConfig(max_image_bytes=len(IMAGES[1])))
+    with pytest.raises(
+        ApiError, match=rf"{re.escape(FIELD)}: the image is about .* up to {len(IMAGES[1])} bytes"
+    ):
+        small.prepare(CHAT, _one_image(DATA_URLS[0]))
+    one = _converter(pipeline, limits=ImageInputConfig(max_images_per_request=1))
+    with pytest.raises(
+        ApiError, match=r"messages\[1\].content\[3\].image_url.url: too many images .*at most 1"
+    ):
+        one.prepare(CHAT, _one_image(DATA_URLS[0]))
+
+
+def test_unknown_file_id_and_bad_parts(conv):
+    with pytest.raises(ApiError, match=r"messages\[1\].content\[1\].file.file_id: no such file: 'file-nope'"):
+        conv.prepare(CHAT, _chat([{"type": "file", "file": {"file_id": "file-nope"}}] * 2))
+    with pytest.raises(ApiError, match=r"messages\[1\].content\[1\].file: needs file_id or file_data"):
+        conv.prepare(CHAT, _chat([{"type": "file", "file": {}}] * 2))
+    with pytest.raises(ApiError, match=r"input\[0\].content\[1\]: needs image_url or file_id"):
+        conv.prepare(RESPONSES, _responses([{"type": "input_image"}] * 2))
+
+
+def test_anthropic_media_type_checks(conv):
+    with pytest.raises(ApiError, match=r"messages\[0\].content\[1\].source.data: .*declared as image/webp"):
+        conv.prepare(MESSAGES, _messages([_b64_block(IMAGES[0], "image/webp"), _b64_block(IMAGES[1])]))
+    with pytest.raises(ApiError, match=r"messages\[0\].content\[1\].source.media_type: expected one of"):
+        conv.prepare(MESSAGES, _messages([_b64_block(IMAGES[0], "image/bmp"), _b64_block(IMAGES[1])]))
+    url_block = {"type": "image", "source": {"type": "url", "url": "https://example.org/a.png"}}
+    with pytest.raises(
+        ApiError, match=r"messages\[0\].content\[1\].source.url: image URL fetching is disabled"
+    ):
+        conv.prepare(MESSAGES, _messages([url_block, _b64_block(IMAGES[1])]))
+
+
+def test_a_model_without_vision_refuses_images():
+    conv = _converter(None)
+    with pytest.raises(
+        ApiError, match=r"messages\[1\].content\[1\].image_url.url: this model has no vision input"
+    ):
+        conv.prepare(CHAT, _one_image(DATA_URLS[0]))
+    # Text-only requests are unaffected.
+    text = json.dumps({"model": "deepseek-flash", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert conv.prepare(CHAT, text).images == ()
+
+
+def test_leases_are_released_when_a_later_image_is_refused(pipeline):
+    files = FileStore()
+    conv = _converter(pipeline, files=files)
+    fid = files.upload("", IMAGES[0], filename="a.png", purpose="vision").id
+    bad = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+    parts = [{"type": "file", "file": {"file_id": fid}}, {"type": "image_url", "image_url": {"url": bad}}]
+    with pytest.raises(ApiError, match="is not an image"):
+        conv.prepare(CHAT, _chat(parts))
+    files.delete("", fid)
+    assert files.stored_bytes == 0  # no lease was left behind
+
+
+# ---- through the app, in each API's error shape ----------------------------------------------------------
+
+
+@pytest.fixture()
+def app_client(pipeline):
+    config = ServeConfig(api_keys=ApiKeys.parse([f"{KEY} tester"]), http_port=0, metrics_port=None)
+    fe = HttpFrontEnd(config)
+    scheduler = SimpleNamespace(spec=SimpleNamespace(max_context=4096))
+    fe.attach(scheduler, SimpleNamespace(tokenizer_file=GOLDEN / "tokenizer.json"), images=pipeline)
+    with TestClient(fe.app) as client:
+        yield fe, client
+
+
+def test_openai_sdk_gets_invalid_request_error_with_param(app_client):
+    fe, client = app_client
+    oai = openai.OpenAI(base_url="http://testserver", api_key=KEY, http_client=client, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model="deepseek-flash",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}],
+                }
+            ],
+        )
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["param"] == "messages[0].content[0].image_url.url"
+    assert "invalid base64" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="URL fetching is disabled") as e:
+        oai.responses.create(
+            model="deepseek-flash",
+            input=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "https://example.org/a.png"}],
+                }
+            ],
+        )
+    assert e.value.body["param"] == "input[0].content[0].image_url"
+
+
+def test_anthropic_sdk_gets_invalid_request_error(app_client):
+    fe, client = app_client
+    claude = anthropic.Anthropic(
+        base_url="http://testserver/anthropic", api_key=KEY, http_client=client, max_retries=0
+    )
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(
+            model="deepseek-flash",
+            max_tokens=8,
+            messages=[{"role": "user", "content": [_b64_block(IMAGES[0], "image/gif")]}],
+        )
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0].source.data" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="no such file"):
+        claude.messages.create(
+            model="deepseek-flash",
+            max_tokens=8,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "source": {"type": "file", "file_id": "file-x"}}],
+                }
+            ],
+        )
+
+
+def test_uploaded_file_is_usable_and_released_after_a_failed_request(app_client):
+    fe, client = app_client
+    oai = openai.OpenAI(base_url="http://testserver", api_key=KEY, http_client=client, max_retries=0)
+    f = oai.files.create(file=("a.png", IMAGES[0]), purpose="vision")
+    body = json.loads(
+        _chat(
+            [
+                {"type": "file", "file": {"file_id": f.id}},
+                {"type": "image_url", "image_url": {"url": "data:,x"}},
+            ]
+        )
+    )
+    with pytest.raises(openai.BadRequestError, match="must be base64"):
+        oai.chat.completions.create(
+            model=body["model"], messages=body["messages"], extra_body={"thinking": body["thinking"]}
+        )
+    oai.files.delete(f.id)
+    assert fe.files.stored_bytes == 0
