@@ -24,6 +24,7 @@ import anthropic
 import openai
 import pytest
 import tokenizers
+from serving_helpers import ServerThread, wait_until
 from starlette.testclient import TestClient
 
 from ced_jax.config import ModelConfig
@@ -37,6 +38,7 @@ from serving.http.errors import ApiError
 from serving.http.images import ImageInputConfig, ImageResolver
 from serving.http.models import ModelCatalog
 from serving.image_fetch import ImageFetchConfig, ImageFetcher
+from serving.mock_engine import MockEngine
 from serving.tenants import ApiKeys
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
@@ -473,3 +475,93 @@ def test_uploaded_file_is_usable_and_released_after_a_failed_request(app_client)
         )
     oai.files.delete(f.id)
     assert fe.files.stored_bytes == 0
+
+
+# ---- over real HTTP: a served request's usage, and leases through a whole (streamed) request ------------
+
+
+class SpansAsText(FixturePipeline):
+    """The fixture pipeline without spans: the mock engine runs the expanded ids as text, so the HTTP
+    path (usage, leases, streaming) is checked without a vision engine."""
+
+    def build_prompt(self, prompt_text, images, encode, *, field="messages"):
+        ids, _ = super().build_prompt(prompt_text, images, encode, field=field)
+        return ids, ()
+
+
+class GoldenTokenizer:
+    """The serving tokenizer interface over tiny-v's tokenizer.json (the mock engine needs no model)."""
+
+    tokenizer_file = GOLDEN / "tokenizer.json"
+
+    def __init__(self):
+        self._tok = tokenizers.Tokenizer.from_file(str(self.tokenizer_file))
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self._tok.decode(list(ids))
+
+    def constraint_tokenizer(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def served():
+
+    shapes = dict(max_slots=4, page_size=16, num_pages=128, max_context=1024, prefill_buckets=(64,))
+    engine = MockEngine(**shapes, vocab_size=640, max_logprobs=5, step_delay_s=0.02)
+    engine.warmup()
+    config = ServeConfig(
+        **shapes, max_logprobs=5, max_tokens_limit=64, default_max_tokens=8, max_queued=8, metrics_port=None,
+        http_port=0, api_keys=ApiKeys.parse([f"{KEY} tester"]),
+    )  # fmt: skip
+    st = ServerThread(engine, GoldenTokenizer(), config)
+    http = st.server.http
+    http.attach(st.scheduler, GoldenTokenizer(), images=SpansAsText())
+    st.http = http
+    st.base = f"http://127.0.0.1:{st.server.http_port}"
+    yield st
+    st.close()
+
+
+def test_served_usage_counts_image_spans_and_files_are_freed(served):
+    oai = openai.OpenAI(base_url=served.base, api_key=KEY, max_retries=0, timeout=60)
+    ids = [oai.files.create(file=(f"{i}.png", b), purpose="vision").id for i, b in enumerate(IMAGES)]
+    body = json.loads(_chat([{"type": "file", "file": {"file_id": i}} for i in ids]))
+    r = oai.chat.completions.create(
+        model="deepseek-flash", messages=body["messages"], max_tokens=4, extra_body=NO_THINKING
+    )
+    assert r.usage.prompt_tokens == len(INPUTS["prompt_ids"])  # each image counted as its span
+    stream = oai.chat.completions.create(
+        model="deepseek-flash",
+        messages=body["messages"],
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={**NO_THINKING, "ignore_eos": True},
+    )
+    usage = None
+    for n, chunk in enumerate(stream):
+        if n == 1:  # the request is running: delete its files, which it keeps using
+            for i in ids:
+                oai.files.delete(i)
+            assert served.http.files.stored_bytes == sum(len(b) for b in IMAGES)
+        usage = chunk.usage or usage
+    assert usage.prompt_tokens == len(INPUTS["prompt_ids"])
+    # The stream ended: its leases are given back (when the server's generator closes, just after the
+    # last event), and nothing is left of the deleted files.
+    files = served.http.files
+    wait_until(lambda: files.stored_bytes == 0 and files.record_count == 0, timeout=5)
+
+
+def test_served_anthropic_base64_usage(served):
+    claude = anthropic.Anthropic(base_url=f"{served.base}/anthropic", api_key=KEY, max_retries=0, timeout=60)
+    body = json.loads(_messages([_b64_block(b) for b in IMAGES]))
+    r = claude.messages.create(
+        model="deepseek-flash", max_tokens=4, system=body["system"], messages=body["messages"],
+        extra_body=NO_THINKING,
+    )  # fmt: skip
+    # Anthropic's input_tokens leave out prompt-cache reads (the previous test sent the same prompt).
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(INPUTS["prompt_ids"])
