@@ -81,7 +81,8 @@ def _error_response(err: ApiError, anthropic: bool) -> JSONResponse:
 class HttpFrontEnd:
     """The ASGI app plus its uvicorn server on a pre-bound socket; `attach` makes it serve."""
 
-    def __init__(self, config: ServeConfig, metrics=None):
+    def __init__(self, config: ServeConfig, metrics=None, files: FileStore | None = None):
+        """`files`: the server's file store, when it shares one with the gRPC service (else its own)."""
         self.config = config
         self.metrics = metrics
         registry = None if metrics is None else metrics.registry  # exported on the server's /metrics
@@ -92,7 +93,7 @@ class HttpFrontEnd:
         files_cfg = getattr(config, "http_files", None) or FilesConfig()
         fetch_cfg = getattr(config, "http_image_fetch", None) or ImageFetchConfig()
         image_cfg = getattr(config, "http_images", None) or ImageInputConfig()
-        self.files = FileStore(files_cfg)
+        self.files = files if files is not None else FileStore(files_cfg)
         self.image_resolver = ImageResolver(self.files, ImageFetcher(fetch_cfg), image_cfg)
         self.scheduler = None
         self.converter: Converter | None = None

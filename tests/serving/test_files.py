@@ -231,3 +231,16 @@ def test_anthropic_sdk_files_share_the_store(front):
     with pytest.raises(anthropic.NotFoundError):
         claude.beta.files.retrieve_metadata(f.id)
     assert front.files.stored_bytes == 0
+
+
+def test_anthropic_sdk_at_the_root_path_gets_anthropic_objects(front):
+    # base_url without /anthropic: the SDK calls /v1/files with its anthropic-version header.
+    claude = anthropic.Anthropic(
+        base_url="http://testserver", api_key=ALICE, http_client=front.client, max_retries=0
+    )
+    f = claude.beta.files.upload(file=("photo.png", PNG, "image/png"))
+    assert f.type == "file" and f.size_bytes == len(PNG)
+    page = claude.beta.files.list()
+    assert [x.id for x in page.data] == [f.id] and page.has_more is False
+    with pytest.raises(anthropic.BadRequestError, match="not an image"):
+        claude.beta.files.upload(file=("notes.png", b"just text", "image/png"))
