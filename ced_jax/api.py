@@ -96,6 +96,7 @@ class Model:
         prefill_chunk: int = 512,
         mesh: jax.sharding.Mesh | None = None,
         rules: str | dict = sharding.DEFAULT_RULES,
+        vision_params: dict[str, np.ndarray] | None = None,
     ):
         ops.parse_impl(impl)  # an unknown kernel choice fails here, not when a program is first traced
         self.cfg = cfg
@@ -112,6 +113,12 @@ class Model:
         self.prefill_chunk = prefill_chunk
         # One set of programs over the one step function, shared by every Session and serving engine.
         self.programs = Programs(cfg, impl=impl, mesh=mesh, rules=self.rules)
+        # The ViT + aligner (`ced_jax.vision.VisionEncoder`), None without a vision tower.
+        self.vision = None
+        if vision_params is not None:
+            from ced_jax.vision.tower import VisionEncoder
+
+            self.vision = VisionEncoder(cfg, vision_params)
 
     def _put_input(self, arr) -> jax.Array:
         """A host input of a step: on one device as is, on a mesh replicated (global array)."""
@@ -218,6 +225,90 @@ class Model:
             result["decode_logits"] = np.zeros((0, self.cfg.vocab_size), np.float32)
         return result
 
+    # ------------------------------------------------------------------ images
+    def _require_vision(self, what: str) -> None:
+        if self.vision is None:
+            reason = (
+                "its config has no vision_config"
+                if self.cfg.vision is None
+                else "no vision weights were loaded"
+            )
+            raise ValueError(f"{what}: this model has no vision tower ({reason}); it cannot take images")
+
+    def prepare_images(self, images: Sequence) -> list:
+        """Each image as a `ced_jax.vision.PreparedImage`: encoded bytes, a file path (str or Path),
+        a PIL image or an already prepared image (pre-processing as the reference's)."""
+        self._require_vision("images")
+        from ced_jax.vision import PreparedImage, prepare_image
+
+        if isinstance(images, (str, bytes, Path)) or not isinstance(images, Sequence):
+            raise ValueError("images: expected a list of images (bytes, paths or PreparedImage)")
+        out = []
+        for i, image in enumerate(images):
+            if isinstance(image, PreparedImage):
+                out.append(image)
+                continue
+            if isinstance(image, (str, Path)):
+                try:
+                    image = Path(image).read_bytes()
+                except OSError as e:
+                    raise ValueError(f"images[{i}]: cannot read {image} ({e.strerror})") from None
+            try:
+                out.append(prepare_image(image, self.cfg.vision))
+            except ValueError as e:  # ImageError: not an image, truncated, too large, ...
+                raise ValueError(f"images[{i}]: {e}") from None
+        return out
+
+    def span_embeds_for(self, token_types, images: Sequence) -> np.ndarray:
+        """f32 [T, D]: the ViT + aligner rows of `images` (one per span of `token_types`, in order)
+        at their span positions, zeros at text positions."""
+        prepared = self.prepare_images(images)
+        types = np.asarray(token_types)
+        if types.ndim != 1 or not np.issubdtype(types.dtype, np.integer):
+            raise ValueError(f"token_types: expected a list of integers, got shape {list(types.shape)}")
+        from ced_jax.vision import START
+
+        starts = np.flatnonzero(types == START)
+        if len(starts) != len(prepared):
+            raise ValueError(
+                f"token_types holds {len(starts)} image spans but {len(prepared)} images were given"
+            )
+        spans = np.zeros((len(types), self.cfg.hidden_size), np.float32)
+        for i, (start, image) in enumerate(zip(starts, prepared, strict=True)):
+            run = types[start : start + image.span_len]
+            if run.shape != image.span_types.shape or np.any(run != image.span_types):
+                raise ValueError(
+                    f"token_types: the span at position {start} does not match images[{i}] "
+                    f"({image.n_llm_h}x{image.n_llm_w} tokens, a span of {image.span_len})"
+                )
+            spans[start : start + image.span_len] = self.vision.span_embeddings(image)
+        return spans
+
+    def encode_vl(
+        self, prompt_text: str, images: Sequence, *, add_bos: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A prompt with images: each image placeholder of `prompt_text` (`<｜deepseek_image｜>`, one
+        per image, in order) expanded into its image's span. Returns (ids i32 [T], token_types i32
+        [T], span_embeds f32 [T, D]) for `logits` / `generate`. add_bos: prepend BOS as `encode`
+        does (False for a fully rendered prompt that spells it, such as a fixture's prompt_text)."""
+        prepared = self.prepare_images(images)
+        from ced_jax.vision import build_vl_prompt
+
+        try:
+            vl = build_vl_prompt(
+                prompt_text,
+                prepared,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids,
+                image_token_id=self.cfg.image_token_id,
+            )
+        except ValueError as e:
+            raise ValueError(f"prompt: {e}") from None
+        ids, types = vl.ids, vl.token_types
+        if add_bos:
+            ids = np.concatenate([[self.cfg.bos_token_id], ids]).astype(np.int32)
+            types = np.concatenate([[-1], types]).astype(np.int32)
+        return ids, types, self.span_embeds_for(types, prepared)
+
     def _prompt_image_inputs(self, t: int, token_types, span_embeds, images):
         """Validate a prompt's image inputs: (token_types i32 [T], span_embeds f32 [T, D]) or (None, None)."""
         if images is not None:
@@ -232,7 +323,9 @@ class Model:
             raise ValueError("token_types and span_embeds must be given together")
         types = np.asarray(token_types)
         if types.shape != (t,) or not np.issubdtype(types.dtype, np.integer):
-            raise ValueError(f"token_types: expected {t} integers (one per prompt id), got shape {list(types.shape)}")
+            raise ValueError(
+                f"token_types: expected {t} integers (one per prompt id), got shape {list(types.shape)}"
+            )
         if types.size and (types.min() < -1 or types.max() > 3):
             raise ValueError("token_types: values must be -1 (text) or 0..3 (image span)")
         spans = np.asarray(span_embeds, np.float32)
@@ -250,18 +343,32 @@ class Model:
         temperature: float = 0.0,
         seed: int = 0,
         stop_at_eos: bool = True,
+        images: Sequence | None = None,
+        token_types=None,
     ) -> dict:
         """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise a categorical
-        draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens."""
+        draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens.
+
+        images: with a text prompt, one image per placeholder `<｜deepseek_image｜>` (`encode_vl`);
+        with a list of ids, `token_types` places them (as in `logits`)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        ids = (
-            self.encode(prompt)
-            if isinstance(prompt, str)
-            else _check_ids(prompt, "prompt", self.cfg.vocab_size)
-        )
+        types = spans = None
+        if images is not None and isinstance(prompt, str):
+            if token_types is not None:
+                raise ValueError("token_types: not with a text prompt (its placeholders place the images)")
+            ids, types, spans = self.encode_vl(prompt, images)
+            ids = ids.tolist()
+        else:
+            ids = (
+                self.encode(prompt)
+                if isinstance(prompt, str)
+                else _check_ids(prompt, "prompt", self.cfg.vocab_size)
+            )
+            if images is not None or token_types is not None:
+                types, spans = self._prompt_image_inputs(len(ids), token_types, None, images)
         # Power-of-two context buckets: a new prompt or output length reuses the compiled programs.
         session = self.new_session(1, max(256, 1 << (len(ids) + max_tokens - 1).bit_length()))
         chunk = self.prefill_chunk
@@ -271,7 +378,14 @@ class Model:
             # new lengths reuse the compiled programs.
             padded = np.full(min(chunk, max(16, 1 << (len(piece) - 1).bit_length())), self.cfg.pad_token_id)
             padded[: len(piece)] = piece
-            logits, _ = session.step(padded[None], np.array([len(piece)], np.int32))
+            image_inputs = {}
+            if types is not None:
+                piece_types = np.full(len(padded), -1, np.int32)
+                piece_types[: len(piece)] = types[s : s + chunk]
+                piece_spans = np.zeros((len(padded), self.cfg.hidden_size), np.float32)
+                piece_spans[: len(piece)] = spans[s : s + chunk]
+                image_inputs = dict(token_types=piece_types[None], span_embeds=piece_spans[None])
+            logits, _ = session.step(padded[None], np.array([len(piece)], np.int32), **image_inputs)
         out = [_sample(logits[0, len(piece) - 1], temperature, seed, len(ids))]
         while len(out) < max_tokens and not (stop_at_eos and out[-1] == self.cfg.eos_token_id):
             out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), temperature, seed)[0]))
@@ -588,6 +702,8 @@ def load(
         else:
             raise ValueError(f"{directory}: Engram layers need tokenizer.json or engram_token_map.json")
     tok = directory / "tokenizer.json"
+    from ced_jax.vision.weights import load_vision_params
+
     return Model(
         cfg,
         flat,
@@ -597,6 +713,7 @@ def load(
         prefill_chunk=prefill_chunk,
         mesh=mesh,
         rules=rules,
+        vision_params=load_vision_params(directory, cfg),  # None without a vision tower
     )
 
 
