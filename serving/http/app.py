@@ -94,7 +94,19 @@ class HttpFrontEnd:
         fetch_cfg = getattr(config, "http_image_fetch", None) or ImageFetchConfig()
         image_cfg = getattr(config, "http_images", None) or ImageInputConfig()
         self.files = files if files is not None else FileStore(files_cfg)
-        self.image_resolver = ImageResolver(self.files, ImageFetcher(fetch_cfg), image_cfg)
+        self.image_resolver = ImageResolver(self.files, ImageFetcher(fetch_cfg), image_cfg, registry=registry)
+        if registry is not None:
+            from prometheus_client import Gauge
+
+            stored = Gauge(
+                "ced_files_stored_bytes", "Files API bytes held (distinct content, leased gone files too).",
+                registry=registry,
+            )  # fmt: skip
+            stored.set_function(lambda: self.files.stored_bytes)
+            records = Gauge(
+                "ced_files_records", "Files API records held (leased gone files included).", registry=registry
+            )
+            records.set_function(lambda: self.files.record_count)
         self.scheduler = None
         self.converter: Converter | None = None
         self.tokenizer: d.Tokenizer | None = None

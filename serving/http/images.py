@@ -35,6 +35,8 @@ import hashlib
 import re
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 from serving.files import FileError, FileLease, FileStore, sniff_image_type
 from serving.http.errors import ApiError
 from serving.image_fetch import ImageFetcher, ImageFetchRefused
@@ -245,10 +247,23 @@ def index_of(source_url: str | None) -> int | None:
 class ImageResolver:
     """Bytes for image references: base64 decoded, files leased, URLs fetched; each checked."""
 
-    def __init__(self, files: FileStore, fetcher: ImageFetcher, limits: ImageInputConfig | None = None):
+    def __init__(
+        self,
+        files: FileStore,
+        fetcher: ImageFetcher,
+        limits: ImageInputConfig | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+    ):
         self.files = files
         self.fetcher = fetcher
         self.limits = limits or ImageInputConfig()
+        self._counted = Counter(
+            "ced_http_images",
+            "Images in HTTP requests by source (data: base64, file: Files API, url: fetched) and outcome.",
+            ["source", "outcome"],
+            registry=registry if registry is not None else CollectorRegistry(),
+        )
 
     def precheck(self, refs: list[ImageRef]) -> None:
         """Refusals that need no I/O: too many images, URL fetching off / host not allowed."""
@@ -273,8 +288,13 @@ class ImageResolver:
         seen: dict[str, bytes] = {}
         out = []
         for ref in refs:
-            data, declared = self._bytes(ref, identity, leases)
-            self._check(ref, data, declared)
+            try:
+                data, declared = self._bytes(ref, identity, leases)
+                self._check(ref, data, declared)
+            except ApiError:
+                self._counted.labels(ref.kind, "refused").inc()
+                raise
+            self._counted.labels(ref.kind, "accepted").inc()
             out.append(seen.setdefault(hashlib.sha256(data).hexdigest(), data))
         return out
 

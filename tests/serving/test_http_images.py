@@ -554,6 +554,9 @@ def test_served_usage_counts_image_spans_and_files_are_freed(served):
     # last event), and nothing is left of the deleted files.
     files = served.http.files
     wait_until(lambda: files.stored_bytes == 0 and files.record_count == 0, timeout=5)
+    registry = served.server.metrics.registry
+    assert registry.get_sample_value("ced_files_stored_bytes") == 0
+    assert registry.get_sample_value("ced_http_images_total", {"source": "file", "outcome": "accepted"}) == 4
 
 
 def test_served_anthropic_base64_usage(served):
