@@ -318,7 +318,8 @@ class Converter:
         def encode(text: str) -> list[int]:
             # The pipeline tokenizes the rendered prompt; ours keeps client text apart from special tokens.
             if text != rendered.prompt:
-                raise ValueError("the image pipeline must encode the rendered prompt as given")
+                # A contract breach, not a client error: a RuntimeError (500), never a 400.
+                raise RuntimeError("the image pipeline must encode the rendered prompt as given")
             return self.encoder.encode(rendered)
 
         field = "input" if api == RESPONSES else "messages"
