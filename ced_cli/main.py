@@ -36,6 +36,80 @@ def _read_ids(path: str, field: str) -> list[int]:
     return data
 
 
+def _read_request(path: str) -> dict:
+    """A fixture-style request (`inputs.json`): `prompt_text` (+ `image_files`), or `prompt_ids`
+    (+ `token_types`, `image_files`), optionally `decode_ids`. Checked here, before the model loads;
+    image files are resolved next to the JSON file."""
+    field = "--request"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{field}: file {path} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{field}: {path} is not a text (JSON) file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field}: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{field}: {path} must hold a JSON object (a request like a fixture's inputs.json)")
+
+    def int_list(key: str) -> list[int] | None:
+        value = data.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ValueError(f"{field}: '{key}' in {path} must be a list of integers")
+        return value
+
+    text = data.get("prompt_text")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{field}: 'prompt_text' in {path} must be a string")
+    ids, types, decode = int_list("prompt_ids"), int_list("token_types"), int_list("decode_ids")
+    if text is None and not ids:
+        raise ValueError(f"{field}: {path} has neither 'prompt_text' nor a non-empty 'prompt_ids'")
+    if ids is not None and types is not None and len(types) != len(ids):
+        raise ValueError(f"{field}: 'token_types' has {len(types)} entries but 'prompt_ids' has {len(ids)}")
+    files = data.get("image_files") or []
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ValueError(f"{field}: 'image_files' in {path} must be a list of file names")
+    images = [Path(path).parent / f for f in files]
+    for i, image in enumerate(images):
+        if not image.is_file():
+            raise ValueError(f"{field}: image_files[{i}] {image} does not exist")
+    if text is None and images and types is None:
+        raise ValueError(f"{field}: 'prompt_ids' with 'image_files' need 'token_types' to place the images")
+    return {"text": text, "ids": ids, "types": types, "images": images, "decode": decode}
+
+
+def _encode_request(model, request: dict) -> tuple[list[int], object, object]:
+    """(prompt ids, token_types, span_embeds) of a `_read_request` result. `prompt_text` is encoded as
+    it stands, without an added BOS (a rendered prompt spells it, as the reference's
+    `prepare_vl_inputs` reads it); when `prompt_ids` are also given they must agree with it."""
+    import numpy as np
+
+    types = spans = None
+    if request["text"] is not None:
+        if request["images"]:
+            ids, types, spans = model.encode_vl(request["text"], request["images"], add_bos=False)
+        else:
+            ids = np.asarray(model.tokenizer.encode(request["text"], add_special_tokens=False).ids, np.int32)
+        if request["ids"] is not None and list(ids) != request["ids"]:
+            raise ValueError("--request: 'prompt_ids' differ from the encoded 'prompt_text'")
+        if request["types"] is not None and types is not None and list(types) != request["types"]:
+            raise ValueError("--request: 'token_types' differ from those of 'prompt_text' and its images")
+        return [int(i) for i in ids], types, spans
+    ids = request["ids"]
+    if request["images"]:
+        types = np.asarray(request["types"], np.int32)
+        spans = model.span_embeds_for(types, request["images"])
+    elif request["types"] is not None and any(t >= 0 for t in request["types"]):
+        raise ValueError("--request: 'token_types' mark image spans but no 'image_files' are given")
+    return ids, types, spans
+
+
 def _read_arrays(path: str | None, field: str) -> dict:
     if path is None:
         return {}
@@ -172,6 +246,8 @@ def _context_length(model: str) -> int | None:
 
 
 def _check_logits_options(args) -> None:
+    if (args.prompt_ids is None) == (args.request is None):
+        raise ValueError("give the prompt as exactly one of --prompt-ids and --request")
     _check_mesh_and_hosts(args)
     _check_at_least("--prefill-chunk", args.prefill_chunk, 1)
     _check_output_file("--out", args.out)
@@ -278,13 +354,25 @@ def cmd_logits(args) -> int:
 
     _check_logits_options(args)
     _setup_distributed(args)
-    prompt = _read_ids(args.prompt_ids, "--prompt-ids")
-    if not prompt:
-        raise ValueError(f"--prompt-ids: {args.prompt_ids} holds no token ids; the prompt needs at least one")
-    decode = _read_ids(args.decode_ids, "--decode-ids") if args.decode_ids else []
+    request = None
+    if args.request is not None:
+        request = _read_request(args.request)
+    else:
+        prompt = _read_ids(args.prompt_ids, "--prompt-ids")
+        if not prompt:
+            raise ValueError(
+                f"--prompt-ids: {args.prompt_ids} holds no token ids; the prompt needs at least one"
+            )
+    if args.decode_ids:
+        decode = _read_ids(args.decode_ids, "--decode-ids")
+    else:
+        decode = (request or {}).get("decode") or []
     replay = _read_arrays(args.replay, "--replay")
     patch = _read_arrays(args.patch, "--patch")
     model = _load_sharded(args)
+    types = spans = None
+    if request is not None:
+        prompt, types, spans = _encode_request(model, request)
     result = model.logits(
         prompt,
         decode,
@@ -294,6 +382,8 @@ def cmd_logits(args) -> int:
         capture=bool(args.capture),
         prefill_chunk=args.prefill_chunk,
         patch_layers=_read_patch_layers(args.patch_layers, bool(patch)),
+        token_types=types,
+        span_embeds=spans,
     )
     outputs = {"prefill_logits_full": result["prefill_logits_full"], "decode_logits": result["decode_logits"]}
     if patch:
@@ -310,7 +400,12 @@ def cmd_logits(args) -> int:
             if "topk" in k or "gate_indices" in k
         }
         _write_atomic_safetensors(captured, args.capture)
-    print(json.dumps({"out": args.out, "prefill_tokens": len(prompt), "decode_tokens": len(decode)}))
+    images = 0 if types is None else int(np.sum(np.asarray(types) == 0))
+    print(
+        json.dumps(
+            {"out": args.out, "prefill_tokens": len(prompt), "decode_tokens": len(decode), "images": images}
+        )
+    )
     return 0
 
 
@@ -581,7 +676,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("logits", help="teacher-forced logits, with capture / replay / patching")
     p.add_argument("model")
-    p.add_argument("--prompt-ids", required=True, help="JSON list of token ids, prefilled from position 0")
+    p.add_argument("--prompt-ids", help="JSON list of token ids, prefilled from position 0")
+    p.add_argument(
+        "--request",
+        help="the prompt as a JSON request like a vision fixture's inputs.json: prompt_text (encoded as "
+        "is, no BOS added) with image_files (next to the JSON), or prompt_ids with token_types and "
+        "image_files; its decode_ids unless --decode-ids",
+    )
     p.add_argument("--decode-ids", help="JSON list of token ids fed one decode step at a time")
     p.add_argument("--index-k-mode", choices=("intended", "reference"), default="intended")
     p.add_argument(
