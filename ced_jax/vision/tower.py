@@ -29,6 +29,7 @@ from ced_jax.vision.preprocess import PreparedImage, span_length
 VIT_NORM_EPS = 1e-6
 # torch's CPU flash attention splits keys into blocks of 512 (kvSplitSize) for long sequences.
 ATTN_KV_BLOCK = 512
+ATTN_Q_BLOCK = 1024  # queries per chunk (memory only)
 
 
 def vision_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -71,13 +72,27 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> 
     running maximum m_j (over blocks 0..j) gives p = exp(s - m_j); blocks are then rescaled to the
     final maximum (an online softmax). Measured on tiny-v block 0: this form leaves 10 of 1536 rows
     with a bf16 rounding flip against the reference, one global softmax 14, and rounding p to bf16
-    before the product with V (the older kernel's behaviour) 1424, so the reference keeps p in f32."""
-    num, _, head_dim = q.shape
+    before the product with V (the older kernel's behaviour) 1424, so the reference keeps p in f32.
+    Queries go in chunks of `ATTN_Q_BLOCK` so the scores of a large image ([H, chunk, P] f32) stay
+    small; each row's arithmetic does not depend on the chunking."""
+    num = q.shape[0]
+    if num <= ATTN_Q_BLOCK:
+        return _attention_rows(q, k, v, n_valid)
+    chunks = -(-num // ATTN_Q_BLOCK)
+    qp = jnp.pad(q, ((0, chunks * ATTN_Q_BLOCK - num), (0, 0), (0, 0)))
+    qp = qp.reshape(chunks, ATTN_Q_BLOCK, *q.shape[1:])
+    out = jax.lax.map(lambda qc: _attention_rows(qc, k, v, n_valid), qp)
+    return out.reshape(chunks * ATTN_Q_BLOCK, *q.shape[1:])[:num]
+
+
+def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """`_attention` for one chunk of queries q [Q, H, Dh] against all keys k, v [P, H, Dh]."""
+    num_keys, _, head_dim = k.shape
     scores = jnp.einsum("qhd,khd->hqk", q, k, precision=HIGHEST) * jnp.float32(1.0 / math.sqrt(head_dim))
-    valid = jnp.arange(num) < n_valid
+    valid = jnp.arange(num_keys) < n_valid
     scores = jnp.where(valid[None, None, :], scores, -jnp.inf)
-    n_blocks = -(-num // ATTN_KV_BLOCK)
-    pad = n_blocks * ATTN_KV_BLOCK - num
+    n_blocks = -(-num_keys // ATTN_KV_BLOCK)
+    pad = n_blocks * ATTN_KV_BLOCK - num_keys
     if pad:
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
         v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
