@@ -12,13 +12,15 @@ Output layout (OUT/)
   server can keep them in host memory (they are looked up by row, ~98 GB each in the release)
   while `params/` goes to the accelerators. `--engram inline` puts them in `params/`; `--engram
   skip` leaves them out (such a checkpoint cannot run the model; it is for inspecting the rest).
-- `dspark/`, `vision/` (with `--include dspark` / `vision`): the DSpark draft stages (`mtp.*`) and
-  the vision tower, aligner and image delimiters, each as its own Orbax item restored into host
-  memory (the ced_jax model does not run them yet; they are carried so that one conversion serves
-  later builds). DSpark stages are laid out like backbone layers (routed experts stacked,
+- `dspark/`, `vision/`: the DSpark draft stages (`mtp.*`, with `--include dspark`) and the vision
+  tower, aligner and image delimiters (`ced_jax.vision.load_vision_params` reads them back), each
+  as its own Orbax item restored into host memory. Without an explicit `--include` (options
+  `include=None`), the vision item is written whenever config.json describes a vision tower, so a
+  default conversion of a multimodal checkpoint serves images; an explicit `--include text` leaves
+  it out. DSpark stages are laid out like backbone layers (routed experts stacked,
   `mtp.{k}.attn.wo_a` dequantised); vision tensors keep their released names. Shapes and dtypes
-  come from the config's inventory like everything else. Without `--include` they are ignored
-  and listed in the manifest.
+  come from the config's inventory like everything else. Parts not included are ignored and listed
+  in the manifest.
 - `config.json`, `tokenizer.json`, `tokenizer_config.json`, `engram_token_map.json`: copied byte for
   byte when present, so `ced-jax describe OUT` reports what it reports on the source.
 - `ced_manifest.json`: converter version, options, every source file (name, bytes, SHA-256), every
@@ -150,7 +152,8 @@ class ConversionError(CheckpointError):
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    include: tuple[str, ...] = ("text",)
+    # None: "text", plus "vision" when config.json describes a vision tower (see the module docstring).
+    include: tuple[str, ...] | None = None
     engram: EngramMode = "separate"
     weights_dtype: WeightsDtype = "native"
     overwrite: bool = False
@@ -211,6 +214,12 @@ def _check_include(include: Iterable[str]) -> tuple[str, ...]:
     if "text" not in items:
         raise ConversionError("--include must contain 'text'")
     return items
+
+
+def default_include(cfg: ModelConfig) -> tuple[str, ...]:
+    """The parts a conversion without an explicit include writes: the text model, and the vision
+    tower when the config has one (it is small beside the text model and needed to serve images)."""
+    return ("text", "vision") if cfg.vision is not None else ("text",)
 
 
 def _check_parts_described(cfg: ModelConfig, include: tuple[str, ...], config_path: Path) -> None:
@@ -955,7 +964,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
         raise ConversionError(f"--engram: expected separate, inline or skip, got {options.engram!r}")
     if options.weights_dtype not in ("native", "bf16"):
         raise ConversionError(f"--weights-dtype: expected native or bf16, got {options.weights_dtype!r}")
-    include = _check_include(options.include)
+    if options.include is not None:
+        _check_include(options.include)
     hf, out = _check_paths(hf_dir, out_dir, options.overwrite)
     try:
         cfg = ModelConfig.from_pretrained(hf)
@@ -963,6 +973,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
         raise ConversionError(f"{hf / 'config.json'}: {e}") from None
     except FileNotFoundError:
         raise ConversionError(f"{hf}: no config.json") from None
+    include = _check_include(default_include(cfg) if options.include is None else options.include)
     _check_parts_described(cfg, include, hf / "config.json")
     _check_fp4_dims(cfg, hf / "config.json")
     plan = _plan(hf, cfg, options, include)
@@ -1119,7 +1130,7 @@ def run(args: argparse.Namespace) -> int:
     ced_cli.main); prints a JSON summary on stdout."""
     prog = getattr(args, "prog", "convert_weights")
     options = ConvertOptions(
-        include=tuple(args.include.split(",")),
+        include=None if getattr(args, "include", None) is None else tuple(args.include.split(",")),
         engram=args.engram,
         weights_dtype=args.weights_dtype,
         overwrite=args.overwrite,

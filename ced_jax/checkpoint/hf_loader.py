@@ -17,7 +17,8 @@ Conventions
   float8_e4m3fn / uint8, so no value is converted.
 - Memory: one tensor is read at a time (safe_open maps the file; raw reads read one byte range).
   Stacked experts are preallocated once and filled slot by slot.
-- `mtp.*` and vision tensors are recognised and skipped, each listed in `report.skipped`.
+- `mtp.*` and vision tensors are recognised and skipped, each listed in `report.skipped` (the vision
+  encoder reads its own group with `ced_jax.vision.load_vision_params`).
 """
 
 from __future__ import annotations

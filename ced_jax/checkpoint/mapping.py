@@ -26,10 +26,12 @@ Our parameter tree mirrors these names, with three differences (`our_target`):
 - `layers.{i}.attn.wo_a.weight` is dequantised to bfloat16 with its `.scale` (as DeepSeek's
   convert.py does, because the model uses it through a grouped einsum, not an FP8 GEMM); the
   scale is consumed and has no path of its own;
-- `mtp.*` and vision tensors are recognised; the model does not implement them, so the loader skips
-  them. `convert_weights --include dspark,vision` writes them into Orbax items of their own, DSpark
-  stages mapped like backbone layers (experts stacked, `mtp.{k}.attn.wo_a` dequantised), vision
-  tensors under their released names.
+- `mtp.*` and vision tensors are recognised; they are not part of the text model's parameter tree,
+  so the text loader skips them (the vision encoder reads its own group with
+  `ced_jax.vision.load_vision_params`). `convert_weights` writes them into Orbax items of their own
+  (`--include dspark`; vision by default when config.json has a vision tower), DSpark stages mapped
+  like backbone layers (experts stacked, `mtp.{k}.attn.wo_a` dequantised), vision tensors under
+  their released names.
 
 Storage dtypes of our numpy arrays (`STORAGE_DTYPES`) keep the stored bytes unchanged: F8_E4M3 ->
 float8_e4m3fn, F8_E8M0 -> uint8 (the raw exponent byte), I8 -> uint8 (raw packed bytes), BF16 ->
@@ -55,7 +57,8 @@ TEXT_GROUPS: tuple[Group, ...] = ("backbone", "engram_table")
 # Optional groups: recognised by name even when the config does not describe them, then skipped.
 SKIP_NOTES: dict[str, str] = {
     "dspark": "DSpark draft stages (mtp.*) are recognised but not implemented yet; skipped",
-    "vision": "the vision tower / aligner / image delimiters are recognised but not implemented yet; skipped",
+    "vision": "the vision tower / aligner / image delimiters are not text-model parameters; "
+    "ced_jax.vision.load_vision_params reads them for the vision encoder; skipped here",
 }
 
 STORAGE_DTYPES: dict[str, np.dtype] = {

@@ -169,20 +169,24 @@ def test_vit_and_aligner_end_to_end(golden, images, features):
 
 def test_span_rows_equal_the_merged_embeddings(golden, encoder, images):
     _, cfg, _, expected = golden
-    if "prefill_embed_output" not in expected:
-        pytest.skip("prefill_embed_output absent from this fixture")
-    embed = expected["prefill_embed_output"]
+    embed = expected.get("prefill_embed_output")
+    if embed is None:
+        print("prefill_embed_output absent from this fixture: span rows checked for layout only")
     for i, im in enumerate(images):
-        start = int(expected[f"image{i}_grid"][0])
-        want = embed[start : start + im.span_len]
-        rows = encoder.span_rows(im, expected[f"image{i}_aligner_output"])
+        aligner = expected[f"image{i}_aligner_output"]
+        rows = encoder.span_rows(im, aligner)
         assert rows.shape == (im.span_len, cfg.hidden_size)
-        assert np.array_equal(rows, want), f"image{i}: span rows differ from prefill_embed_output"
+        image_rows = im.span_types == 1
+        assert np.array_equal(rows[image_rows], aligner)  # reading order
         runs = encoder.runs
         spans = encoder.span_embeddings(im)
         assert encoder.runs == runs + 1
-        image_rows = im.span_types == 1
-        assert np.array_equal(spans[~image_rows], want[~image_rows])
+        assert np.array_equal(spans[~image_rows], rows[~image_rows])
+        if embed is None:
+            continue
+        start = int(expected[f"image{i}_grid"][0])
+        want = embed[start : start + im.span_len]
+        assert np.array_equal(rows, want), f"image{i}: span rows differ from prefill_embed_output"
         s = _report(f"image{i} span embeddings", spans, want)
         assert s["max_rel_to_max"] <= 0.02
 
@@ -218,6 +222,7 @@ def test_tall_and_wide_grids_run(golden, encoder):
 
 
 def test_converted_checkpoint_loads_the_same_vision_params(golden, params, tmp_path):
+    """`convert_weights` carries the vision group by default; reading it back gives the same bytes."""
     from conversion.convert import ConvertOptions, convert
 
     d, cfg, _, _ = golden
@@ -227,7 +232,9 @@ def test_converted_checkpoint_loads_the_same_vision_params(golden, params, tmp_p
         if f.name.startswith("model") or f.name in ("config.json",):
             (staged / f.name).symlink_to(f.resolve())
     out = tmp_path / "converted"
-    convert(staged, out, ConvertOptions(progress=False, include=("text", "vision")))
+    # No explicit include: a config with a vision tower gets its vision item by default.
+    summary = convert(staged, out, ConvertOptions(progress=False))
+    assert "vision" in summary["items"], summary["items"]
     again = load_vision_params(out, cfg)
     assert set(again) == set(params)
     for name, a in params.items():

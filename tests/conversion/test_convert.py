@@ -511,7 +511,7 @@ def test_include_dspark_and_vision(multimodal, tmp_path):
             assert leaf.shape == spec.shape and leaf.tobytes() == raw[name].tobytes(), name
     # The model's leaves are unaffected by the optional items.
     text = tmp_path / "text"
-    convert(src, text, QUIET)
+    convert(src, text, ConvertOptions(progress=False, include=("text",)))
     m_text = json.loads((text / MANIFEST_NAME).read_text())
     assert set(m_text["items"]) == {"params", "engram"}
     ignored = {i["name"]: i["reason"] for i in m_text["tensors"]["ignored"]}
