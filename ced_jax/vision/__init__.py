@@ -20,7 +20,25 @@ from ced_jax.vision.preprocess import (
     prepare_image,
 )
 
+# The encoder and the weight loader import JAX / the checkpoint package; load them on first use so
+# that pre-processing (the HTTP front end's image checks) stays light.
+_LAZY = {
+    "VisionEncoder": "ced_jax.vision.tower",
+    "load_vision_params": "ced_jax.vision.weights",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ced_jax.vision' has no attribute {name!r}")
+
+
 __all__ = [
+    "VisionEncoder",
+    "load_vision_params",
     "END",
     "IMAGE",
     "IMAGE_PLACEHOLDER",
