@@ -22,14 +22,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax.config import ModelConfig, VisionConfig
-from ced_jax.layers.common import HIGHEST, rms_norm, rope_inv_freq
-from ced_jax.quant import round_bf16
+from ced_jax.layers.common import HIGHEST, rope_inv_freq
+from ced_jax.quant import mean_last, round_bf16
 from ced_jax.vision.preprocess import PreparedImage, span_length
 
 VIT_NORM_EPS = 1e-6
 # torch's CPU flash attention splits keys into blocks of 512 (kvSplitSize) for long sequences.
 ATTN_KV_BLOCK = 512
 ATTN_Q_BLOCK = 1024  # queries per chunk (memory only)
+
+
+def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The ViT's RMSNorm (eps 1e-6): f32, weight in f32, output rounded to bf16. torch's CPU rsqrt
+    is a division by a correctly rounded sqrt; XLA's rsqrt is not always the same f32 value, and
+    on tiny-v the division form leaves 10% fewer bf16 flips in a block."""
+    var = mean_last(jnp.square(x))
+    return round_bf16(weight.astype(jnp.float32) * (x * (jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(VIT_NORM_EPS)))))
 
 
 def vision_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -117,12 +125,12 @@ def vit_block(
     heads = vcfg.num_attention_heads
     head_dim = vcfg.hidden_size // heads
     p = f"vision.blocks.{block}."
-    h = rms_norm(x, params[f"{p}norm1.weight"], VIT_NORM_EPS)
+    h = vit_rms_norm(x, params[f"{p}norm1.weight"])
     qkv = _linear(h, params, f"{p}attn.wqkv")
     q, k, v = (t.reshape(num, heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
     o = _attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, n_valid)
     x = round_bf16(x + _linear(o.reshape(num, -1), params, f"{p}attn.wo"))
-    h = rms_norm(x, params[f"{p}norm2.weight"], VIT_NORM_EPS)
+    h = vit_rms_norm(x, params[f"{p}norm2.weight"])
     gate, up = jnp.split(_linear(h, params, f"{p}mlp.w1"), 2, axis=-1)
     act = round_bf16(round_bf16(jax.nn.silu(gate)) * up)
     return round_bf16(x + _linear(act, params, f"{p}mlp.w2"))
@@ -141,7 +149,7 @@ def vit_forward(
     for b in range(vcfg.num_hidden_layers):
         inputs.append(x)
         x = vit_block(params, x, b, cos, sin, n_valid, vcfg)
-    out = rms_norm(x, params["vision.norm.weight"], VIT_NORM_EPS)
+    out = vit_rms_norm(x, params["vision.norm.weight"])
     return out, (jnp.stack(inputs) if keep_block_inputs else None)
 
 
