@@ -110,9 +110,10 @@ def patch_value_table() -> np.ndarray:
 _VALUE_TABLE = patch_value_table()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PreparedImage:
-    """One pre-processed image: the 8-bit canvas as ViT patches, and its grids.
+    """One pre-processed image: the 8-bit canvas as ViT patches, and its grids. Compared and hashed
+    by identity (it holds an array); `content_hash` is the key for equal pixels.
 
     patch_pixels: uint8 [n_vit_h * n_vit_w, 3 * patch^2], patches row-major over the grid, values
     in (channel, kh, kw) order inside a patch."""
@@ -152,6 +153,13 @@ class PreparedImage:
         return _VALUE_TABLE[self.patch_pixels]
 
 
+def _decode_error(e: Exception, what: str) -> ImageError:
+    text = str(e)
+    if "truncat" in text.lower():
+        return ImageError(f"truncated image: {text}")
+    return ImageError(f"{what}: {text}")
+
+
 def _open(data: bytes | Image.Image, max_bytes: int, max_pixels: int) -> Image.Image:
     if isinstance(data, Image.Image):
         image = data
@@ -167,7 +175,7 @@ def _open(data: bytes | Image.Image, max_bytes: int, max_pixels: int) -> Image.I
         except UnidentifiedImageError:
             raise ImageError("not an image: the data is in no image format this server reads") from None
         except (OSError, ValueError, SyntaxError) as e:
-            raise ImageError(f"not a readable image: {e}") from None
+            raise _decode_error(e, "not a readable image") from None
     else:
         raise ImageError(f"image: expected bytes or a PIL image, got {type(data).__name__}")
     w, h = image.size
@@ -194,12 +202,9 @@ def prepare_image(
         image.load()
         rgb = image.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:
-        text = str(e)
-        if "truncated" in text.lower():
-            raise ImageError(f"truncated image: {text}") from None
-        if "mode" in text.lower() or "conversion" in text.lower():
-            raise ImageError(f"unsupported image mode {image.mode!r}: {text}") from None
-        raise ImageError(f"corrupt image: {text}") from None
+        if "mode" in str(e).lower() or "conversion" in str(e).lower():
+            raise ImageError(f"unsupported image mode {image.mode!r}: {e}") from None
+        raise _decode_error(e, "corrupt image") from None
     finally:
         if not isinstance(data, Image.Image):
             image.close()

@@ -135,7 +135,7 @@ def test_content_hash_depends_on_pixels_not_encoding(golden):
 def test_modes_convert_to_rgb(golden):
     _, cfg, _, _ = golden
     rgb = Image.new("RGB", (40, 30), (200, 10, 90))
-    for mode in ("L", "P", "RGBA", "CMYK", "LA", "I", "1"):
+    for mode in ("L", "P", "RGBA", "CMYK", "LA", "I", "1", "I;16", "F", "YCbCr", "PA"):
         image = prepare_image(rgb.convert(mode), cfg.vision)
         assert image.patch_pixels.shape == (image.n_vit_h * image.n_vit_w, 3 * cfg.vision.patch_size**2)
 
@@ -167,6 +167,12 @@ def test_bad_images_raise_image_error(golden):
         prepare_image(data[: len(data) // 2], v)
     with pytest.raises(ImageError, match="not an image"):
         prepare_image(b"GIF89a-but-not-really" * 4, v)
+    jpeg = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(jpeg, format="JPEG")
+    with pytest.raises(ImageError, match="truncated"):
+        prepare_image(jpeg.getvalue()[: len(jpeg.getvalue()) // 2], v)
+    with pytest.raises(ImageError, match="unsupported image mode 'La'"):
+        prepare_image(Image.new("La", (30, 20)), v)
     # Too many bytes, too many pixels (our limit, and Pillow's decompression-bomb guard far beyond it).
     with pytest.raises(ImageError, match=r"too large: \d+ bytes"):
         prepare_image(data, v, max_bytes=len(data) - 1)
