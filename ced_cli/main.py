@@ -412,8 +412,14 @@ def cmd_logits(args) -> int:
 def cmd_generate(args) -> int:
     _check_generate_options(args)
     _setup_distributed(args)
+    images = [Path(p) for p in args.image or []]
+    for i, image in enumerate(images):
+        if not image.is_file():
+            raise ValueError(f"--image {image} does not exist (image {i + 1})")
     model = _load_sharded(args)
-    result = model.generate(args.prompt, args.max_tokens, temperature=args.temperature, seed=args.seed)
+    result = model.generate(
+        args.prompt, args.max_tokens, temperature=args.temperature, seed=args.seed, images=images or None
+    )
     if not _is_writer():
         return 0
     if args.json:
@@ -703,6 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="text in, text out")
     p.add_argument("model")
     p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--image",
+        action="append",
+        help="an image file for the next <｜deepseek_image｜> placeholder of --prompt (repeat in order)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)

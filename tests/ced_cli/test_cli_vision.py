@@ -98,3 +98,15 @@ def test_bad_requests_exit_2_before_loading(fixture_dir, tmp_path, capsys, nothi
     request.write_text(json.dumps({"prompt_text": 5}))
     _refused([*base, "--request", str(request)], capsys, "prompt_text")
     assert not Path(out).exists()
+
+
+def test_generate_image_refusals(fixture_dir, tmp_path, capsys):
+    """A missing --image file is refused before loading; an image for a model without a vision tower
+    (the tiny preset) is refused by name, before anything runs."""
+    prompt = ["--prompt", "look: <｜deepseek_image｜>"]
+    _refused(
+        ["generate", str(fixture_dir), *prompt, "--image", str(tmp_path / "gone.png")], capsys, "--image"
+    )
+    image = tmp_path / "a.png"
+    image.write_bytes(b"never decoded")
+    _refused(["generate", "tiny", *prompt, "--image", str(image)], capsys, "no vision tower")
