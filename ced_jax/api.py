@@ -11,6 +11,10 @@ With `mesh=` (a `ced_jax.sharding.make_mesh` mesh, possibly spanning several pro
 `forward` (`sharding.make_layout`); logits and decisions come back replicated so that every process
 can read them.
 
+Images: `Model.vision` is the ViT + aligner (`ced_jax.vision.VisionEncoder`, None without a vision
+tower); `encode_vl` expands a prompt's image placeholders into spans, and `logits` / `generate` take
+images (or explicit `token_types` / `span_embeds`).
+
 Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a directory written by
 `convert_weights`); the `tiny` preset's weights come from `ced_jax.testing.random_weights`.
 """

@@ -24,6 +24,13 @@ per shape):
   construction (`serving.jax_engine`).
 - `restore_slot`: puts a snapshot's rings and partial groups into a slot.
 
+Image spans (spec 6.3). `step` and `prefill_batch` also take `token_types` i32 [B|R, T|C] (-1 text,
+0..3 the START / IMAGE / NEWLINE / END of a span) and `span_embeds` f32 [B|R, T|C, D] (the ViT +
+aligner rows and delimiter vectors, `ced_jax.vision`); None for both traces the text program, the
+arrays a second executable, and a text chunk gives bit-identical logits and state through either (so
+prefix-cache pages are interchangeable). The Engram history marks span positions DEAD. Decode steps
+are text.
+
 Clients: `ced_jax.api.Model` (a `Session` is an `Engine` of `batch` slots with contiguous page tables)
 and `serving.jax_engine.JaxEngine` (an `Engine` whose page tables come from the scheduler).
 
