@@ -222,7 +222,18 @@ class VisionEncoder:
         if cfg.vision is None:
             raise ValueError("VisionEncoder: the model config has no vision tower (vision_config)")
         self.cfg, self.vcfg = cfg, cfg.vision
-        self.params = {k: jnp.asarray(np.asarray(v).astype(np.float32)) for k, v in flat_vision_params.items()}
+        specs = vision_param_specs(cfg)
+        missing = sorted(set(specs) - set(flat_vision_params))
+        if missing:
+            raise ValueError(f"VisionEncoder: {len(missing)} vision tensor(s) missing, e.g. {missing[:5]}")
+        for name, (shape, _) in specs.items():
+            if tuple(np.shape(flat_vision_params[name])) != shape:
+                raise ValueError(
+                    f"VisionEncoder: {name} has shape {list(np.shape(flat_vision_params[name]))}, "
+                    f"the config needs {list(shape)}"
+                )
+        # Kept in their stored dtype (bf16: half the memory of f32); the program widens them exactly.
+        self.params = {k: jnp.asarray(np.asarray(flat_vision_params[k])) for k in specs}
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(self.vcfg)
         self.runs = 0
         self._programs: dict[tuple[int, bool], object] = {}

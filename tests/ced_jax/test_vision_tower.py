@@ -114,6 +114,11 @@ def test_params_loaded_as_released(golden, params):
     assert set(params) == set(specs) and "image_start" in params and "aligner.w1.weight" in params
     for name, (shape, dtype) in specs.items():
         assert params[name].shape == shape and dtype == "BF16" and params[name].dtype == ml_dtypes.bfloat16, name
+    with pytest.raises(ValueError, match=r"missing, e.g. \['image_end'\]"):
+        VisionEncoder(cfg, {k: a for k, a in params.items() if k != "image_end"})
+    bad = dict(params, **{"aligner.w2.bias": np.zeros(3, ml_dtypes.bfloat16)})
+    with pytest.raises(ValueError, match="aligner.w2.bias has shape"):
+        VisionEncoder(cfg, bad)
 
 
 def test_patch_embedding_and_blocks_layer_local(golden, params, images, features):
