@@ -28,6 +28,7 @@ the rest of the row through attention and the MLP.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -114,6 +115,7 @@ def test_params_loaded_as_released(golden, params):
     assert set(params) == set(specs) and "image_start" in params and "aligner.w1.weight" in params
     for name, (shape, dtype) in specs.items():
         assert params[name].shape == shape and dtype == "BF16" and params[name].dtype == ml_dtypes.bfloat16, name
+    assert load_vision_params(golden[0], dataclasses.replace(cfg, vision=None)) is None
     with pytest.raises(ValueError, match=r"missing, e.g. \['image_end'\]"):
         VisionEncoder(cfg, {k: a for k, a in params.items() if k != "image_end"})
     bad = dict(params, **{"aligner.w2.bias": np.zeros(3, ml_dtypes.bfloat16)})
