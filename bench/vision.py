@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         encoder = VisionEncoder(cfg, load_vision_params(d, cfg))
         inputs = json.loads((d / "inputs.json").read_text())
         for plan in inputs["images"]:
-            row = time_image(encoder, plan["file"], (d / plan["file"]).read_bytes(), args.repeats, args.warmup)
+            row = time_image(
+                encoder, plan["file"], (d / plan["file"]).read_bytes(), args.repeats, args.warmup
+            )
             rows.append({"shapes": f"fixture {d.name}", **row})
             print(json.dumps(rows[-1]), flush=True)
     if args.released:
@@ -114,12 +116,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"shapes": "released v41-flash", **row})
             print(json.dumps(rows[-1]), flush=True)
 
-    print(f"\nbackend: {jax.default_backend()} ({jax.devices()[0].device_kind}), {len(jax.devices())} device(s)")
-    print("| shapes | image | patches (bucket) | image tokens | pre-processing s | first call s | median s (min-max) |")
+    print(
+        f"\nbackend: {jax.default_backend()} ({jax.devices()[0].device_kind}), {len(jax.devices())} device(s)"
+    )
+    header = (
+        "| shapes | image | patches (bucket) | image tokens | pre-processing s | first call s | median s |"
+    )
+    print(header)
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['shapes']} | {r['image']} -> {r['canvas_hw'][1]}x{r['canvas_hw'][0]} | {r['patches']} ({r['bucket']}) "
+            f"| {r['shapes']} | {r['image']} -> {r['canvas_hw'][1]}x{r['canvas_hw'][0]} "
+            f"| {r['patches']} ({r['bucket']}) "
             f"| {r['image_tokens']} | {r['preprocess_s']} | {r['first_call_s']} "
             f"| {r['median_s']} ({r['min_s']}-{r['max_s']}), n={r['repeats']} |"
         )

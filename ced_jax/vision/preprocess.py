@@ -171,7 +171,9 @@ def _open(data: bytes | Image.Image, max_bytes: int, max_pixels: int) -> Image.I
         try:
             image = Image.open(io.BytesIO(bytes(data)))
         except Image.DecompressionBombError:
-            raise ImageError(f"image too large: more than {max_pixels} pixels (decompression bomb guard)") from None
+            raise ImageError(
+                f"image too large: more than {max_pixels} pixels (decompression bomb guard)"
+            ) from None
         except UnidentifiedImageError:
             raise ImageError("not an image: the data is in no image format this server reads") from None
         except (OSError, ValueError, SyntaxError) as e:

@@ -37,7 +37,9 @@ def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
     is a division by a correctly rounded sqrt; XLA's rsqrt is not always the same f32 value, and
     on tiny-v the division form leaves 10% fewer bf16 flips in a block."""
     var = mean_last(jnp.square(x))
-    return round_bf16(weight.astype(jnp.float32) * (x * (jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(VIT_NORM_EPS)))))
+    return round_bf16(
+        weight.astype(jnp.float32) * (x * (jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(VIT_NORM_EPS))))
+    )
 
 
 def vision_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -118,7 +120,13 @@ def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array
 
 
 def vit_block(
-    params: dict, x: jax.Array, block: int, cos: jax.Array, sin: jax.Array, n_valid: jax.Array, vcfg: VisionConfig
+    params: dict,
+    x: jax.Array,
+    block: int,
+    cos: jax.Array,
+    sin: jax.Array,
+    n_valid: jax.Array,
+    vcfg: VisionConfig,
 ) -> jax.Array:
     """One pre-norm ViT block: x [P, W] -> [P, W] (bf16 values); cos/sin from `rope_tables`."""
     num = x.shape[0]
@@ -137,8 +145,13 @@ def vit_block(
 
 
 def vit_forward(
-    params: dict, patches: jax.Array, n_w: jax.Array, n_valid: jax.Array, vcfg: VisionConfig,
-    *, keep_block_inputs: bool = False,
+    params: dict,
+    patches: jax.Array,
+    n_w: jax.Array,
+    n_valid: jax.Array,
+    vcfg: VisionConfig,
+    *,
+    keep_block_inputs: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """patches: f32 [P, 3*patch^2] (bf16 values, rows past n_valid are padding) -> (ViT output
     [P, W] after the final norm, block inputs [L, P, W] when asked: index b is what block b
@@ -153,7 +166,9 @@ def vit_forward(
     return out, (jnp.stack(inputs) if keep_block_inputs else None)
 
 
-def aligner_gather_index(n_h: jax.Array, n_w: jax.Array, num_tokens: int, ratio: int) -> tuple[jax.Array, jax.Array]:
+def aligner_gather_index(
+    n_h: jax.Array, n_w: jax.Array, num_tokens: int, ratio: int
+) -> tuple[jax.Array, jax.Array]:
     """(patch index [N, r*r], in-image mask [N, r*r]) of each token's r x r window, in
     reading order over the n_llm_h x n_llm_w token grid; windows past the image edge read zeros
     (the reference's zero padding to multiples of r)."""
@@ -182,7 +197,9 @@ def aligner_forward(
     return _linear(h, params, "aligner.w2")
 
 
-def _encode(params, patches, n_h, n_w, n_valid, *, vcfg: VisionConfig, num_tokens: int, keep_block_inputs: bool):
+def _encode(
+    params, patches, n_h, n_w, n_valid, *, vcfg: VisionConfig, num_tokens: int, keep_block_inputs: bool
+):
     vit, block_inputs = vit_forward(params, patches, n_w, n_valid, vcfg, keep_block_inputs=keep_block_inputs)
     aligned = aligner_forward(params, vit, n_h, n_w, num_tokens, vcfg)
     return vit, aligned, block_inputs
@@ -255,10 +272,12 @@ class VisionEncoder:
             self._programs[key] = jax.jit(fn)
         return self._programs[key]
 
-    def features(self, image: PreparedImage, *, bucket: int | None = None, keep_block_inputs: bool = False) -> dict:
+    def features(
+        self, image: PreparedImage, *, bucket: int | None = None, keep_block_inputs: bool = False
+    ) -> dict:
         """{"vit_output": f32 [P, W], "aligner_output": f32 [n_llm_h * n_llm_w, D], and with
-        keep_block_inputs "vit_block_input": f32 [L, P, W] (block b's input)}; bf16 values. `bucket`: the padded
-        patch count to run at (default: the smallest configured bucket that fits)."""
+        keep_block_inputs "vit_block_input": f32 [L, P, W] (block b's input)}; bf16 values.
+        `bucket`: the padded patch count to run at (default: the smallest bucket that fits)."""
         num = image.num_patches
         bucket = self.bucket_for(num) if bucket is None else bucket
         if bucket < num:
@@ -267,7 +286,11 @@ class VisionEncoder:
         patches[:num] = image.patch_values()
         program = self._program(bucket, keep_block_inputs)
         vit, aligned, block_inputs = program(
-            self.params, jnp.asarray(patches), jnp.int32(image.n_vit_h), jnp.int32(image.n_vit_w), jnp.int32(num)
+            self.params,
+            jnp.asarray(patches),
+            jnp.int32(image.n_vit_h),
+            jnp.int32(image.n_vit_w),
+            jnp.int32(num),
         )
         self.runs += 1
         tokens = image.n_llm_h * image.n_llm_w

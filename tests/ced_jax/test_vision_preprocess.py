@@ -109,8 +109,12 @@ def test_build_vl_prompt_matches_reference_ids_and_types(golden, prepared):
 def test_build_vl_prompt_counts_must_match(golden, prepared):
     d, cfg, inputs, _ = golden
     encode = _tokenizer_encode(d)
-    with pytest.raises(ImageError, match=rf"{len(prepared)} image placeholders but {len(prepared) + 1} images"):
-        build_vl_prompt(inputs["prompt_text"], [*prepared, prepared[0]], encode, image_token_id=cfg.image_token_id)
+    with pytest.raises(
+        ImageError, match=rf"{len(prepared)} image placeholders but {len(prepared) + 1} images"
+    ):
+        build_vl_prompt(
+            inputs["prompt_text"], [*prepared, prepared[0]], encode, image_token_id=cfg.image_token_id
+        )
     with pytest.raises(ImageError, match=r"0 image placeholders but 1 images"):
         build_vl_prompt("no images here", prepared[:1], encode, image_token_id=cfg.image_token_id)
 
@@ -195,5 +199,8 @@ def test_plans_stay_within_the_token_budget(golden):
     for w, h in ((1, 1), (1, 5000), (5000, 1), (40, 700), (700, 40), (3000, 2000), (544, 544), (9999, 17)):
         ch, cw = plan_canvas(w, h, v)
         assert ch % v.patch_size == 0 and cw % v.patch_size == 0 and ch > 0 and cw > 0
-        n_llm = (-(-(ch // v.patch_size) // v.downsample_ratio), -(-(cw // v.patch_size) // v.downsample_ratio))
+        n_llm = (
+            -(-(ch // v.patch_size) // v.downsample_ratio),
+            -(-(cw // v.patch_size) // v.downsample_ratio),
+        )
         assert span_length(*n_llm) <= v.max_image_tokens, (w, h)

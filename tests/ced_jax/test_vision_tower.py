@@ -114,7 +114,9 @@ def test_params_loaded_as_released(golden, params):
     specs = vision_param_specs(cfg)
     assert set(params) == set(specs) and "image_start" in params and "aligner.w1.weight" in params
     for name, (shape, dtype) in specs.items():
-        assert params[name].shape == shape and dtype == "BF16" and params[name].dtype == ml_dtypes.bfloat16, name
+        assert params[name].shape == shape and dtype == "BF16" and params[name].dtype == ml_dtypes.bfloat16, (
+            name
+        )
     assert load_vision_params(golden[0], dataclasses.replace(cfg, vision=None)) is None
     with pytest.raises(ValueError, match=r"missing, e.g. \['image_end'\]"):
         VisionEncoder(cfg, {k: a for k, a in params.items() if k != "image_end"})
@@ -154,8 +156,12 @@ def test_aligner_layer_local(golden, params, images):
     for i in present:
         im = images[i]
         got = aligner_forward(
-            jparams, jnp.asarray(expected[f"image{i}_vit_output"]), jnp.int32(im.n_vit_h), jnp.int32(im.n_vit_w),
-            im.n_llm_h * im.n_llm_w, cfg.vision,
+            jparams,
+            jnp.asarray(expected[f"image{i}_vit_output"]),
+            jnp.int32(im.n_vit_h),
+            jnp.int32(im.n_vit_w),
+            im.n_llm_h * im.n_llm_w,
+            cfg.vision,
         )
         s = _report(f"image{i} aligner (layer-local)", np.asarray(got), expected[f"image{i}_aligner_output"])
         assert s["beyond_1ulp"] == 0 and s["mismatch"] <= 1e-3
@@ -223,7 +229,9 @@ def test_tall_and_wide_grids_run(golden, encoder):
     rng = np.random.default_rng(0)
     for n_h, n_w in ((1, 7), (7, 1), (4, 5)):
         r = cfg.vision.downsample_ratio
-        im = PreparedImage(rng.integers(0, 256, (n_h * n_w, width), dtype=np.uint8), n_h, n_w, -(-n_h // r), -(-n_w // r))
+        im = PreparedImage(
+            rng.integers(0, 256, (n_h * n_w, width), dtype=np.uint8), n_h, n_w, -(-n_h // r), -(-n_w // r)
+        )
         out = encoder.span_embeddings(im)
         assert out.shape == (im.span_len, cfg.hidden_size) and np.isfinite(out).all()
 
