@@ -18,10 +18,14 @@ def vision_inventory(cfg: ModelConfig) -> dict:
     return {n: s for n, s in hf_inventory(cfg).items() if s.group == "vision"}
 
 
-def load_vision_params(directory: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray] | None:
+def load_vision_params(
+    directory: str | Path, cfg: ModelConfig, *, required: bool = True
+) -> dict[str, np.ndarray] | None:
     """{released name: array} of the vision tower, aligner and image delimiters, from a released HF
     directory (sharded safetensors + index) or a `convert_weights` output with a `vision` item.
-    None when the config has no vision tower. Shapes and dtypes are checked against the config."""
+    None when the config has no vision tower, or (with required=False) when a converted checkpoint
+    was written without its vision item (a text-only deployment). Shapes and dtypes are checked
+    against the config; anything missing is a CheckpointError naming it."""
     if cfg.vision is None:
         return None
     directory = Path(directory)
@@ -29,7 +33,7 @@ def load_vision_params(directory: str | Path, cfg: ModelConfig) -> dict[str, np.
     from ced_jax.checkpoint.converted import is_converted_checkpoint
 
     if is_converted_checkpoint(directory):
-        return _from_converted(directory, cfg, specs)
+        return _from_converted(directory, cfg, specs, required)
     weight_map = read_index(directory)
     missing = [n for n in specs if n not in weight_map]
     if missing:
@@ -55,11 +59,15 @@ def load_vision_params(directory: str | Path, cfg: ModelConfig) -> dict[str, np.
     return out
 
 
-def _from_converted(directory: Path, cfg: ModelConfig, specs: dict) -> dict[str, np.ndarray]:
+def _from_converted(
+    directory: Path, cfg: ModelConfig, specs: dict, required: bool
+) -> dict[str, np.ndarray] | None:
     from ced_jax.checkpoint import converted
 
     manifest = converted.read_manifest(directory)
     if "vision" not in manifest["options"].get("include", []):
+        if not required:
+            return None
         raise CheckpointError(
             f"{directory}: converted without the vision tower; convert again with --include text,vision"
         )

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from ced_jax.checkpoint.hf_loader import CheckpointError
 from ced_jax.config import ModelConfig
 from ced_jax.vision.preprocess import PreparedImage, prepare_image
 from ced_jax.vision.tower import (
@@ -254,3 +255,8 @@ def test_converted_checkpoint_loads_the_same_vision_params(golden, params, tmp_p
     assert set(again) == set(params)
     for name, a in params.items():
         assert again[name].dtype == a.dtype and again[name].tobytes() == a.tobytes(), name
+    text_only = tmp_path / "text-only"
+    convert(staged, text_only, ConvertOptions(progress=False, include=("text",)))
+    with pytest.raises(CheckpointError, match="--include text,vision"):
+        load_vision_params(text_only, cfg)
+    assert load_vision_params(text_only, cfg, required=False) is None
