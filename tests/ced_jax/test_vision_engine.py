@@ -37,7 +37,8 @@ def golden(fixture_dir):
     inputs = json.loads((fixture_dir / "inputs.json").read_text())
     ids = np.asarray(g["prompt_ids"] if "prompt_ids" in g else inputs["prompt_ids"], np.int32)
     types = np.asarray(g["token_types"] if "token_types" in g else inputs["token_types"], np.int32)
-    spans = np.where((types >= 0)[:, None], g["prefill_embed_output"], 0.0).astype(np.float32)
+    merged = g["prefill_embed_output"] if "prefill_embed_output" in g else g["prefill_block_input"][0][:, 0]
+    spans = np.where((types >= 0)[:, None], merged, 0.0).astype(np.float32)
     return {"ids": ids, "types": types, "spans": spans}
 
 
