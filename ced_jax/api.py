@@ -235,7 +235,7 @@ class Model:
             reason = (
                 "its config has no vision_config"
                 if self.cfg.vision is None
-                else "no vision weights were loaded"
+                else "no vision weights were loaded, e.g. a checkpoint converted text-only"
             )
             raise ValueError(f"{what}: this model has no vision tower ({reason}); it cannot take images")
 
@@ -717,7 +717,9 @@ def load(
         prefill_chunk=prefill_chunk,
         mesh=mesh,
         rules=rules,
-        vision_params=load_vision_params(directory, cfg),  # None without a vision tower
+        # None without a vision tower, or for a converted checkpoint written text-only (images are
+        # then refused by name, text runs as before).
+        vision_params=load_vision_params(directory, cfg, required=False),
     )
 
 
