@@ -474,6 +474,55 @@ def _http_limits(args):
     )
 
 
+def _image_options(args) -> dict:
+    """ServeConfig's image fields from --feature-cache-bytes, --max-images-per-request, --max-image-bytes,
+    --allow-image-urls / --image-url-* and --files-*, each checked by its flag."""
+    from serving.files import FilesConfig
+    from serving.image_fetch import ImageFetchConfig
+
+    _check_at_least("--feature-cache-bytes", args.feature_cache_bytes, 0)
+    _check_at_least("--max-images-per-request", args.max_images_per_request, 1)
+    _check_at_least("--max-image-bytes", args.max_image_bytes, 1)
+    _check_at_least("--image-url-max-bytes", args.image_url_max_bytes, 1)
+    _check_at_least("--image-url-timeout", args.image_url_timeout, 0.001)
+    _check_at_least("--files-max-file-bytes", args.files_max_file_bytes, 1)
+    _check_at_least("--files-max-total-bytes", args.files_max_total_bytes, 1)
+    _check_at_least("--files-max-per-identity", args.files_max_per_identity, 1)
+    _check_at_least("--files-ttl", args.files_ttl, 0.001)
+    hosts = ()
+    if args.allow_image_urls is not None:
+        hosts = tuple(h.strip() for h in args.allow_image_urls.split(","))
+        if not all(hosts):
+            raise ValueError(f"--allow-image-urls: expected HOST[,HOST...], got {args.allow_image_urls!r}")
+    try:
+        fetch = ImageFetchConfig(
+            allow_image_urls=bool(hosts),
+            allowed_hosts=hosts,
+            max_bytes=args.image_url_max_bytes,
+            timeout_s=args.image_url_timeout,
+        )
+    except ValueError as e:
+        raise ValueError(f"--allow-image-urls: {e}") from None
+    if args.files_max_file_bytes > args.files_max_total_bytes:
+        raise ValueError(
+            f"--files-max-file-bytes {args.files_max_file_bytes} exceeds --files-max-total-bytes "
+            f"{args.files_max_total_bytes}"
+        )
+    files = FilesConfig(
+        max_file_bytes=args.files_max_file_bytes,
+        max_total_bytes=args.files_max_total_bytes,
+        max_files_per_identity=args.files_max_per_identity,
+        ttl_s=args.files_ttl,
+    )
+    return dict(
+        feature_cache_bytes=args.feature_cache_bytes,
+        max_images_per_request=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        http_files=files,
+        http_image_fetch=fetch,
+    )
+
+
 def _check_port_option(option: str, port: int, off: int | None = None) -> None:
     if port != off and not 0 <= port <= 65535:
         also = "" if off is None else f", or {off} (off)"
@@ -533,6 +582,7 @@ def cmd_serve(args) -> int:
         http_models=_http_models(args),
         http_limits=_http_limits(args),
         grace_period_s=args.grace_period,
+        **_image_options(args),
     )  # validates the shapes before anything is loaded
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
         raise ValueError("serve runs in one process (--mesh over its devices); multi-host is not supported")
@@ -844,6 +894,43 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=serve.grace_period_s,
         help="seconds in-flight streams get on SIGTERM",
+    )
+    g = p.add_argument_group("images (a model with a vision tower; gRPC and HTTP alike)")
+    g.add_argument(
+        "--feature-cache-bytes",
+        type=int,
+        default=serve.feature_cache_bytes,
+        help="bytes of image span rows kept (LRU, keyed by the pixels' SHA-256) so a repeated image skips "
+        "the ViT (0: no cache)",
+    )
+    g.add_argument(
+        "--max-images-per-request", type=int, default=serve.max_images_per_request, help="beyond: refused"
+    )
+    g.add_argument(
+        "--max-image-bytes", type=int, default=serve.max_image_bytes, help="one image's encoded bytes"
+    )
+    fetch, files = serve.http_image_fetch, serve.http_files
+    g.add_argument(
+        "--allow-image-urls",
+        metavar="HOST[,HOST...]",
+        help="HTTP API: fetch image URLs from these hosts (host or host:port); default: URLs are refused",
+    )
+    g.add_argument("--image-url-max-bytes", type=int, default=fetch.max_bytes, help="one fetched image")
+    g.add_argument("--image-url-timeout", type=float, default=fetch.timeout_s, help="seconds per fetch")
+    g.add_argument(
+        "--files-max-file-bytes", type=int, default=files.max_file_bytes, help="Files API: one upload"
+    )
+    g.add_argument(
+        "--files-max-total-bytes",
+        type=int,
+        default=files.max_total_bytes,
+        help="Files API: distinct bytes held for all identities (in memory)",
+    )
+    g.add_argument(
+        "--files-max-per-identity", type=int, default=files.max_files_per_identity, help="Files API: files"
+    )
+    g.add_argument(
+        "--files-ttl", type=float, default=files.ttl_s, help="Files API: seconds a file lives after upload"
     )
     _add_impl_options(p)
     _add_mesh_options(p)

@@ -6,6 +6,9 @@ grpc.aio equivalent for concurrent clients (benchmarks, tests).
 
 Every call takes `api_key` (sent as `authorization: Bearer <key>`, the metadata OpenAI SDKs send) for
 servers started with API keys; `user` names the end user on servers without keys (see ced.proto).
+
+Images (a model with a vision tower): `images` in build_request, each the encoded bytes or a Files API id,
+with one placeholder `IMAGE_PLACEHOLDER` per image in the text prompt; `ced-jax client --image FILE`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 
 from serving.proto import ced_pb2, ced_pb2_grpc
+
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # ced_jax.vision's; not imported, so the client needs no JAX
 
 FINISH_NAMES = {
     ced_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -42,9 +47,11 @@ def build_request(
     ignore_eos: bool = False,
     user: str = "",
     constraint: ced_pb2.OutputConstraint | None = None,
+    images: Sequence[bytes | str] = (),
 ) -> ced_pb2.GenerateRequest:
     """A GenerateRequest; a str prompt is sent as text, a sequence of ints as token ids. `constraint`:
-    constrained decoding (JSON Schema, JSON object, regex or DSML tool calls; see ced.proto)."""
+    constrained decoding (JSON Schema, JSON object, regex or DSML tool calls; see ced.proto). `images`:
+    each an encoded image (bytes) or a Files API file id (str), for the text prompt's placeholders."""
     sampling = ced_pb2.SamplingParams(top_k=top_k)
     if temperature is not None:
         sampling.temperature = temperature
@@ -63,6 +70,13 @@ def build_request(
         user=user,
         constraint=constraint,
     )
+    for image in images:
+        if isinstance(image, str):
+            req.images.add(file_id=image)
+        elif isinstance(image, (bytes, bytearray, memoryview)):
+            req.images.add(data=bytes(image))
+        else:
+            raise TypeError(f"images: expected bytes or a file id (str), got {type(image).__name__}")
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
@@ -174,11 +188,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float)
     p.add_argument("--user", default="", help="end user the request is for (the identity without API keys)")
     p.add_argument("--api-key", help="sent as 'authorization: Bearer KEY' (servers with --api-key-file)")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help=f"an image file for a vision model (repeatable, in order); the prompt holds one {IMAGE_PLACEHOLDER} "
+        "per image, or none and they are put before it",
+    )
+    p.add_argument(
+        "--image-file-id",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="an image uploaded to the server's Files API (repeatable; after the --image files)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", help="constrain the output to JSON matching this JSON Schema (JSON text)")
     g.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
     g.add_argument("--regex", help="constrain the output to match this regular expression")
     a = p.parse_args(argv)
+    images: list[bytes | str] = []
+    for path in a.image:
+        try:
+            with open(path, "rb") as f:
+                images.append(f.read())
+        except OSError as e:
+            p.error(f"--image {path}: {e.strerror}")
+    images.extend(a.image_file_id)
+    prompt = a.prompt
+    if images and IMAGE_PLACEHOLDER not in prompt:
+        prompt = IMAGE_PLACEHOLDER * len(images) + prompt
     constraint = None
     if a.json_schema is not None:
         constraint = ced_pb2.OutputConstraint(json_schema=a.json_schema)
@@ -197,10 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ignore_eos=a.ignore_eos,
         user=a.user,
         constraint=constraint,
+        images=images,
     )
     try:
         finish, usage = None, None
-        for msg in stream(a.addr, a.prompt, timeout=a.timeout, api_key=a.api_key, **kwargs):
+        for msg in stream(a.addr, prompt, timeout=a.timeout, api_key=a.api_key, **kwargs):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             if msg.finish_reason != ced_pb2.FINISH_REASON_UNSPECIFIED:

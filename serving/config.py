@@ -15,9 +15,11 @@ import dataclasses
 import math
 
 from serving.engine_api import EngineSpec, check_shapes
+from serving.files import MIB, FilesConfig
 from serving.http.accounting import PricingConfig
 from serving.http.limits import AdmissionLimits
 from serving.http.models import ModelNames
+from serving.image_fetch import ImageFetchConfig
 from serving.tenants import ApiKeys
 
 # The fields that name a TCP port the server listens on (checked to be in 0..65535).
@@ -91,6 +93,17 @@ class ServeConfig:
     share_prefix_cache: bool = False
     max_user_length: int = 256  # GenerateRequest.user / AbortRequest.user
 
+    # Images (a model with a vision tower; serving/vision.py). Both front ends share these limits and
+    # the feature cache: span rows of recent images keyed by the SHA-256 of their pre-processed pixels,
+    # LRU within `feature_cache_bytes` (0: no cache, the ViT runs for every image).
+    feature_cache_bytes: int = 256 * MIB
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * MIB  # one image's encoded bytes (the Files API's upload limit too)
+    # The Files API store (serving/files.py), shared by the HTTP API's /files and gRPC's
+    # ImageInput.file_id; and fetching image URLs in HTTP requests (off unless hosts are allowed).
+    http_files: FilesConfig = FilesConfig()
+    http_image_fetch: ImageFetchConfig = ImageFetchConfig()
+
     # Server.
     host: str = "127.0.0.1"
     port: int = 0  # 0 = ephemeral
@@ -144,6 +157,8 @@ class ServeConfig:
             "max_tokenize_bytes",
             "tokenize_workers",
             "max_user_length",
+            "max_images_per_request",
+            "max_image_bytes",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -154,6 +169,8 @@ class ServeConfig:
             raise ValueError(
                 f"max_running must be in 1..max_slots ({self.max_slots}), got {self.max_running}"
             )
+        if self.feature_cache_bytes < 0:
+            raise ValueError(f"feature_cache_bytes must be >= 0 (0: no cache), got {self.feature_cache_bytes}")
         if self.max_queued < 0 or self.max_logprobs < 0:
             raise ValueError("max_queued and max_logprobs must be >= 0")
         if self.default_max_tokens > self.max_tokens_limit:
@@ -164,6 +181,15 @@ class ServeConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0: any free port), got {port}")
+
+    @property
+    def http_images(self):
+        """The HTTP API's per-request image limits: the same as gRPC's (one declaration, above)."""
+        from serving.http.images import ImageInputConfig  # prometheus and the HTTP errors: only when used
+
+        return ImageInputConfig(
+            max_images_per_request=self.max_images_per_request, max_image_bytes=self.max_image_bytes
+        )
 
     @property
     def running_limit(self) -> int:

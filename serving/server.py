@@ -19,6 +19,12 @@ finish_reason ABORT; the gRPC server stops and `serve` returns 0.
 Tokenize runs on a small pool of its own (`tokenize_workers` threads), apart from the scheduler thread
 and from the default pool that tokenizes Generate prompts, so a burst of large Tokenize calls cannot
 hold up generation; text sizes are capped by `max_tokenize_bytes` / `max_prompt_bytes`.
+
+Images (a model with a vision tower): `GenerateRequest.images`, each the encoded bytes or a Files API id
+(the server's one FileStore, shared with the HTTP API; a lease holds the file for the request's duration),
+go through the server's `ImagePipeline` (serving/vision.py: pre-processing, feature cache, ViT on a miss),
+on a worker thread, before the request is submitted; each placeholder of the text prompt becomes its
+image's span. Every problem with them is INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from grpc_reflection.v1alpha import reflection
 from serving.config import ServeConfig
 from serving.constraints import constraint_from_proto
 from serving.engine_api import Engine, SamplingParams
+from serving.files import FileError, FileLease, FileStore
 from serving.metrics import Metrics, MetricsServer
 from serving.proto import ced_pb2, ced_pb2_grpc
 from serving.scheduler import (
@@ -61,6 +68,7 @@ from serving.scheduler import (
 )
 from serving.tenants import Unauthenticated, server_interceptors
 from serving.text import Tokenizer
+from serving.vision import ImageInputError, ImagePipeline
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +136,23 @@ def event_to_proto(ev: StreamEvent) -> ced_pb2.GenerateResponse:
 
 
 class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, config: ServeConfig):
+    """`images`: the model's ImagePipeline (None: the model takes no images); `files`: the Files API
+    store that `ImageInput.file_id` names (None: file ids are refused)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        config: ServeConfig,
+        *,
+        images: ImagePipeline | None = None,
+        files: FileStore | None = None,
+    ):
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._config = config
+        self._images = images
+        self._files = files
         self.active_streams = 0
         self._tokenize_pool = ThreadPoolExecutor(
             max_workers=config.tokenize_workers, thread_name_prefix="ced-tokenize"
@@ -165,12 +186,23 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         except Unauthenticated as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
-    async def _to_request(self, request: ced_pb2.GenerateRequest, context) -> GenerationRequest:
+    async def _to_request(
+        self, request: ced_pb2.GenerateRequest, context, leases: list[FileLease]
+    ) -> GenerationRequest:
+        """The scheduler's request; Files API leases taken for its images are appended to `leases`
+        (the caller releases them when the request ends)."""
         identity = await self._identity(context, request.user)
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidRequest("prompt", "one of prompt or prompt_token_ids is required")
-        if which == "prompt":
+        images = ()
+        if request.images:
+            if which != "prompt":
+                raise InvalidRequest(
+                    "images", "need a text prompt holding their placeholders, not prompt_token_ids"
+                )
+            ids, images = await self._expand_images(request, identity, leases)
+        elif which == "prompt":
             if not request.prompt:
                 raise InvalidRequest("prompt", "is empty")
             ids = tuple(await self._encode(request.prompt))
@@ -199,13 +231,54 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             deadline=deadline,
             identity=identity,
             constraint=constraint_from_proto(request),
+            images=images,
         )
+
+    async def _expand_images(self, request, identity: str, leases: list[FileLease]):
+        """(prompt ids with each image placeholder expanded into its span, the RequestImage spans)."""
+        pipeline, count = self._images, len(request.images)
+        if pipeline is None:
+            raise InvalidRequest("images", "this model has no vision tower: it takes no images")
+        limit = pipeline.max_images_per_request
+        if count > limit:  # before any file is looked up or image decoded
+            raise InvalidRequest("images", f"{count} images in one request; the limit is {limit}")
+        _check_text_size("prompt", request.prompt, "max_prompt_bytes", self._config.max_prompt_bytes)
+        blobs = []
+        for i, image in enumerate(request.images):
+            source = image.WhichOneof("source")
+            if source == "data":
+                blobs.append(image.data)
+            elif source == "file_id":
+                field = f"images[{i}].file_id"
+                if self._files is None:
+                    raise InvalidRequest(field, "this server has no Files API store")
+                try:
+                    lease = self._files.acquire(identity, image.file_id, field)
+                except FileError as e:
+                    raise InvalidRequest(field, e.message.removeprefix(f"{field}: ")) from None
+                leases.append(lease)
+                blobs.append(lease.data)
+            else:
+                raise InvalidRequest(f"images[{i}]", "one of data or file_id is required")
+        try:
+            # Pre-processing and, on a feature-cache miss, the ViT: seconds of work, off the event loop.
+            ids, spans = await asyncio.to_thread(
+                pipeline.build_prompt, request.prompt, blobs, self._tokenizer.encode, field="images"
+            )
+        except ImageInputError as e:
+            field = e.field
+            if field.startswith("images[") and field.endswith("]"):  # name which source was bad
+                i = int(field[len("images[") : -1])
+                field += "." + (request.images[i].WhichOneof("source") or "data")
+            raise InvalidRequest(field, e.message) from None
+        return tuple(ids), tuple(spans)
 
     async def Generate(self, request, context):
         self.active_streams += 1
+        leases: list[FileLease] = []  # Files API images, held until the request ends
         try:
             try:
-                req = await self._to_request(request, context)
+                req = await self._to_request(request, context, leases)
                 stream = self._scheduler.submit_async(req)
             except InvalidRequest as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -222,6 +295,8 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             finally:
                 stream.close()  # a no-op after the final event; otherwise aborts the request
         finally:
+            for lease in leases:
+                lease.release()
             self.active_streams -= 1
 
     async def Tokenize(self, request, context):
@@ -269,6 +344,29 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         # Only the caller's own requests: another identity's request with this id is not found.
         found = self._scheduler.abort(request.request_id, identity=identity)
         return ced_pb2.AbortResponse(found=found)
+
+
+def image_pipeline(engine: Engine, config: ServeConfig, metrics: Metrics | None = None) -> ImagePipeline | None:
+    """The ImagePipeline of `engine`'s model (serving.jax_engine.JaxEngine keeps it as `.model`), with
+    the config's cache size and image limits; None for a model without a vision tower (or an engine
+    without a model, such as the mock).
+
+    The ViT's patch buckets are not compiled here: each bucket compiles on the first image that needs it
+    (tiny-v: well under a second; the ViT's programs are separate from the language model's, so this
+    never adds a compile to a running decode step, only latency to that first image)."""
+    model = getattr(engine, "model", None)
+    encoder = getattr(model, "vision", None)
+    if encoder is None:
+        return None
+    return ImagePipeline(
+        encoder,
+        model.cfg.vision,
+        image_token_id=model.cfg.image_token_id,
+        feature_cache_bytes=config.feature_cache_bytes,
+        max_images_per_request=config.max_images_per_request,
+        max_image_bytes=config.max_image_bytes,
+        metrics=metrics,
+    )
 
 
 def _check_text_size(field: str, text: str, limit_name: str, limit: int) -> None:
@@ -376,7 +474,10 @@ def _max_request_bytes(config: ServeConfig) -> int:
     """gRPC's receive limit: never below its default, and room for text at the configured limits (else
     gRPC would refuse a legal request first, with RESOURCE_EXHAUSTED naming no field)."""
     largest_text = max(config.max_prompt_bytes, config.max_tokenize_bytes)
-    return max(_GRPC_DEFAULT_MAX_RECEIVE_BYTES, largest_text + _ROOM_FOR_OTHER_FIELDS_BYTES)
+    # A Generate request may also carry max_images_per_request images of max_image_bytes each (bound
+    # before the model is loaded, so whether it takes images is not known yet).
+    images = config.max_images_per_request * config.max_image_bytes
+    return max(_GRPC_DEFAULT_MAX_RECEIVE_BYTES, largest_text + images + _ROOM_FOR_OTHER_FIELDS_BYTES)
 
 
 def _host_port(host: str, port: int) -> str:
@@ -429,6 +530,9 @@ class Server:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.metrics = Metrics()
+        # The Files API store: one per server, so a file uploaded over HTTP can be named in gRPC too.
+        self.files = FileStore(config.http_files)
+        self.images: ImagePipeline | None = None  # set by attach() for a model with a vision tower
         self.health = health.aio.HealthServicer()
         # Set by attach(); until then the InferenceService answers UNAVAILABLE.
         self.engine: Engine | None = None
@@ -490,7 +594,7 @@ class Server:
                 host = cfg.http_host or cfg.host
                 port = cfg.http_port
                 sock = _listen("--http-port", host, port, lambda: HttpFrontEnd.bind_socket(host, port))
-                self.http = HttpFrontEnd(cfg, self.metrics)
+                self.http = HttpFrontEnd(cfg, self.metrics, files=self.files)
                 await self.http.start(sock)  # answers 503 (warming up) until attach()
                 self.http_port = self.http.port
         except BaseException:
@@ -498,17 +602,19 @@ class Server:
             raise
 
     async def attach(self, engine: Engine, tokenizer: Tokenizer, warmup: bool = True) -> None:
-        """Puts `engine` behind the listening server: warm-up (compiles), scheduler, health SERVING."""
+        """Puts `engine` behind the listening server: warm-up (compiles), scheduler, health SERVING.
+        A model with a vision tower (`engine.model.vision`) gets an ImagePipeline for both front ends."""
         if self._grpc is None:
             raise RuntimeError("Server.attach needs bind() first")
         scheduler = Scheduler(engine, tokenizer, self.config, self.metrics)  # checks the engine's shapes
         if warmup:
             await asyncio.to_thread(engine.warmup)
-        self.engine, self.scheduler = engine, scheduler
+        images = image_pipeline(engine, self.config, self.metrics)
+        self.engine, self.scheduler, self.images = engine, scheduler, images
         scheduler.start()
-        self.servicer = InferenceServicer(scheduler, tokenizer, self.config)
+        self.servicer = InferenceServicer(scheduler, tokenizer, self.config, images=images, files=self.files)
         if self.http is not None:
-            self.http.attach(scheduler, tokenizer)
+            self.http.attach(scheduler, tokenizer, images=images)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
