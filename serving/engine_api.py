@@ -133,6 +133,10 @@ class EngineSpec:
     history_tokens: int = 0  # tokens before a chunk's start that prefill receives (n-gram features)
     model_name: str = ""
     config_summary: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Images: the model's width (span rows are [span_len, hidden_size]) and its image placeholder id;
+    # hidden_size 0 = the model has no vision tower (requests with images are refused).
+    hidden_size: int = 0
+    image_token_id: int = -1
 
     def __post_init__(self):
         check_shapes(
@@ -175,6 +179,10 @@ class PrefillChunk:
     restore: Snapshot | None = None  # only on a first chunk resuming at start_pos in "snapshot" mode
     snapshot_at: tuple[int, ...] = ()  # page-aligned positions in (start_pos, start_pos + T]
     token_bitmask: np.ndarray | None = None  # i32[W] for the last chunk's sample; None = all ones
+    # Image spans in the chunk (both or neither; None = text only): the token type of every position
+    # (-1 text, 0..3 span) and the embedding rows of span positions (others are ignored).
+    token_types: np.ndarray | None = None  # i32[T]
+    span_embeds: np.ndarray | None = None  # f32[T, hidden_size]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

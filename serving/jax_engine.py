@@ -100,6 +100,19 @@ class _PrefillRows:
     top_k: np.ndarray  # i32 [R]
     seed: np.ndarray  # u32 [R]
     token_bitmask: np.ndarray  # i32 [R, W]; all ones = unconstrained
+    # Image spans (both or neither): set when a chunk of the batch has one, so text-only batches run
+    # the text program; text rows of an image batch are all -1 with zero rows.
+    token_types: np.ndarray | None = None  # i32 [R, prefill_chunk]
+    span_embeds: np.ndarray | None = None  # f32 [R, prefill_chunk, D]
+
+    def with_images(self, engine: JaxEngine) -> _PrefillRows:
+        """These rows with all-text image inputs (to be filled per chunk)."""
+        size, width = self.tokens.shape
+        return dataclasses.replace(
+            self,
+            token_types=np.full((size, width), -1, np.int32),
+            span_embeds=np.zeros((size, width, engine.cfg.hidden_size), np.float32),
+        )
 
     @classmethod
     def idle(cls, size: int, engine: JaxEngine, slots: np.ndarray | None = None) -> _PrefillRows:
@@ -122,6 +135,8 @@ class _PrefillRows:
         used = {c.slot for c in chunks}
         others = [s for s in range(engine.spec.max_slots) if s not in used][: size - len(chunks)]
         rows = cls.idle(size, engine, [c.slot for c in chunks] + others)
+        if any(c.token_types is not None for c in chunks):
+            rows = rows.with_images(engine)
         for r, c in enumerate(chunks):
             rows.tokens[r, : len(c.token_ids)] = c.token_ids
             rows.n[r] = len(c.token_ids)
@@ -132,6 +147,9 @@ class _PrefillRows:
             rows.top_k[r], rows.seed[r] = sp.top_k, sp.seed
             if c.token_bitmask is not None:
                 rows.token_bitmask[r] = c.token_bitmask
+            if c.token_types is not None:
+                rows.token_types[r, : len(c.token_ids)] = c.token_types
+                rows.span_embeds[r, : len(c.token_ids)] = c.span_embeds
         return rows
 
 
@@ -179,7 +197,8 @@ class _PendingPrefill:
                 hist = None
                 if engine.hasher is not None:
                     before = self._histories[r : r + 1]
-                    hist = engine.hasher.next_history(before, toks[None, :m], np.array([m]))[0]
+                    dead = None if chunk.token_types is None else np.asarray(chunk.token_types)[None, :m] >= 0
+                    hist = engine.hasher.next_history(before, toks[None, :m], np.array([m]), dead)[0]
                 state = jax.tree.map(lambda a, k=k, r=r: a[k, r].copy(), host_snaps)
                 snapshots[b] = JaxSnapshot(b, state, hist)
                 engine.live_snapshots += 1
@@ -262,6 +281,8 @@ class JaxEngine:
             restore_mode="snapshot",
             history_tokens=0,
             model_name=cfg.name,
+            hidden_size=cfg.hidden_size if getattr(model, "vision", None) is not None else 0,
+            image_token_id=cfg.image_token_id,
             config_summary={
                 "layers": str(cfg.num_layers),
                 "hidden_size": str(cfg.hidden_size),
@@ -336,6 +357,9 @@ class JaxEngine:
             self._decode_idle_rows(size)
         for size in self.prefill_rows[1:]:  # likewise
             self._prefill_rows(_PrefillRows.idle(size, self))
+        if self._spec.hidden_size:  # the image variant of every prefill row count (idle rows)
+            for size in self.prefill_rows:
+                self._prefill_rows(_PrefillRows.idle(size, self).with_images(self))
         self._restore_slot(0, self.engine.zero_slot_state(), None)
 
     def _decode_idle_rows(self, size: int) -> None:
@@ -404,6 +428,17 @@ class JaxEngine:
         w = mask_words(self.cfg.vocab_size)
         if chunk.token_bitmask is not None and np.shape(chunk.token_bitmask) != (w,):
             raise ValueError(f"token_bitmask shape {np.shape(chunk.token_bitmask)}, expected {(w,)}")
+        if (chunk.token_types is None) != (chunk.span_embeds is None):
+            raise ValueError("token_types and span_embeds must be given together")
+        if chunk.token_types is not None:
+            if not spec.hidden_size:
+                raise ValueError("this model has no vision tower: a chunk cannot carry image spans")
+            if np.shape(chunk.token_types) != (n,):
+                raise ValueError(f"token_types shape {np.shape(chunk.token_types)}, expected {(n,)}")
+            if np.shape(chunk.span_embeds) != (n, spec.hidden_size):
+                raise ValueError(
+                    f"span_embeds shape {np.shape(chunk.span_embeds)}, expected {(n, spec.hidden_size)}"
+                )
         fresh = self._pos[s] < 0
         if chunk.restore is not None:
             if not fresh or chunk.restore.pos != start:
@@ -423,7 +458,7 @@ class JaxEngine:
             return self.engine.prefill_batch(
                 rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
                 rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
-                token_bitmask=rows.token_bitmask,
+                token_bitmask=rows.token_bitmask, token_types=rows.token_types, span_embeds=rows.span_embeds,
             )  # fmt: skip
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:

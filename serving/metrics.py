@@ -67,6 +67,19 @@ class Metrics:
         )
         self.prompt_tokens = Counter("ced_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("ced_generation_tokens", "Sampled tokens.", registry=r)
+        self.vit_runs = Counter("ced_vit_runs", "Images run through the ViT and aligner.", registry=r)
+        self.image_feature_cache_hits = Counter(
+            "ced_image_feature_cache_hits", "Images whose span rows came from the feature cache.", registry=r
+        )
+        self.image_feature_cache_misses = Counter(
+            "ced_image_feature_cache_misses", "Images not in the feature cache (the ViT ran).", registry=r
+        )
+        self.image_feature_cache_bytes = Gauge(
+            "ced_image_feature_cache_bytes", "Bytes of span rows held by the feature cache.", registry=r
+        )
+        self.images_per_request = Histogram(
+            "ced_images_per_request", "Images in a request that has any.", buckets=(1, 2, 4, 8, 16, 32), registry=r
+        )
         for reason in ("stop", "length", "abort"):
             self.requests_finished.labels(finish_reason=reason)
         self._hit = 0

@@ -50,13 +50,16 @@ def scope_tag(scope: str) -> bytes:
     return hashlib.blake2b(scope.encode("utf-8"), digest_size=16, person=b"ced-prefix-scope").digest()
 
 
-def block_key(parent: bytes, tag: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+def block_key(parent: bytes, tag: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
     """The hash-chain key of a block of tokens following the prefix keyed `parent`, in scope `tag`.
 
-    `parent` and `tag` are 16 bytes each, so the hashed bytes split one way only.
+    `parent` and `tag` are 16 bytes each and the tokens a fixed page of int32, so the hashed bytes
+    split one way only. `extra` is what the ids do not say about the block: for a block overlapping
+    an image span, the image's content hash and where the span lies (every span position holds the
+    same placeholder id, so two images would otherwise share keys).
     """
     data = np.asarray(tokens, dtype=np.int32).tobytes()
-    return hashlib.blake2b(parent + tag + data, digest_size=16).digest()
+    return hashlib.blake2b(parent + tag + data + extra, digest_size=16).digest()
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +70,7 @@ class CacheEntry:
     page: int
     tokens: np.ndarray  # i32[page_size]
     snapshot: Any = None
+    extra: bytes = b""  # see block_key
     children: set[bytes] = dataclasses.field(default_factory=set)
 
 
@@ -173,9 +177,15 @@ class PagePool:
     # ---- prefix cache -------------------------------------------------------------------------
 
     def match(
-        self, token_ids: Sequence[int] | np.ndarray, max_blocks: int | None = None, *, scope: str = ""
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        max_blocks: int | None = None,
+        *,
+        scope: str = "",
+        block_extras: Sequence[bytes] | None = None,
     ) -> PrefixMatch:
-        """The longest chain of cached full blocks in `scope` that `token_ids` starts with."""
+        """The longest chain of cached full blocks in `scope` that `token_ids` starts with.
+        block_extras[i]: block i's `block_key` extra (image spans), b"" for a text block."""
         if not self.enable_prefix_cache:
             return PrefixMatch(())
         tokens = np.asarray(token_ids, dtype=np.int32)
@@ -187,15 +197,23 @@ class PagePool:
         tag = scope_tag(scope)
         for i in range(n):
             block = tokens[i * self.page_size : (i + 1) * self.page_size]
-            key = block_key(key, tag, block)
+            extra = block_extras[i] if block_extras is not None else b""
+            key = block_key(key, tag, block, extra)
             entry = self._entries.get(key)
-            if entry is None or not np.array_equal(entry.tokens, block):
+            if entry is None or not np.array_equal(entry.tokens, block) or entry.extra != extra:
                 break
             out.append(entry)
         return PrefixMatch(tuple(out))
 
     def register(
-        self, parent: bytes, tokens: np.ndarray, page: int, snapshot: Any = None, *, scope: str = ""
+        self,
+        parent: bytes,
+        tokens: np.ndarray,
+        page: int,
+        snapshot: Any = None,
+        *,
+        scope: str = "",
+        extra: bytes = b"",
     ) -> bytes:
         """Registers a full, written block held by the caller in `scope`; returns its key (the next parent).
 
@@ -207,7 +225,7 @@ class PagePool:
         if len(tokens) != self.page_size:
             raise ValueError("only full blocks can be registered")
         tag = scope_tag(scope)
-        key = block_key(parent, tag, tokens)
+        key = block_key(parent, tag, tokens, extra)
         if not self.enable_prefix_cache:
             self._drop_snapshot(snapshot)
             return key
@@ -230,7 +248,7 @@ class PagePool:
         if parent != ROOT_KEY and self._entries[parent].scope != tag:
             raise ValueError("the parent block belongs to another scope")
         entry = CacheEntry(
-            key=key, parent=parent, scope=tag, page=page, tokens=tokens.copy(), snapshot=snapshot
+            key=key, parent=parent, scope=tag, page=page, tokens=tokens.copy(), snapshot=snapshot, extra=extra
         )
         self._entries[key] = entry
         self._page_entry[page] = entry
@@ -293,7 +311,7 @@ class PagePool:
         assert len(self._page_entry) == len(self._entries)
         for key, e in self._entries.items():
             assert self._page_entry[e.page] is e
-            assert e.key == key == block_key(e.parent, e.scope, e.tokens)
+            assert e.key == key == block_key(e.parent, e.scope, e.tokens, e.extra)
             assert e.parent == ROOT_KEY or e.parent in self._entries, "orphan entry"
             assert e.parent == ROOT_KEY or self._entries[e.parent].scope == e.scope, "chain crosses scopes"
             for c in e.children:

@@ -77,6 +77,7 @@ from serving.engine_api import DecodeBatch, Engine, PrefillChunk, SampledToken, 
 from serving.metrics import Metrics
 from serving.pages import ROOT_KEY, PagePool
 from serving.text import Released, StreamText, Tokenizer
+from serving.vision import RequestImage
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class GenerationRequest:
     deadline: float | None = None  # in the scheduler's clock (time.monotonic)
     identity: str = ""  # the tenant: namespaces request_id and scopes the prefix cache ("" = anonymous)
     constraint: OutputConstraint | None = None  # what the output may be (constrained decoding)
+    # Image spans of the prompt (serving.vision.RequestImage, ascending, disjoint): the prompt holds
+    # the image token id at every span position; the spans' rows go to the model with the tokens.
+    images: tuple[RequestImage, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +175,7 @@ class _Seq:
         self.sink = sink
         self.arrival = arrival
         self.prompt = np.asarray(req.prompt_token_ids, np.int32)
+        self.images = req.images
         self.max_tokens = max_tokens
         self.text = text
         self.slot: int | None = None
@@ -312,9 +317,46 @@ class Scheduler:
                 )
         if any(not 0 <= t < spec.vocab_size for t in req.stop_token_ids):
             raise InvalidRequest("stop_token_ids", f"token ids must be in [0, {spec.vocab_size})")
+        if req.images:
+            self._validate_images(req, ids)
         max_tokens = cfg.default_max_tokens if req.max_tokens is None else req.max_tokens
         # The sequence (prompt + output) must fit in max_context; beyond it finish with LENGTH.
         return min(max_tokens, spec.max_context - n)
+
+    def _validate_images(self, req: GenerationRequest, ids: np.ndarray) -> None:
+        spec = self.spec
+        if not spec.hidden_size:
+            raise InvalidRequest("images", "this model has no vision tower: it takes no images")
+        end = 0
+        for i, im in enumerate(req.images):
+            field = f"images[{i}]"
+            if not isinstance(im, RequestImage):
+                raise InvalidRequest(field, "must be a serving.vision.RequestImage")
+            types = np.asarray(im.token_types)
+            rows = np.asarray(im.span_embeds)
+            if types.ndim != 1 or len(types) < 3 or not np.issubdtype(types.dtype, np.integer):
+                raise InvalidRequest(f"{field}.token_types", "must be a 1-D integer array of at least 3 types")
+            if types.min() < 0 or types.max() > 3 or types[0] != 0 or types[-1] != 3:
+                raise InvalidRequest(
+                    f"{field}.token_types",
+                    "values must be 0..3 (START, IMAGE, NEWLINE, END), from a START to an END",
+                )
+            if rows.shape != (len(types), spec.hidden_size) or rows.dtype != np.float32:
+                raise InvalidRequest(
+                    f"{field}.span_embeds",
+                    f"expected float32 {[len(types), spec.hidden_size]}, got {rows.dtype} {list(rows.shape)}",
+                )
+            if not isinstance(im.content_hash, bytes) or len(im.content_hash) != 32:
+                raise InvalidRequest(f"{field}.content_hash", "must be the 32-byte SHA-256 of the pixels")
+            if im.start < end:
+                raise InvalidRequest(f"{field}.start", "spans must be ascending and disjoint")
+            if im.end > len(ids):
+                raise InvalidRequest(f"{field}.start", f"span [{im.start}, {im.end}) runs past the prompt")
+            if np.any(ids[im.start : im.end] != spec.image_token_id):
+                raise InvalidRequest(
+                    f"{field}.start", f"every span position must hold the image token id {spec.image_token_id}"
+                )
+            end = im.end
 
     def submit(self, req: GenerationRequest, sink: Sink) -> object:
         """Queues a request; raises InvalidRequest or AdmissionError at once, never blocks.
@@ -468,7 +510,12 @@ class Scheduler:
             seq = self._waiting[0]
             n = len(seq.prompt)
             # Never reuse the block holding the last prompt token (its logits are needed).
-            match = self.pool.match(seq.prompt, max_blocks=(n - 1) // ps, scope=seq.cache_scope)
+            match = self.pool.match(
+                seq.prompt,
+                max_blocks=(n - 1) // ps,
+                scope=seq.cache_scope,
+                block_extras=[_block_extra(seq.images, i * ps, ps) for i in range(n // ps)],
+            )
             entries = list(match.entries)
             if self.spec.restore_mode == "snapshot":
                 usable = max((i + 1 for i, e in enumerate(entries) if e.snapshot is not None), default=0)
@@ -546,6 +593,7 @@ class Scheduler:
         if spec.restore_mode == "snapshot" and self.config.enable_prefix_cache:
             snapshot_at = tuple(range((start // ps + 1) * ps, min(end, full_end) + 1, ps))
         h = spec.history_tokens
+        types, span_embeds = _chunk_images(seq.images, start, end, spec.hidden_size)
         return PrefillChunk(
             slot=seq.slot,
             token_ids=seq.prompt[start:end],
@@ -557,6 +605,8 @@ class Scheduler:
             restore=seq.restore,
             snapshot_at=snapshot_at,
             token_bitmask=self._bitmask[seq.slot].copy() if end == n and seq.matcher is not None else None,
+            token_types=types,
+            span_embeds=span_embeds,
         )
 
     def _prefill_finish(self, plan, pending) -> None:
@@ -577,6 +627,7 @@ class Scheduler:
                 seq.pages[i],
                 snapshots.pop(b, None),
                 scope=seq.cache_scope,
+                extra=_block_extra(seq.images, i * ps, ps),
             )
             seq.registered = i + 1
         for snap in snapshots.values():  # boundaries we did not ask for
@@ -761,6 +812,35 @@ class Scheduler:
         m.pages_free.set(self.pool.num_free)
         m.pages_cached.set(self.pool.num_cached)
         m.compiles_after_warmup.set(self.engine.compiles_after_warmup)
+
+
+def _overlapping(images: Sequence[RequestImage], start: int, end: int) -> list[RequestImage]:
+    return [im for im in images if im.start < end and im.end > start]
+
+
+def _block_extra(images: Sequence[RequestImage], start: int, size: int) -> bytes:
+    """The prefix-cache key extra of the block [start, start + size): the content hash and place of
+    every image span it overlaps (pages.block_key), b"" for a text block. (The hash fixes the
+    span's length and types: they follow from the pre-processed image.)"""
+    return b"".join(
+        im.content_hash + np.int64(im.start - start).tobytes()
+        for im in _overlapping(images, start, start + size)
+    )
+
+
+def _chunk_images(images: Sequence[RequestImage], start: int, end: int, width: int):
+    """(token_types i32 [end - start], span_embeds f32 [end - start, width]) of a chunk's positions,
+    or (None, None) when no span reaches into it."""
+    spans = _overlapping(images, start, end)
+    if not spans:
+        return None, None
+    types = np.full(end - start, -1, np.int32)
+    rows = np.zeros((end - start, width), np.float32)
+    for im in spans:
+        a, b = max(start, im.start), min(end, im.end)
+        types[a - start : b - start] = im.token_types[a - im.start : b - im.start]
+        rows[a - start : b - start] = im.span_embeds[a - im.start : b - im.start]
+    return types, rows
 
 
 class RequestStream:
