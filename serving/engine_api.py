@@ -173,7 +173,8 @@ class PrefillChunk:
     token_ids: np.ndarray  # i32[T], 1 <= T <= max(prefill_buckets)
     start_pos: int  # a multiple of page_size
     page_table: np.ndarray  # i32[pages_per_slot]; entries past the sequence are unspecified
-    history: np.ndarray  # i32[<= history_tokens], the tokens right before start_pos
+    history: np.ndarray  # i32[<= history_tokens], the tokens right before start_pos (raw ids: an
+    # engine that takes images keeps its n-gram history in snapshots, history_tokens 0, as JaxEngine)
     sampling: SamplingParams
     is_last_chunk: bool  # sample the token at start_pos + T
     restore: Snapshot | None = None  # only on a first chunk resuming at start_pos in "snapshot" mode

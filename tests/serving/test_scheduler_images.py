@@ -174,25 +174,46 @@ def test_image_prefix_cache_hits_are_exact(model, engine, pipeline, encode):
     assert other[:2] == want_m[:2]
     assert sched.pool.num_referenced == 0
     sched.pool.check_invariants()
+    assert engine.compiles_after_warmup == 0  # image batches ran programs compiled at warm-up
 
 
-def test_resume_inside_a_span_is_exact(model, engine, pipeline, encode):
-    """Two prompts with the same image that part right after its span: the second resumes from the
-    snapshot of the last full page, which lies inside the span, and must equal its cold run."""
-    ids, spans = pipeline.build_prompt(TEXT, [IMAGE1], encode)
-    other_text = TEXT.replace("and say what you see.", "then count the colours in it, please.")
-    ids2, spans2 = pipeline.build_prompt(other_text, [IMAGE1], encode)
-    (span,) = spans
-    end = span.end + 1  # after the BOS
-    assert ids2[: span.end] == ids[: span.end] and ids2[span.end] != ids[span.end] and end % PAGE
+def _aligned_prompts(pipeline, encode, at_end: bool):
+    """Two prompts with the same picture and the same text for a few tokens after it, parting
+    before the next page boundary. at_end: the text before the picture is padded so that the span
+    ends exactly on a page boundary (BOS included); else the prompts part right after the span,
+    which ends inside a page."""
+    for pad in range(40):
+        head = "<｜User｜>Look" + " at" * pad + " this picture"
+        a = head + "<｜deepseek_image｜>and say what you see.<｜Assistant｜></think>"
+        b = head + "<｜deepseek_image｜>and say nothing at all.<｜Assistant｜></think>"
+        ids_a, spans_a = pipeline.build_prompt(a, [IMAGE1], encode)
+        ids_b, spans_b = pipeline.build_prompt(b, [IMAGE1], encode)
+        end = spans_a[0].end + 1  # after the BOS
+        boundary = -(-end // PAGE) * PAGE
+        part = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y) + 1
+        if at_end and boundary == end and boundary + 2 <= part < boundary + PAGE:
+            return (ids_a, spans_a), (ids_b, spans_b), boundary
+        if not at_end and boundary != end and part < boundary:
+            return (ids_a, spans_a), (ids_b, spans_b), boundary - PAGE
+    raise AssertionError("no padding gives the wanted alignment")
+
+
+@pytest.mark.parametrize("at_end", [True, False])
+def test_resume_at_a_page_boundary_after_or_inside_a_span_is_exact(model, engine, pipeline, encode, at_end):
+    """The second prompt resumes from the first's snapshot at a page boundary: right at the span's end
+    (the first tokens after the boundary are text whose n-grams reach back into the span, so the
+    snapshot's Engram history must hold the span as DEAD slots: this case fails without them), or
+    inside the span. Its tokens and logprobs must equal its cold run."""
+    (ids, spans), (ids2, spans2), boundary = _aligned_prompts(pipeline, encode, at_end)
+    assert spans[0].start + 1 < boundary <= spans[0].end + 1
     tok = ModelTokenizer(model)
     cold = _run(Scheduler(engine, tok, _config(enable_prefix_cache=False)), [_request("x", ids2, spans2)])["x"]
     sched = Scheduler(engine, tok, _config())
     _run(sched, [_request("first", ids, spans)])
     warm = _run(sched, [_request("y", ids2, spans2)])["y"]
-    hit = warm[2].cached_prompt_tokens
-    assert span.start + 1 < hit < end, hit
+    assert warm[2].cached_prompt_tokens == boundary
     assert warm[:2] == cold[:2]
+    assert engine.compiles_after_warmup == 0
 
 
 def test_bad_images_are_refused_and_leak_nothing(model, engine, pipeline, encode):
@@ -224,8 +245,3 @@ def test_text_model_refuses_images(encode, pipeline):
     with pytest.raises(InvalidRequest, match="no vision tower") as e:
         sched.submit(GenerationRequest(request_id="r", prompt_token_ids=ids, images=spans), print)
     assert e.value.field == "images"
-
-
-def test_no_compiles_after_warmup(engine):
-    """Runs last in the module: every image request above used programs compiled at warm-up."""
-    assert engine.compiles_after_warmup == 0
