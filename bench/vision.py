@@ -35,7 +35,7 @@ from PIL import Image  # noqa: E402
 from ced_jax.config import ModelConfig, preset  # noqa: E402
 from ced_jax.testing.random_weights import draw  # noqa: E402
 from ced_jax.vision.preprocess import prepare_image  # noqa: E402
-from ced_jax.vision.tower import VisionEncoder  # noqa: E402
+from ced_jax.vision.tower import VisionEncoder, forward_flops  # noqa: E402
 from ced_jax.vision.weights import load_vision_params, vision_inventory  # noqa: E402
 
 
@@ -76,11 +76,30 @@ def time_image(encoder: VisionEncoder, label: str, data: bytes, repeats: int, wa
         "span_len": image.span_len,
         "preprocess_s": round(prep, 4),
         "first_call_s": round(first, 3),
+        "gflop": round(forward_flops(encoder.vcfg, encoder.cfg.hidden_size, encoder.bucket_for(image.num_patches),
+                                     image.n_llm_h * image.n_llm_w) / 1e9, 2),
         "median_s": round(statistics.median(times), 4),
         "min_s": round(min(times), 4),
         "max_s": round(max(times), 4),
         "repeats": repeats,
     }
+
+
+def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """The backend's f32 matmul rate (GFLOP/s, median of `repeats`), the roofline the ViT's matmuls
+    (f32 on widened bf16 values) are compared against."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(a))
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,20 +138,28 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"shapes": "released v41-flash", **row})
             print(json.dumps(rows[-1]), flush=True)
 
+    peak = gemm_gflops()
+    for r in rows:
+        r["gflops_per_s"] = round(r["gflop"] / r["median_s"], 1)
+        r["of_gemm_peak"] = round(r["gflops_per_s"] / peak, 3)
+    print(json.dumps({"gemm_f32_gflops_per_s": round(peak, 1)}), flush=True)
     print(
-        f"\nbackend: {jax.default_backend()} ({jax.devices()[0].device_kind}), {len(jax.devices())} device(s)"
+        f"\nbackend: {jax.default_backend()} ({jax.devices()[0].device_kind}), {len(jax.devices())} device(s); "
+        f"roofline: an f32 2048^3 matmul measured in this run, {peak:.1f} GFLOP/s"
     )
     header = (
-        "| shapes | image | patches (bucket) | image tokens | pre-processing s | first call s | median s |"
+        "| shapes | image | patches (bucket) | image tokens | pre-processing s | first call s | median s "
+        "| GFLOP | GFLOP/s (of the matmul roofline) |"
     )
     print(header)
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['shapes']} | {r['image']} -> {r['canvas_hw'][1]}x{r['canvas_hw'][0]} "
             f"| {r['patches']} ({r['bucket']}) "
             f"| {r['image_tokens']} | {r['preprocess_s']} | {r['first_call_s']} "
-            f"| {r['median_s']} ({r['min_s']}-{r['max_s']}), n={r['repeats']} |"
+            f"| {r['median_s']} ({r['min_s']}-{r['max_s']}), n={r['repeats']} "
+            f"| {r['gflop']} | {r['gflops_per_s']} ({r['of_gemm_peak']:.0%}) |"
         )
     return 0
 

@@ -223,6 +223,20 @@ def default_buckets(vcfg: VisionConfig, smallest: int = 256) -> tuple[int, ...]:
     return tuple(out)
 
 
+def forward_flops(vcfg: VisionConfig, hidden_size: int, patches: int, image_tokens: int) -> float:
+    """Matmul FLOPs of one ViT + aligner call over `patches` patches (the bucket: padded patches are
+    computed too) giving `image_tokens` aligner rows, for benchmarks' rooflines: patch embedding,
+    per block qkv / o / the fused SwiGLU MLP and the attention scores and values, then the aligner's
+    two linears."""
+    width, inner = vcfg.hidden_size, vcfg.intermediate_size
+    patch_in = 3 * vcfg.patch_size**2
+    per_block = 2 * patches * width * (3 * width + width + 2 * inner) + 2 * patches * inner * width
+    per_block += 4 * patches * patches * width
+    merged = width * vcfg.downsample_ratio**2
+    aligner = 2 * image_tokens * (merged * hidden_size + hidden_size * hidden_size)
+    return float(2 * patches * patch_in * width + vcfg.num_hidden_layers * per_block + aligner)
+
+
 class VisionEncoder:
     """The ViT + aligner as one jitted program per patch bucket, on a flat param dict (released names).
 
