@@ -193,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FILE",
-        help=f"an image file for a vision model (repeatable, in order); the prompt holds one {IMAGE_PLACEHOLDER} "
-        "per image, or none and they are put before it",
+        help=f"an image file for a vision model (repeatable, in order); the prompt holds one "
+        f"{IMAGE_PLACEHOLDER} per image, or none and they are put before it",
     )
     p.add_argument(
         "--image-file-id",

@@ -170,7 +170,9 @@ class ServeConfig:
                 f"max_running must be in 1..max_slots ({self.max_slots}), got {self.max_running}"
             )
         if self.feature_cache_bytes < 0:
-            raise ValueError(f"feature_cache_bytes must be >= 0 (0: no cache), got {self.feature_cache_bytes}")
+            raise ValueError(
+                f"feature_cache_bytes must be >= 0 (0: no cache), got {self.feature_cache_bytes}"
+            )
         if self.max_queued < 0 or self.max_logprobs < 0:
             raise ValueError("max_queued and max_logprobs must be >= 0")
         if self.default_max_tokens > self.max_tokens_limit:

@@ -346,7 +346,9 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         return ced_pb2.AbortResponse(found=found)
 
 
-def image_pipeline(engine: Engine, config: ServeConfig, metrics: Metrics | None = None) -> ImagePipeline | None:
+def image_pipeline(
+    engine: Engine, config: ServeConfig, metrics: Metrics | None = None
+) -> ImagePipeline | None:
     """The ImagePipeline of `engine`'s model (serving.jax_engine.JaxEngine keeps it as `.model`), with
     the config's cache size and image limits; None for a model without a vision tower (or an engine
     without a model, such as the mock).

@@ -31,7 +31,7 @@ MAX_IMAGES = 2
 
 
 def _config(**kw) -> ServeConfig:
-    base = dict(
+    base = dict(http_port=0,
         max_slots=4, page_size=16, max_context=512, prefill_buckets=(64,), max_tokens_limit=32,
         default_max_tokens=8, max_queued=16, metrics_port=None, max_images_per_request=MAX_IMAGES,
         max_image_bytes=1 << 20,
@@ -48,6 +48,7 @@ def model():
 @pytest.fixture(scope="module")
 def server(model):
     srv = ServerThread(JaxEngine(model, _config()), ModelTokenizer(model), _config())
+    assert srv.server.http is not None
     yield srv
     srv.close()
 
@@ -163,3 +164,63 @@ def test_images_to_a_text_only_model_are_invalid_argument():
             thread.join(10)
     finally:
         loop.close()
+
+
+def test_http_front_end_shares_the_pipeline_and_the_file_store(server, tmp_path, capsys):
+    """A file uploaded over HTTP is usable over gRPC (one FileStore), the HTTP API expands images with
+    the server's pipeline (its feature cache is hit), and `ced-jax client --image` sends one."""
+    import base64
+    import json
+    import urllib.request
+
+    base = f"http://127.0.0.1:{server.server.http_port}"
+    boundary = "cedboundary"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nvision\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.png"\r\n'
+            "Content-Type: image/png\r\n\r\n"
+        ).encode()
+        + IMAGE1
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    upload = urllib.request.Request(
+        base + "/v1/files", data=body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    )
+    with urllib.request.urlopen(upload, timeout=30) as r:
+        file_id = json.loads(r.read())["id"]
+    by_file = _generate(server.addr, TEXT, [file_id])  # no API keys: HTTP files belong to identity ""
+    by_data = _generate(server.addr, TEXT, [IMAGE1])
+    assert by_file.token_ids == by_data.token_ids
+
+    pipeline = server.server.images
+    hits = pipeline.cache_hits
+    url = "data:image/png;base64," + base64.b64encode(IMAGE1).decode()
+    chat = {
+        "model": "deepseek-chat",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Look at this picture"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]}],
+    }  # fmt: skip
+    request = urllib.request.Request(
+        base + "/v1/chat/completions",
+        data=json.dumps(chat).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        usage = json.loads(r.read())["usage"]
+    assert pipeline.cache_hits == hits + 1  # the same pixels: no ViT run
+    # The span counts in the HTTP usage too (the chat template's text differs from TEXT's).
+    text_only = server.scheduler.tokenizer.encode(TEXT.replace(PLACEHOLDER, ""))
+    assert usage["prompt_tokens"] > by_data.usage.prompt_tokens - len(text_only)
+
+    path = tmp_path / "a.png"
+    path.write_bytes(IMAGE1)
+    rc = client.main([server.addr, "--prompt", TEXT, "--image", str(path), "--max-tokens", "3",
+                      "--temperature", "0", "--ignore-eos"])  # fmt: skip
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert f"prompt_tokens={by_data.usage.prompt_tokens} " in err, err
+    server.assert_idle()
