@@ -323,11 +323,15 @@ class Converter:
             return self.encoder.encode(rendered)
 
         field = "input" if api == RESPONSES else "messages"
+        # The pipeline names image i `images[i]` (in prompt order); an error there is answered naming
+        # the request field that image came from.
+        fields = {f"images[{n}]": refs[i].field for n, i in enumerate(order)}
         try:
-            ids, spans = self.images.build_prompt(rendered.prompt, data, encode, field=field)
+            ids, spans = self.images.build_prompt(rendered.prompt, data, encode, field="images")
         except ValueError as e:  # serving.vision.ImageInputError (and the pre-processing's ImageError)
-            where = getattr(e, "field", None) or field
+            where = fields.get(getattr(e, "field", None), field)
             message = str(getattr(e, "message", None) or e)
+            message = message.removeprefix(f"{getattr(e, 'field', None)}: ")
             if not message.startswith(where):
                 message = f"{where}: {message}"
             raise ApiError(400, message, param=where) from None

@@ -4,8 +4,8 @@ The ground truth is the tiny-v fixture (`inputs.json`: DeepSeek's reference rend
 and a user turn with two images, and the token ids with each image expanded into its span). The same
 conversation sent as OpenAI Chat (base64 data URLs, file ids), Responses (`input_image`) and Anthropic
 Messages (base64, file sources) must give exactly the fixture's `prompt_ids` and span starts. The image
-pipeline here is `FixturePipeline`: the `ImagePipeline.build_prompt` contract (serving/vision.py) over
-`ced_jax.vision`'s pre-processing, so these tests need no engine. Error answers go through the real app
+pipeline here is the server's `ImagePipeline` (serving/vision.py: the real pre-processing and span
+expansion) over a stand-in ViT, so these tests need no engine. Error answers go through the real app
 with the official SDKs (Starlette's TestClient is the SDKs' HTTP client), in each API's error shape.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import anthropic
+import numpy as np
 import openai
 import pytest
 import tokenizers
@@ -28,7 +29,6 @@ from serving_helpers import ServerThread, wait_until
 from starlette.testclient import TestClient
 
 from ced_jax.config import ModelConfig
-from ced_jax.vision import build_vl_prompt, prepare_image
 from serving.chat import PromptEncoder, render_messages
 from serving.config import ServeConfig
 from serving.files import FileStore
@@ -40,6 +40,7 @@ from serving.http.models import ModelCatalog
 from serving.image_fetch import ImageFetchConfig, ImageFetcher
 from serving.mock_engine import MockEngine
 from serving.tenants import ApiKeys
+from serving.vision import ImagePipeline
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
 INPUTS = json.loads((GOLDEN / "inputs.json").read_text())
@@ -51,30 +52,29 @@ KEY = "sk-images-0123456789"
 NO_THINKING = {"thinking": {"type": "disabled"}}  # the fixture renders in chat (non-thinking) mode
 
 
-class FixtureImageError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, f"{field}: {message}"
+class ZeroRowsEncoder:
+    """A stand-in ViT for `ImagePipeline`: zero rows of the span's length (these tests check prompts,
+    spans and refusals; the served rows are checked in test_http_vision.py on the real tower)."""
+
+    def span_embeddings(self, image):
+        return np.zeros((image.span_len, 4), np.float32)
 
 
-class FixturePipeline:
-    """`ImagePipeline.build_prompt` over ced_jax.vision's pre-processing (no ViT: spans only)."""
+class FixturePipeline(ImagePipeline):
+    """The serving ImagePipeline (real pre-processing and span expansion) over `ZeroRowsEncoder`,
+    recording the bytes each call was given."""
 
     def __init__(self):
         cfg = ModelConfig.from_pretrained(GOLDEN)
-        self.vcfg, self.image_token_id = cfg.vision, cfg.image_token_id
+        super().__init__(
+            ZeroRowsEncoder(), cfg.vision, image_token_id=cfg.image_token_id, feature_cache_bytes=0,
+            max_images_per_request=16, max_image_bytes=20 << 20,
+        )  # fmt: skip
         self.calls: list[list[bytes]] = []
 
     def build_prompt(self, prompt_text, images, encode, *, field="messages"):
         self.calls.append(list(images))
-        try:
-            prepared = [prepare_image(b, self.vcfg) for b in images]
-            vl = build_vl_prompt(prompt_text, prepared, encode, image_token_id=self.image_token_id)
-        except ValueError as e:
-            raise FixtureImageError(field, str(e)) from None
-        return tuple(int(t) for t in vl.ids), tuple(
-            (start, p.span_len) for start, p in zip(vl.span_starts, prepared, strict=True)
-        )
+        return super().build_prompt(prompt_text, images, encode, field=field)
 
 
 def _converter(pipeline=None, *, fetch=None, limits=None, files=None) -> Converter:
@@ -161,7 +161,9 @@ def _b64_block(data: bytes, media_type: str = "image/png") -> dict:
 
 def _expect_fixture(p) -> None:
     assert list(p.prompt_ids) == INPUTS["prompt_ids"]
-    assert p.images == tuple((im["start"], im["span_len"]) for im in INPUTS["images"])
+    assert [(im.start, im.span_len) for im in p.images] == [
+        (im["start"], im["span_len"]) for im in INPUTS["images"]
+    ]
 
 
 # ---- the chat layer ------------------------------------------------------------------------------------
@@ -327,9 +329,15 @@ def test_bad_images_are_400_naming_the_field(conv, url, problem):
 
 def test_truncated_image_is_400_from_the_pipeline(conv):
     truncated = "data:image/png;base64," + base64.b64encode(IMAGES[0][: len(IMAGES[0]) // 2]).decode()
-    with pytest.raises(ApiError, match="truncated") as e:
+    with pytest.raises(ApiError, match=rf"^{re.escape(FIELD)}: truncated image") as e:
         conv.prepare(CHAT, _one_image(truncated))
-    assert e.value.status == 400 and e.value.param == "messages"
+    assert e.value.status == 400 and e.value.param == FIELD
+    # The second image of a request is named as such (the pipeline's image index mapped back).
+    second = "messages[1].content[3].image_url.url"
+    with pytest.raises(ApiError, match=rf"^{re.escape(second)}: truncated image"):
+        conv.prepare(
+            CHAT, _chat([{"type": "image_url", "image_url": {"url": u}} for u in (DATA_URLS[0], truncated)])
+        )
 
 
 def test_size_and_count_limits(pipeline):
