@@ -21,6 +21,14 @@ TFLOP/s) with the bytes each kernel must move (touched experts' packed weights a
 gathered entries, visible keys, activations in and results out, as stored) and its matmul FLOPs.
 One table is printed; the exit status is 1 if any check fails.
 
+The `vision` group (issue 14) times the ViT + aligner program (`ced_jax.vision.VisionEncoder`, XLA,
+no Pallas kernel) at the released vision tower's shapes (32 blocks, width 1024, 16 heads; random
+bf16 weights) on a 544x544 image (1521 patches, bucket 2048) and on the largest image the token
+budget allows (4000x3000: 8748 patches, bucket 9189), against max(bf16 weight bytes / 4.3 TB/s,
+matmul FLOPs / 790 TFLOP/s) (`ced_jax.vision.tower.forward_flops`, padded patches included). Its
+check: the image run at the next larger bucket (more padding, masked) gives the same rows to 1e-2 of
+their largest magnitude (exactly on CPU; a GPU may reorder the sums).
+
 --smoke runs the same code in interpret mode at small shapes, so that it is exercised on a CPU
 (tests/pallas_kernels/test_device_check.py); its timings are the interpreter's and mean nothing.
 """
@@ -257,6 +265,55 @@ def check_indexer(
 
 
 # ------------------------------------------------------------------------------------ driver
+def check_vision(label, width, height, *, backend, interpret, repeats, seed) -> Row:
+    """The ViT + aligner at the config of `label` ("released" or "smoke") on a noise image."""
+    import io
+
+    import ml_dtypes
+    from PIL import Image
+
+    from ced_jax.config import ModelConfig
+    from ced_jax.testing.random_weights import draw
+    from ced_jax.vision import prepare_image
+    from ced_jax.vision.tower import VisionEncoder, forward_flops
+    from ced_jax.vision.weights import vision_inventory
+
+    cfg = preset("v41-flash") if label.startswith("released") else ModelConfig.from_pretrained(
+        REPO / "tests" / "golden" / "tiny-v"
+    )
+    flat = {n: draw(spec, seed).astype(ml_dtypes.bfloat16) for n, spec in vision_inventory(cfg).items()}
+    encoder = VisionEncoder(cfg, flat)
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    image = prepare_image(buf.getvalue(), cfg.vision)
+    bucket = encoder.bucket_for(image.num_patches)
+    tokens = image.n_llm_h * image.n_llm_w
+    patches = np.zeros((bucket, image.patch_pixels.shape[1]), np.float32)
+    patches[: image.num_patches] = image.patch_values()
+    program = encoder._program(bucket, False)
+    args = (
+        encoder.params, jnp.asarray(patches), jnp.int32(image.n_vit_h), jnp.int32(image.n_vit_w),
+        jnp.int32(image.num_patches),
+    )  # fmt: skip
+    got = np.asarray(program(*args)[1])[:tokens]
+    larger = [b for b in encoder.buckets if b > bucket]
+    want = encoder.features(image, bucket=larger[0])["aligner_output"] if larger else got
+    scale = float(np.max(np.abs(want))) or 1.0
+    err = float(np.max(np.abs(got - want))) / scale
+    ok = bool(np.isfinite(got).all()) and err <= 1e-2
+    weight_bytes = float(sum(np.asarray(v).nbytes for v in flat.values()))
+    return Row(
+        kernel="vision",
+        shape=f"{label} {width}x{height} P={image.num_patches} (bucket {bucket}) T={tokens}",
+        error=f"padded-bucket rel {err:.1e}",
+        ok=ok,
+        time_s=time_call(program, args, repeats),
+        bytes=weight_bytes + patches.nbytes + tokens * cfg.hidden_size * 4,
+        flops=forward_flops(cfg.vision, cfg.hidden_size, bucket, tokens),
+    )
+
+
 def cases(smoke: bool):
     """(group, function, label, positional shape args, keyword args) per check."""
     if smoke:
@@ -298,6 +355,10 @@ def cases(smoke: bool):
             "indexer prefill 24",
         }
         out = [c for c in out if f"{c[0]} {c[2]}" in keep]
+        out.append(("vision", check_vision, "smoke (tiny-v tower)", (300, 200), {}))
+    else:
+        out.append(("vision", check_vision, "released", (544, 544), {}))
+        out.append(("vision", check_vision, "released", (4000, 3000), {}))
     return out
 
 
@@ -331,11 +392,13 @@ def run(argv=None) -> tuple[list[Row], int]:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (any machine)")
     parser.add_argument("--backend", choices=("gpu", "tpu"), default="gpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 20; smoke 1)")
-    parser.add_argument("--only", default="gmm,attention,indexer", help="comma-separated kernel groups")
+    parser.add_argument(
+        "--only", default="gmm,attention,indexer,vision", help="comma-separated kernel groups"
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     groups = set(args.only.split(","))
-    unknown = groups - {"gmm", "attention", "indexer"}
+    unknown = groups - {"gmm", "attention", "indexer", "vision"}
     if unknown:
         parser.error(f"--only: unknown group(s) {sorted(unknown)}")
     interpret = args.smoke
