@@ -197,3 +197,26 @@ def test_concurrent_callers(model):
     assert pipe.vit_runs == pipe.cache_misses
     assert 2 <= pipe.vit_runs <= 16  # at most one run per image per racing first round
     assert pipe.cache_bytes == sum(r.nbytes for r in want.values())
+
+
+def test_warm_up_compiles_the_buckets_pictures_use(model):
+    """Every bucket a picture of the golden set or of a common shape lands in is compiled at warm-up."""
+    from ced_jax.vision import prepare_image
+    from serving.server import warm_vision_encoder
+
+    warmed = warm_vision_encoder(model.vision, model.cfg.vision)
+    assert warmed and warmed[-1] == model.vision.buckets[-1]
+    pictures = [
+        IMAGE1,
+        IMAGE2,
+        *(_blank(size) for size in ((640, 480), (480, 640), (1920, 1080), (100, 1000))),
+    ]
+    for data in pictures:
+        bucket = model.vision.bucket_for(prepare_image(data, model.cfg.vision).num_patches)
+        assert bucket in warmed, (bucket, warmed)
+
+
+def _blank(size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()

@@ -19,7 +19,7 @@ from serving import client
 from serving.config import ServeConfig
 from serving.jax_engine import JaxEngine, ModelTokenizer
 from serving.proto import ced_pb2
-from serving.server import Server
+from serving.server import Server, warm_vision_encoder
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,7 +47,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerThread(JaxEngine(model, _config()), ModelTokenizer(model), _config())
+    engine = JaxEngine(model, _config())
+    # Compiled here, without ServerThread's 30 s limit on start(); start() then warms up again (every
+    # program already compiled in this process).
+    engine.warmup()
+    warm_vision_encoder(model.vision, model.cfg.vision)
+    srv = ServerThread(engine, ModelTokenizer(model), _config())
     assert srv.server.http is not None
     yield srv
     srv.close()
