@@ -666,8 +666,9 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--include",
-        default="text",
-        help="comma-separated parts: text (default), dspark, vision (written as separate host-side items)",
+        default=None,
+        help="comma-separated parts: text, dspark, vision (written as separate host-side items); "
+        "default: text, plus vision when config.json has a vision tower",
     )
     p.add_argument(
         "--engram",
