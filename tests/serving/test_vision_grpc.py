@@ -77,6 +77,9 @@ def test_image_data_request_counts_its_span(server, model):
     assert out.finish_reason == "length" and len(out.token_ids) == 8
     assert out.usage.prompt_tokens == len(ids) > len(text_only) + 3  # a span is START ... END
     assert server.server.images is not None and server.server.images.vit_runs >= 1
+    info = client.model_info(server.addr)
+    assert info.accepts_images and info.limits.max_images_per_request == MAX_IMAGES
+    assert info.limits.max_image_bytes == 1 << 20
     server.assert_idle()
 
 
@@ -160,6 +163,8 @@ def test_images_to_a_text_only_model_are_invalid_argument():
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
         try:
+            info = client.model_info(srv.address)
+            assert not info.accepts_images and info.limits.max_images_per_request == 0
             details = _refused(srv.address, "a picture <｜deepseek_image｜>", [IMAGE1])
             assert details.startswith("images: ") and "vision" in details, details
             assert srv.scheduler.pool.num_referenced == 0
