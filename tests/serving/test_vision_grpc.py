@@ -234,3 +234,35 @@ def test_http_front_end_shares_the_pipeline_and_the_file_store(server, tmp_path,
     err = capsys.readouterr().err
     assert f"prompt_tokens={by_data.usage.prompt_tokens} " in err, err
     server.assert_idle()
+
+
+def test_serve_image_flags_reach_the_config():
+    from ced_cli.main import _image_options, build_parser
+
+    def options(*flags: str) -> ServeConfig:
+        return ServeConfig(**_image_options(build_parser().parse_args(["serve", "tiny", *flags])))
+
+    default = options()
+    assert (default.feature_cache_bytes, default.max_images_per_request, default.max_image_bytes) == (
+        256 << 20, 16, 20 << 20,
+    )  # fmt: skip
+    assert not default.http_image_fetch.allow_image_urls
+    cfg = options(
+        "--feature-cache-bytes", "0", "--max-images-per-request", "3", "--max-image-bytes", "1000",
+        "--allow-image-urls", "img.example.com,cdn:8080", "--files-ttl", "60",
+        "--files-max-file-bytes", "500",
+    )  # fmt: skip
+    assert (cfg.feature_cache_bytes, cfg.max_images_per_request, cfg.max_image_bytes) == (0, 3, 1000)
+    assert cfg.http_images.max_images_per_request == 3 and cfg.http_images.max_image_bytes == 1000
+    assert cfg.http_image_fetch.allowed_hosts == ("img.example.com", "cdn:8080")
+    assert cfg.http_files.ttl_s == 60 and cfg.http_files.max_file_bytes == 500
+    for flags, named in (
+        (["--max-images-per-request", "0"], "--max-images-per-request"),
+        (["--feature-cache-bytes", "-1"], "--feature-cache-bytes"),
+        (["--allow-image-urls", ","], "--allow-image-urls"),
+        (["--files-max-file-bytes", "10", "--files-max-total-bytes", "5"], "--files-max-file-bytes"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            options(*flags)
+    with pytest.raises(ValueError, match="max_image_bytes"):
+        ServeConfig(max_image_bytes=0)
