@@ -62,8 +62,8 @@ def load_dspark_params(directory: str | Path, cfg: ModelConfig) -> dict:
     """Read only the `mtp.*` tensors of a released-layout HF checkpoint directory.
 
     Returns the nested tree {'mtp': {'0': {...block..., 'main_proj', 'main_norm'}, ..., 'S-1': {...,
-    'norm', 'markov_head', 'confidence_head'}}} as jax arrays in our storage dtypes (FP8 weights with their ue8m0
-    scale bytes, FP4 experts packed and stacked [E, ...], `attn.wo_a` dequantised to bf16). Dtypes
+    'norm', 'markov_head', 'confidence_head'}}} as jax arrays in our storage dtypes (FP8 weights with
+    their ue8m0 scale bytes, FP4 experts packed and stacked [E, ...], `attn.wo_a` dequantised to bf16). Dtypes
     and shapes are checked against `mapping.hf_inventory(cfg)`; a missing or wrong tensor raises
     `CheckpointError` naming it."""
     if cfg.num_nextn_predict_layers <= 0:
@@ -129,7 +129,9 @@ def _inv_freq(cfg: ModelConfig):
 def _window_kv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
     """kv_norm(wkv(x)), RoPE'd at `positions` and FP8-fake-quantised (block 32): window KV [..., Dh]."""
     a = p["attn"]
-    kv = rms_norm(fp8_linear(x, a["wkv"]["weight"], a["wkv"]["scale"]), a["kv_norm"]["weight"], cfg.rms_norm_eps)
+    kv = rms_norm(
+        fp8_linear(x, a["wkv"]["weight"], a["wkv"]["scale"]), a["kv_norm"]["weight"], cfg.rms_norm_eps
+    )
     return fp8_fake_quant(apply_rope(kv, positions, _inv_freq(cfg)), 32)
 
 
@@ -153,7 +155,9 @@ def insert_context(
 
 
 # ------------------------------------------------------------------------------------- a stage
-def _stage_attention(p: dict, cfg: ModelConfig, x: jax.Array, ring: jax.Array, position: jax.Array) -> jax.Array:
+def _stage_attention(
+    p: dict, cfg: ModelConfig, x: jax.Array, ring: jax.Array, position: jax.Array
+) -> jax.Array:
     """x: attn_norm output [N, B, D] of the block at positions position+1 .. position+B; ring
     [N, W, Dh] holding positions <= position. Queries see every filled ring slot and all B block
     keys (no mask inside the block). -> [N, B, D]."""
@@ -201,9 +205,16 @@ def _stage_moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids: jax.Array | 
     scores = moe_lib.router_scores(flat, f["gate"]["weight"])
     forced = None if forced_ids is None else forced_ids.reshape(n * b, -1)
     ids, weights, own = moe_lib.route(
-        scores, f["gate"]["bias"], cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob, forced
+        scores,
+        f["gate"]["bias"],
+        cfg.dspark_num_experts_per_tok,
+        cfg.routed_scaling_factor,
+        cfg.norm_topk_prob,
+        forced,
     )
-    routed = moe_lib.routed_experts(flat, ids, weights, f["experts"], limit=cfg.swiglu_limit, impl="reference")
+    routed = moe_lib.routed_experts(
+        flat, ids, weights, f["experts"], limit=cfg.swiglu_limit, impl="reference"
+    )
     shared = moe_lib.shared_expert(flat, f["shared_experts"], limit=cfg.swiglu_limit)
     out = round_bf16(routed + shared).reshape(n, b, d)
     return out, own.reshape(n, b, -1), weights.reshape(n, b, -1)
@@ -250,7 +261,11 @@ def stage0_input(embed_weight: jax.Array, cfg: ModelConfig, input_ids: jax.Array
     """Block ids [N, B] = [input_id, noise * (B-1)] -> (streams [N, B, M, D], one-hot pre [N, B, M])."""
     b = cfg.dspark_block_size
     ids = jnp.concatenate(
-        [input_ids[:, None], jnp.full((input_ids.shape[0], b - 1), cfg.dspark_noise_token_id, input_ids.dtype)], 1
+        [
+            input_ids[:, None],
+            jnp.full((input_ids.shape[0], b - 1), cfg.dspark_noise_token_id, input_ids.dtype),
+        ],
+        1,
     )
     h = round_bf16(embed_weight.astype(jnp.float32)[ids])
     x = jnp.broadcast_to(h[:, :, None, :], (*ids.shape, cfg.hc_mult, h.shape[-1]))
@@ -285,7 +300,9 @@ def confidence(params: dict, cfg: ModelConfig, hin: jax.Array, markov_embed: jax
     return f32_linear(jnp.concatenate([hin, markov_embed], axis=-1), proj)[..., 0]
 
 
-def sequential_markov(params: dict, cfg: ModelConfig, base: jax.Array, input_ids: jax.Array, forced_prev=None):
+def sequential_markov(
+    params: dict, cfg: ModelConfig, base: jax.Array, input_ids: jax.Array, forced_prev=None
+):
     """Greedy drafting through the Markov bias: position j's prev id is the input id (j = 0) or the
     draft id of j-1. base [N, B, V], input_ids [N]; forced_prev optional [N, B] prev ids to replay.
     -> (logits [N, B, V], bias [N, B, V], markov_embed [N, B, R], draft_ids [N, B+1])."""
