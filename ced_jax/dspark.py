@@ -114,6 +114,19 @@ def stage_params(params: dict, stage: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ main_x and rings
+def main_hidden(cfg: ModelConfig, block_output: jax.Array) -> jax.Array:
+    """The DSpark input from `ced_jax.model.forward(..., capture_blocks=True)`'s aux['block_output']
+    [L, ..., M, D] (entry i = what block i produced = block i+1's input, after its Engram): per
+    position, the concatenation over dspark_target_layer_ids l of the mean over the M streams of
+    layer l's input, rounded to bf16 (the reference averages bf16 streams) -> [..., n_targets * D].
+
+    Checked on tiny-v's DSpark prompt against `prefill_main_hidden` only loosely: without a top-k
+    replay for that scenario our prefill drifts from the reference by the known top-k tie choices
+    (median error 0 on target layers 3 and 4, most elements of layer 3 exact; f32 means are worse)."""
+    means = [round_bf16(jnp.mean(block_output[layer - 1], axis=-2)) for layer in cfg.dspark_target_layer_ids]
+    return jnp.concatenate(means, axis=-1)
+
+
 def main_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
     """[..., n_targets * D] -> [..., D]: main_norm(main_proj(main_hidden)), bf16 values."""
     first = stage_params(params, 0)
