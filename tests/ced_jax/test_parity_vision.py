@@ -36,6 +36,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from ced_jax.api import load
+from tests.ced_jax.test_parity import _kl  # the text parity tests' KL, one definition
 
 MODES = ("intended", "reference")
 
@@ -75,18 +76,6 @@ def _merged_embeddings(g: dict) -> np.ndarray:
 
 def _span_rows(g: dict, types: np.ndarray) -> np.ndarray:
     return np.where((types >= 0)[:, None], _merged_embeddings(g), 0.0).astype(np.float32)
-
-
-def _kl(ref_logits: np.ndarray, our_logits: np.ndarray) -> np.ndarray:
-    """KL(ref || ours) per row, in f64."""
-
-    def log_softmax(x):
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = log_softmax(ref_logits), log_softmax(our_logits)
-    return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
 def _replay(g: dict, cfg, mode: str, with_decode: bool) -> dict:
