@@ -85,6 +85,13 @@ class ServeConfig:
     # Serving). At least page_size.
     prefill_token_budget: int | None = None
     enable_prefix_cache: bool = True
+    # Speculative decoding (DSpark, a model with draft stages): drafts verified per decode step, 0 =
+    # off; at most the model's dspark_block_size. `dspark_confidence` T (None = off): a row verifies
+    # the longest prefix of its drafts whose running product of sigmoid(confidence) stays >= T, at
+    # least one (the verify program has one draft position anyway), and a step whose rows all want
+    # fewer than `dspark` runs a narrower program (every width 1..dspark is compiled at start-up).
+    dspark: int = 0
+    dspark_confidence: float | None = None
 
     # Tenants (serving/tenants.py).
     api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
@@ -179,6 +186,14 @@ class ServeConfig:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
             raise ValueError(f"grace_period_s must be a finite number >= 0, got {self.grace_period_s}")
+        if not isinstance(self.dspark, int) or self.dspark < 0:
+            raise ValueError(f"dspark (--dspark) must be an integer >= 0 (0: off), got {self.dspark!r}")
+        t = self.dspark_confidence
+        if t is not None:
+            if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.0 < t <= 1.0):
+                raise ValueError(f"dspark_confidence (--dspark-confidence) must be in (0, 1], got {t!r}")
+            if self.dspark == 0:
+                raise ValueError("dspark_confidence (--dspark-confidence) needs dspark (--dspark) > 0")
         for name in PORT_FIELDS:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -209,5 +224,15 @@ class ServeConfig:
         bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
         if bad:
             raise ValueError(f"engine shapes differ from ServeConfig (config, engine): {bad}")
+        if self.dspark and self.dspark not in spec.dspark_widths:
+            widths = spec.dspark_widths or "none: the engine has no DSpark draft stages"
+            raise ValueError(f"dspark (--dspark) {self.dspark}: the engine's draft widths are {widths}")
+        if self.dspark_confidence is not None and tuple(spec.dspark_widths) != tuple(
+            range(1, self.dspark + 1)
+        ):
+            raise ValueError(
+                f"dspark_confidence (--dspark-confidence) needs every draft width 1..{self.dspark} compiled, "
+                f"the engine has {spec.dspark_widths}"
+            )
         if self.max_logprobs > spec.max_logprobs:
             raise ValueError(f"max_logprobs {self.max_logprobs} exceeds the engine's {spec.max_logprobs}")

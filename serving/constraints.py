@@ -355,6 +355,37 @@ class ConstraintMatcher:
             return
         llg_np.fill_next_token_bitmask(self._m, row.reshape(1, -1), 0)
 
+    def fill_draft_masks(self, drafts, rows: np.ndarray) -> int:
+        """Speculative decoding: writes the masks of the next token and of the token after each
+        draft the grammar allows (rows: i32[len(drafts) + 1, W], row j = the mask after drafts
+        0..j-1), stopping at the first draft it forbids; returns how many drafts it allows. The
+        matcher is left as it was (advanced through the drafts, then rolled back)."""
+        active, fed = self.active, 0
+        allowed = 0
+        try:
+            for j, d in enumerate(drafts):
+                self.fill(rows[j])
+                d = int(d)
+                if not (int(rows[j, d >> 5]) >> (d & 31)) & 1:
+                    break
+                if not self.active:
+                    self.active = d == self._start
+                else:
+                    self._m.consume_token(d)
+                    fed += 1
+                    if self._m.is_error():
+                        break
+                allowed = j + 1
+            else:
+                self.fill(rows[len(drafts)])
+            if allowed < len(drafts) or self._m.is_error():
+                rows[allowed + 1 :] = -1  # not verified: any value will do
+        finally:
+            if fed:
+                self._m.rollback(fed)
+            self.active = active
+        return allowed
+
     def consume(self, token_id: int) -> None:
         """Feeds a sampled token; afterwards check `error` and `done`."""
         if not self.active:

@@ -59,6 +59,22 @@ row leaves the logits as they are, so unconstrained rows are unaffected by const
 and the mask's shape never changes (no recompiles).
 Top-n log-probabilities are always computed for `max_logprobs` alternatives (a static shape); the
 scheduler slices what a request asked for.
+
+Speculative decoding (DSpark, `EngineSpec.dspark_widths` non-empty). A decode step may carry drafts:
+`DecodeBatch.drafts` i32[S, w] (w one of `dspark_widths`, static per call) and `n_drafts` i32[S] in
+0..w, the previous step's `next_drafts` of each row (0 right after prefill: no drafts yet). Row s
+feeds `token_ids[s]` at `positions[s]` and drafts[s, :n_drafts[s]] after it, verifies them against
+the target and returns `emitted[s]` = 1 + accepted tokens (`token_ids[s, :emitted[s]]`: the
+accepted drafts, then one token sampled from the target), plus `next_drafts` / `next_confidence` for
+the next step. The state afterwards holds positions < positions[s] + emitted[s]; the next step feeds
+`token_ids[s, emitted[s] - 1]` at `positions[s] + emitted[s]`. The engine may write KV for every
+position up to positions[s] + w (page tables cover them: the scheduler reserves the pages); positions
+past what it accepted are garbage beyond the sequence length, overwritten before they are read.
+Greedy rows accept a draft iff it is the target's argmax, sampled rows by rejection sampling with the
+same (seed, position) keys, so greedy output is token-for-token that of plain decoding. The token mask
+is then [S, w + 1, W]: mask j is the one of the token sampled after drafts 0..j-1 were accepted (the
+scheduler truncates n_drafts at the first draft its grammar forbids). Without drafts (`drafts`
+None) a step is exactly the plain decode program, whatever `dspark_widths` says.
 """
 
 from __future__ import annotations
@@ -137,6 +153,11 @@ class EngineSpec:
     # hidden_size 0 = the model has no vision tower (requests with images are refused).
     hidden_size: int = 0
     image_token_id: int = -1
+    # Speculative decoding: the draft widths w the engine has a compiled verify program for (a
+    # DecodeBatch's drafts are [S, w]); () = no DSpark (plain decode only). `dspark_max_drafts`: the
+    # length of the next_drafts a speculative step returns (the model's draft block size).
+    dspark_widths: tuple[int, ...] = ()
+    dspark_max_drafts: int = 0
 
     def __post_init__(self):
         check_shapes(
@@ -148,6 +169,16 @@ class EngineSpec:
         )
         if self.restore_mode not in ("pages", "snapshot"):
             raise ValueError(f"restore_mode must be 'pages' or 'snapshot', got {self.restore_mode!r}")
+        w = tuple(self.dspark_widths)
+        if w and (list(w) != sorted(set(w)) or w[0] < 1 or w[-1] > self.dspark_max_drafts):
+            raise ValueError(
+                f"dspark_widths must be ascending in 1..dspark_max_drafts ({self.dspark_max_drafts}), got {w}"
+            )
+
+    @property
+    def dspark_width(self) -> int:
+        """The widest draft block a step may verify; 0 = no speculative decoding."""
+        return self.dspark_widths[-1] if self.dspark_widths else 0
 
     @property
     def pages_per_slot(self) -> int:
@@ -212,7 +243,15 @@ class DecodeBatch:
     top_p: np.ndarray  # f32[S]
     top_k: np.ndarray  # i32[S]
     seed: np.ndarray  # u32[S]
-    token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(vocab_size / 32); None = all ones
+    token_bitmask: np.ndarray | None = None  # i32[S, W] (with drafts [S, w + 1, W]); None = all ones
+    # Speculative decoding (module docstring): both or neither; None = a plain decode step.
+    drafts: np.ndarray | None = None  # i32[S, w], w in EngineSpec.dspark_widths
+    n_drafts: np.ndarray | None = None  # i32[S], 0..w: how many of a row's drafts to verify
+
+    @property
+    def draft_width(self) -> int:
+        """w, the drafts per row this step may verify (0 = a plain decode step)."""
+        return 0 if self.drafts is None else int(np.shape(self.drafts)[1])
 
 
 def mask_words(vocab_size: int) -> int:
@@ -222,20 +261,44 @@ def mask_words(vocab_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeResult:
-    """One packed host copy per step; rows of inactive slots are garbage."""
+    """One packed host copy per step; rows of inactive slots are garbage.
 
-    token_ids: np.ndarray  # i32[S]
-    logprobs: np.ndarray  # f32[S]
-    top_ids: np.ndarray  # i32[S, max_logprobs]
-    top_logprobs: np.ndarray  # f32[S, max_logprobs]
+    A plain step has one token per row (token_ids [S], ...). A speculative step (`emitted` set) has
+    up to w + 1 per row: token_ids [S, w + 1], logprobs [S, w + 1], top_* [S, w + 1, max_logprobs],
+    of which row s emits the first emitted[s]; and the row's drafts for the next step."""
+
+    token_ids: np.ndarray  # i32[S] (speculative: [S, w + 1])
+    logprobs: np.ndarray  # f32[S] (speculative: [S, w + 1])
+    top_ids: np.ndarray  # i32[S, max_logprobs] (speculative: [S, w + 1, max_logprobs])
+    top_logprobs: np.ndarray  # f32[S, max_logprobs] (speculative: [S, w + 1, max_logprobs])
+    emitted: np.ndarray | None = None  # i32[S], 1 + accepted drafts; None = a plain step
+    next_drafts: np.ndarray | None = None  # i32[S, dspark_max_drafts]
+    next_confidence: np.ndarray | None = None  # f32[S, dspark_max_drafts]; sigmoid = est. acceptance
 
     def row(self, s: int) -> SampledToken:
+        """The one token of row s of a plain step."""
+        if self.emitted is not None:
+            raise ValueError("a speculative step's row has several tokens: use tokens(s)")
         return SampledToken(
             token_id=int(self.token_ids[s]),
             logprob=float(self.logprobs[s]),
             top_ids=self.top_ids[s],
             top_logprobs=self.top_logprobs[s],
         )
+
+    def tokens(self, s: int) -> list[SampledToken]:
+        """The tokens row s emitted, in order (one for a plain step)."""
+        if self.emitted is None:
+            return [self.row(s)]
+        return [
+            SampledToken(
+                token_id=int(self.token_ids[s, j]),
+                logprob=float(self.logprobs[s, j]),
+                top_ids=self.top_ids[s, j],
+                top_logprobs=self.top_logprobs[s, j],
+            )
+            for j in range(int(self.emitted[s]))
+        ]
 
 
 @runtime_checkable
@@ -268,7 +331,7 @@ class Engine(Protocol):
         ...
 
     def warmup(self) -> None:
-        """Compiles every program variant (all prefill buckets, decode) before serving."""
+        """Compiles every program variant (all prefill buckets, decode, each DSpark width) before serving."""
         ...
 
     def prefill_async(self, chunks: Sequence[PrefillChunk]) -> Pending:

@@ -10,6 +10,12 @@ Definitions (the ones benchmark tools get wrong are spelled out):
 - `ced_prefix_cache_{hit,query}_tokens_total`: prompt tokens served from / looked up in the prefix
   cache; `ced_prefix_cache_hit_rate` is their ratio since start.
 - `ced_compiles_after_warmup`: XLA compilations by engine calls after warm-up; must stay 0.
+- DSpark speculative decoding (`--dspark K`): `ced_dspark_steps_total` counts decode steps that
+  verified drafts (one per step, whatever its rows), `ced_dspark_draft_tokens_{proposed,accepted}_total`
+  the drafts sent for verification / accepted, summed over rows. `ced_dspark_accepted_length` is a
+  histogram of accepted drafts per row per speculative step; `ced_dspark_mean_accepted_length` their
+  mean since start. `ced_decode_steps_per_output_token` (any K, 0 included): row-steps of decode /
+  tokens those steps produced, since start (1 without DSpark; 1 / (1 + mean accepted) with it).
 All updates come from the scheduler thread; prometheus_client is thread-safe for the HTTP reader.
 """
 
@@ -78,12 +84,62 @@ class Metrics:
             "ced_image_feature_cache_bytes", "Bytes of span rows held by the feature cache.", registry=r
         )
         self.images_per_request = Histogram(
-            "ced_images_per_request", "Images in a request that has any.", buckets=(1, 2, 4, 8, 16, 32), registry=r
+            "ced_images_per_request",
+            "Images in a request that has any.",
+            buckets=(1, 2, 4, 8, 16, 32),
+            registry=r,
+        )
+        self.dspark_steps = Counter(
+            "ced_dspark_steps", "Decode steps that verified DSpark drafts.", registry=r
+        )
+        self.dspark_proposed = Counter(
+            "ced_dspark_draft_tokens_proposed", "Draft tokens sent for verification (all rows).", registry=r
+        )
+        self.dspark_accepted = Counter(
+            "ced_dspark_draft_tokens_accepted", "Draft tokens accepted by the target (all rows).", registry=r
+        )
+        self.dspark_accepted_length = Histogram(
+            "ced_dspark_accepted_length",
+            "Accepted drafts per row per speculative decode step.",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8),
+            registry=r,
+        )
+        self.dspark_mean_accepted_length = Gauge(
+            "ced_dspark_mean_accepted_length",
+            "Mean accepted drafts per row per speculative decode step, since start.",
+            registry=r,
+        )
+        self.decode_steps_per_output_token = Gauge(
+            "ced_decode_steps_per_output_token",
+            "Decode row-steps / tokens they produced, since start (1 without speculative decoding).",
+            registry=r,
         )
         for reason in ("stop", "length", "abort"):
             self.requests_finished.labels(finish_reason=reason)
         self._hit = 0
         self._query = 0
+        self._spec_row_steps = 0
+        self._spec_accepted = 0
+        self._decode_row_steps = 0
+        self._decode_tokens = 0
+
+    def observe_decode_step(self, emitted, n_drafts=None) -> None:
+        """One decode step: the tokens each active row produced (`emitted`, ints >= 1), and for a
+        speculative step the drafts each row verified (`n_drafts`, same order)."""
+        self._decode_row_steps += len(emitted)
+        self._decode_tokens += int(sum(emitted))
+        if self._decode_tokens:
+            self.decode_steps_per_output_token.set(self._decode_row_steps / self._decode_tokens)
+        if n_drafts is None:
+            return
+        self.dspark_steps.inc()
+        self.dspark_proposed.inc(int(sum(n_drafts)))
+        for e in emitted:
+            self.dspark_accepted.inc(int(e) - 1)
+            self.dspark_accepted_length.observe(int(e) - 1)
+            self._spec_accepted += int(e) - 1
+        self._spec_row_steps += len(emitted)
+        self.dspark_mean_accepted_length.set(self._spec_accepted / self._spec_row_steps)
 
     def observe_prefix(self, hit_tokens: int, query_tokens: int) -> None:
         self.prefix_hit_tokens.inc(hit_tokens)

@@ -24,6 +24,16 @@ starts, chunks within the buckets, one chunk per slot in a prefill batch, decode
 slots, history tokens that match the pages. It computes at once (its `Pending`s are `Ready`) and logs
 every prefill call's chunks (`prefill_log`), the slots of each batch (`prefill_batches`) and the
 order of the calls (`calls`).
+
+Speculative decoding (`dspark_widths`): a step with drafts writes the fed token and all `w` draft
+positions into the pages (drafts past n_drafts as PAD), so a page table that does not cover
+positions[s] + w corrupts whatever page it names. It verifies drafts by sampling each position with
+the real sampler (key of its position, its mask row) and accepting a draft iff the sample equals it,
+which is exact for greedy and sampled rows alike, so a stream's tokens are those of plain decoding.
+The next drafts are the greedy continuation after the emitted tokens, except that draft j is wrong
+when `(position of the draft + 3 * j) % draft_miss_every == 0` (`mock_drafts`), with confidence
++4 for right drafts and -4 for wrong ones; `spec_log` records each speculative row step as
+(slot, width, n_drafts, emitted).
 """
 
 from __future__ import annotations
@@ -96,6 +106,29 @@ def mock_logits(target: int, rule: MockRule, vocab_size: int) -> np.ndarray:
     return out
 
 
+def mock_drafts(
+    context: Sequence[int], n: int, rule: MockRule, miss_every: int
+) -> tuple[list[int], list[float]]:
+    """The mock's n drafts after `context` (its last token included, not yet fed) and their
+    confidences: the greedy continuation, with the draft at position p = len(context) + j replaced by
+    the next token of the ring when (p + 3 * j) % miss_every == 0 (0: never)."""
+    seq, drafts, conf = list(context), [], []
+    for j in range(n):
+        t = mock_target(seq, rule)
+        p = len(seq)
+        wrong = miss_every and (p + 3 * j) % miss_every == 0
+        if wrong:
+            t = (
+                rule.token_lo + (t - rule.token_lo + 1) % rule.token_span
+                if t != rule.eos_id
+                else rule.token_lo
+            )
+        drafts.append(t)
+        conf.append(-4.0 if wrong else 4.0)
+        seq.append(t)
+    return drafts, conf
+
+
 def mock_greedy_stream(prompt: Sequence[int], n: int, rule: MockRule = MockRule()) -> list[int]:
     """The first n greedy tokens after `prompt` (ignoring EOS: generation continues past it)."""
     seq = list(prompt)
@@ -128,6 +161,9 @@ class MockEngine:
         snapshot_chunk_end_only: bool = False,
         history_tokens: int = 0,
         step_delay_s: float = 0.0,
+        dspark_widths: Sequence[int] = (),
+        dspark_max_drafts: int | None = None,
+        draft_miss_every: int = 0,
     ):
         self._spec = EngineSpec(
             max_slots=max_slots,
@@ -141,6 +177,10 @@ class MockEngine:
             restore_mode=restore_mode,
             history_tokens=history_tokens,
             model_name="mock",
+            dspark_widths=tuple(dspark_widths),
+            dspark_max_drafts=max(dspark_widths, default=0)
+            if dspark_max_drafts is None
+            else dspark_max_drafts,
             config_summary={"kind": "mock", "window": str(rule.window)},
         )
         self.rule = rule
@@ -156,6 +196,8 @@ class MockEngine:
         self.prefill_batches: list[tuple[int, ...]] = []  # the slots of each prefill_batch call
         self.calls: list[str] = []  # "prefill" / "decode", in the order they were dispatched
         self.decode_steps = 0
+        self.draft_miss_every = draft_miss_every
+        self.spec_log: list[tuple[int, int, int, int]] = []  # (slot, width, n_drafts, emitted)
         self.max_active_seen = 0  # largest number of rows decoded together
         self._compiles = CompileCounter()
         self._warm = False
@@ -271,6 +313,8 @@ class MockEngine:
         return Ready(self.decode(batch))
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
+        if batch.drafts is not None:
+            return self._speculative(batch)
         spec = self._spec
         S = spec.max_slots
         logits = np.zeros((S, spec.vocab_size), np.float32)
@@ -295,6 +339,61 @@ class MockEngine:
         return self._sample(
             logits, batch.positions + 1, batch.temperature, batch.top_p, batch.top_k, batch.seed, mask
         )
+
+    def _speculative(self, batch: DecodeBatch) -> DecodeResult:
+        spec = self._spec
+        S, w, kmax, N = spec.max_slots, batch.draft_width, spec.dspark_max_drafts, spec.max_logprobs
+        if w not in spec.dspark_widths:
+            raise ValueError(f"draft width {w} is not one of the engine's {spec.dspark_widths}")
+        drafts, n_drafts = np.asarray(batch.drafts, np.int32), np.asarray(batch.n_drafts, np.int32)
+        W = mask_words(spec.vocab_size)
+        masks = batch.token_bitmask
+        if masks is not None and np.shape(masks) != (S, w + 1, W):
+            raise ValueError(f"token_bitmask shape {np.shape(masks)}, expected {(S, w + 1, W)}")
+        out_tok = np.zeros((S, w + 1), np.int32)
+        out_lp = np.zeros((S, w + 1), np.float32)
+        out_ids = np.zeros((S, w + 1, N), np.int32)
+        out_tlp = np.zeros((S, w + 1, N), np.float32)
+        emitted = np.ones(S, np.int32)
+        next_drafts = np.zeros((S, kmax), np.int32)
+        next_conf = np.zeros((S, kmax), np.float32)
+        for s in np.flatnonzero(batch.active):
+            pos, k = int(batch.positions[s]), int(n_drafts[s])
+            if not self._decoding[s] or pos != self._pos[s]:
+                raise ValueError(f"slot {s}: decode at {pos}, state is at {self._pos[s]}")
+            if not 0 <= k <= w:
+                raise ValueError(f"slot {s}: n_drafts {k} outside 0..{w}")
+            if pos + w >= spec.max_context:
+                raise ValueError(f"slot {s}: draft block [{pos}, {pos + w}] runs past max_context")
+            fed = np.concatenate([[batch.token_ids[s]], drafts[s, :k], np.full(w - k, ByteTokenizer.PAD)])
+            self._write(batch.page_tables[s], pos, fed.astype(np.int32))  # every position, like a device
+            ring = self._ring[s]
+            for j in range(k + 1):
+                ring = (ring + (int(fed[j]),))[-self.rule.window :]
+                self._ring[s] = ring
+                logits = self._logits_for(s, batch.page_tables[s], pos + j + 1)[None]
+                mask = self._all_ones(1) if masks is None else np.asarray(masks[s, j], np.int32)[None]
+                r = self._sample(
+                    logits, np.array([pos + j + 1]), batch.temperature[s : s + 1], batch.top_p[s : s + 1],
+                    batch.top_k[s : s + 1], batch.seed[s : s + 1], mask,
+                )  # fmt: skip
+                out_tok[s, j], out_lp[s, j] = r.token_ids[0], r.logprobs[0]
+                out_ids[s, j], out_tlp[s, j] = r.top_ids[0], r.top_logprobs[0]
+                emitted[s] = j + 1
+                if j == k or r.token_ids[0] != fed[j + 1]:
+                    break
+            e = int(emitted[s])
+            self._pos[s] = pos + e
+            context = list(self._read(batch.page_tables[s], pos + e)) + [int(out_tok[s, e - 1])]
+            d, c = mock_drafts(context, kmax, self.rule, self.draft_miss_every)
+            next_drafts[s], next_conf[s] = d, c
+            self.spec_log.append((int(s), w, k, e))
+        self.decode_steps += 1
+        self.max_active_seen = max(self.max_active_seen, int(np.sum(batch.active)))
+        return DecodeResult(
+            token_ids=out_tok, logprobs=out_lp, top_ids=out_ids, top_logprobs=out_tlp,
+            emitted=emitted, next_drafts=next_drafts, next_confidence=next_conf,
+        )  # fmt: skip
 
     def release(self, slot: int) -> None:
         self._pos[slot] = -1

@@ -54,6 +54,25 @@ sent. A request whose grammar is complete finishes with STOP (EOS is only allowe
 may end); a grammar that rejects a token (which the mask prevents; a resource limit could still
 cause it) ends the request with an error event.
 
+Speculative decoding (DSpark, `ServeConfig.dspark` K > 0; see `serving/engine_api.py`): every
+decode step sends each row's drafts from the previous step (none right after its prefill) and how
+many to verify: n_drafts = min(K, the drafts it has, max_tokens left - 1), with
+`dspark_confidence` T the longest prefix whose running product of sigmoid(confidence) stays >= T
+(at least 1), cut at the first draft its grammar forbids. The step's width is the smallest draft
+width the engine compiled that holds every row's n_drafts (at least 1, since the step also drafts
+the next block). A row emits 1 + accepted tokens per step; each goes through `_on_token` in order,
+so EOS, stop ids, stop strings, a complete grammar and max_tokens apply per token, and the tokens
+after the one that finishes the request are dropped. Pages: the engine may write KV at up to
+width positions past a row's last token, so a request reserves pages for prompt + max_tokens - 1
++ K positions at admission (at most max_context); positions past the accepted length stay in the
+request's pages and are overwritten later, and everything goes back at finish as usual. A step
+whose width no row's pages can hold (a request within K of max_context) narrows to a width they
+hold, or is a plain decode step. Output constraints: the masks of a row's K + 1 positions come from
+advancing its matcher through the drafts and rolling it back (`ConstraintMatcher.fill_draft_masks`);
+the emitted tokens are then consumed as usual. The pipelining of step 4 is unchanged: a step's
+drafts and token are the previous step's results, so the next decode is dispatched only once they
+are on the host (it could not be dispatched earlier even without the Engram hashing).
+
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
 """
@@ -134,6 +153,7 @@ class Usage:
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
+    accepted_draft_tokens: int = 0  # DSpark drafts the target accepted (included in completion_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +207,7 @@ class _Seq:
         self.restore = None
         self.decoding = False
         self.generated = 0
+        self.accepted_drafts = 0  # DSpark drafts the target accepted for this request
         self.last_token = -1
         self.pos = -1  # position of last_token
         self.first_token_time: float | None = None
@@ -235,6 +256,14 @@ class Scheduler:
         self._seed = np.zeros(S, np.uint32)
         self._bitmask = np.full((S, mask_words(spec.vocab_size)), -1, np.int32)  # all ones = unconstrained
         self._masks_due: list[_Seq] = []  # constrained requests whose row needs their next token's mask
+        # DSpark: the draft widths usable at K = config.dspark, and each slot's drafts for its next
+        # step (the previous step's next_drafts; `_draft_count` 0 = none yet, right after prefill).
+        self._dspark = config.dspark
+        self._draft_widths = tuple(w for w in spec.dspark_widths if w <= config.dspark)
+        kmax = max(spec.dspark_max_drafts, 1)
+        self._drafts = np.zeros((S, kmax), np.int32)
+        self._draft_confidence = np.zeros((S, kmax), np.float32)
+        self._draft_count = np.zeros(S, np.int32)
         self._constraint_tokenizer, self._no_constraints = constraint_tokenizer, ""
         if constraint_tokenizer is None:
             make = getattr(tokenizer, "constraint_tokenizer", None)
@@ -335,7 +364,9 @@ class Scheduler:
             types = np.asarray(im.token_types)
             rows = np.asarray(im.span_embeds)
             if types.ndim != 1 or len(types) < 3 or not np.issubdtype(types.dtype, np.integer):
-                raise InvalidRequest(f"{field}.token_types", "must be a 1-D integer array of at least 3 types")
+                raise InvalidRequest(
+                    f"{field}.token_types", "must be a 1-D integer array of at least 3 types"
+                )
             if types.min() < 0 or types.max() > 3 or types[0] != 0 or types[-1] != 3:
                 raise InvalidRequest(
                     f"{field}.token_types",
@@ -354,7 +385,8 @@ class Scheduler:
                 raise InvalidRequest(f"{field}.start", f"span [{im.start}, {im.end}) runs past the prompt")
             if np.any(ids[im.start : im.end] != spec.image_token_id):
                 raise InvalidRequest(
-                    f"{field}.start", f"every span position must hold the image token id {spec.image_token_id}"
+                    f"{field}.start",
+                    f"every span position must hold the image token id {spec.image_token_id}",
                 )
             end = im.end
 
@@ -521,8 +553,9 @@ class Scheduler:
                 usable = max((i + 1 for i, e in enumerate(entries) if e.snapshot is not None), default=0)
                 entries = entries[:usable]
             hit_pages = [e.page for e in entries]
-            # KV is written for every position but the last sampled token's.
-            total = -(-(n + seq.max_tokens - 1) // ps)
+            # KV is written for every position but the last sampled token's; with DSpark the engine
+            # may write up to K positions past a row's last token (module docstring).
+            total = min(-(-(n + seq.max_tokens - 1 + self._dspark) // ps), self.spec.pages_per_slot)
             self.pool.acquire(hit_pages)
             need = total - len(hit_pages)
             if self.pool.num_available < need:
@@ -634,15 +667,21 @@ class Scheduler:
             self.engine.drop_snapshot(snap)
         if end == n:
             self._prefilling.remove(seq)
+            self._draft_count[seq.slot] = 0  # no drafts before the first speculative step
             seq.decoding = True
             seq.pos = n - 1  # so that the first token lands at n
             self._on_token(seq, result.token)
 
     def _decode_dispatch(self):
-        """Dispatches a decode step over every slot whose prefill is done; None when there is none."""
+        """Dispatches a decode step over every slot whose prefill is done; None when there is none.
+        Returns (active, pending, n_drafts: None for a plain step)."""
         active = np.array([s is not None and s.decoding for s in self._slots])
         if not active.any():
             return None
+        if self._dspark:
+            width, n_drafts = self._plan_drafts(active)
+            if width:
+                return self._speculative_dispatch(active, width, n_drafts)
         self._fill_masks()
         batch = DecodeBatch(
             active=active,
@@ -655,13 +694,88 @@ class Scheduler:
             seed=self._seed.copy(),
             token_bitmask=self._bitmask.copy(),
         )
-        return active, self.engine.decode_async(batch)
+        return active, self.engine.decode_async(batch), None
 
-    def _decode_finish(self, active: np.ndarray, pending) -> None:
-        result = pending.result()
+    def _plan_drafts(self, active: np.ndarray) -> tuple[int, np.ndarray]:
+        """(width, n_drafts [S]) of a speculative step: each active row's drafts to verify (module
+        docstring) and the narrowest compiled width that holds them all; width 0 = a plain step
+        (a row's pages cannot hold even the narrowest width)."""
+        spec, K, T = self.spec, self._dspark, self.config.dspark_confidence
+        n_drafts = np.zeros(spec.max_slots, np.int32)
+        cap = K
         for slot in np.flatnonzero(active):
             seq = self._slots[slot]
-            self._on_token(seq, result.row(int(slot)))
+            k = min(K, int(self._draft_count[slot]), seq.max_tokens - seq.generated - 1)
+            if T is not None and k > 0:
+                # sigmoid(c) >= 0 so the running product only falls: count the leading ones >= T.
+                odds = 1.0 / (1.0 + np.exp(-self._draft_confidence[slot, :k].astype(np.float64)))
+                k = max(1, int(np.sum(np.cumprod(odds) >= T)))
+            n_drafts[slot] = k
+            # The engine may write up to `width` positions past the last token: within the pages.
+            cap = min(cap, len(seq.pages) * spec.page_size - 1 - seq.pos)
+        wanted = max(1, int(n_drafts.max()))
+        fits = [w for w in self._draft_widths if w <= cap]
+        width = next((w for w in fits if w >= wanted), fits[-1] if fits else 0)
+        return width, np.minimum(n_drafts, width)
+
+    def _speculative_dispatch(self, active: np.ndarray, width: int, n_drafts: np.ndarray):
+        """A decode step that verifies each row's `n_drafts` drafts (cut where its grammar forbids
+        one) over a [S, width] draft block."""
+        S, W = self.spec.max_slots, mask_words(self.spec.vocab_size)
+        drafts = np.ascontiguousarray(self._drafts[:, :width])
+        # Decoding rows get their masks here (with the drafts'); the [S, W] rows are for prefill.
+        self._masks_due = [s for s in self._masks_due if not s.decoding]
+        bitmask = None
+        for slot in np.flatnonzero(active):
+            seq = self._slots[slot]
+            if seq.matcher is None:
+                continue
+            if bitmask is None:
+                bitmask = np.full((S, width + 1, W), -1, np.int32)
+            k = int(n_drafts[slot])
+            n_drafts[slot] = seq.matcher.fill_draft_masks(drafts[slot, :k], bitmask[slot, : k + 1])
+        batch = DecodeBatch(
+            active=active,
+            token_ids=self._tokens.copy(),
+            positions=self._positions.copy(),
+            page_tables=self.page_tables.copy(),
+            temperature=self._temperature.copy(),
+            top_p=self._top_p.copy(),
+            top_k=self._top_k.copy(),
+            seed=self._seed.copy(),
+            token_bitmask=bitmask,
+            drafts=drafts,
+            n_drafts=np.where(active, n_drafts, 0).astype(np.int32),
+        )
+        return active, self.engine.decode_async(batch), batch.n_drafts
+
+    def _decode_finish(self, active: np.ndarray, pending, n_drafts: np.ndarray | None = None) -> None:
+        result = pending.result()
+        slots = np.flatnonzero(active)
+        if result.emitted is None:
+            for slot in slots:
+                self._on_token(self._slots[slot], result.row(int(slot)))
+            self._draft_count[slots] = 0  # a plain step drafts nothing
+            if self.metrics is not None:
+                self.metrics.observe_decode_step([1] * len(slots))
+            return
+        emitted = [int(result.emitted[slot]) for slot in slots]
+        for slot, e in zip(slots, emitted, strict=True):
+            if not 1 <= e <= int(n_drafts[slot]) + 1:
+                raise RuntimeError(f"slot {slot}: the engine emitted {e} tokens for {n_drafts[slot]} drafts")
+            seq = self._slots[slot]
+            seq.accepted_drafts += e - 1
+            for tok in result.tokens(int(slot)):
+                self._on_token(seq, tok)
+                if seq.done:  # finished mid-block: the tokens after it are dropped
+                    break
+            else:
+                kmax = result.next_drafts.shape[1]
+                self._drafts[slot, :kmax] = result.next_drafts[slot]
+                self._draft_confidence[slot, :kmax] = result.next_confidence[slot]
+                self._draft_count[slot] = kmax
+        if self.metrics is not None:
+            self.metrics.observe_decode_step(emitted, [int(n_drafts[slot]) for slot in slots])
 
     def _on_token(self, seq: _Seq, tok: SampledToken) -> None:
         now = self.clock()
@@ -750,7 +864,7 @@ class Scheduler:
                 rel = Released(
                     rel.token_ids + tail.token_ids, rel.text + tail.text, rel.payloads + tail.payloads
                 )
-        usage = Usage(len(seq.prompt), seq.cached_tokens, seq.generated)
+        usage = Usage(len(seq.prompt), seq.cached_tokens, seq.generated, seq.accepted_drafts)
         if error is None:
             self._emit(seq, rel, reason=reason, usage=usage)
         else:
@@ -774,6 +888,7 @@ class Scheduler:
             self._free_slots.sort()
             self.page_tables[slot] = 0
             self._bitmask[slot] = -1
+            self._draft_count[slot] = 0
             seq.slot = None
             if seq in self._prefilling:
                 self._prefilling.remove(seq)

@@ -1,0 +1,310 @@
+"""DSpark speculative decoding in the serving stack (`ServeConfig.dspark`, `ced-jax serve --dspark K`).
+
+First over the hand-computable mock engine (`serving.mock_engine`: it writes every draft position
+through the page tables, verifies drafts by sampling each position with the real sampler, and proposes
+the greedy continuation with a wrong draft now and then): a speculative server must give exactly the
+tokens of a plain one (greedy and seeded), stop, EOS and max_tokens apply per emitted token, pages are
+never leaked, grammar masks truncate drafts, a prefix-cache hit is followed by speculative steps, and
+the metrics move. Then over gRPC with the tiny model's DSpark stages (`JaxEngine`).
+"""
+
+from __future__ import annotations
+
+import pytest
+from serving_helpers import request, run_until_idle
+
+from serving.config import ServeConfig
+from serving.engine_api import EngineSpec, SamplingParams
+from serving.metrics import Metrics
+from serving.mock_engine import ByteTokenizer, MockEngine, MockRule, mock_greedy_stream
+from serving.scheduler import FinishReason, Scheduler, collect
+
+pytestmark = pytest.mark.timeout(120)
+
+TOK = ByteTokenizer()
+SHAPES = dict(max_slots=4, page_size=4, num_pages=96, max_context=64, prefill_buckets=(4, 8, 16))
+PROMPTS = ["the quick brown fox", "jumps over", "a lazy dog and then some", "zz"]
+
+
+def _sched(
+    dspark=0, *, widths=(1, 2, 3, 4), miss_every=5, metrics=None, confidence=None, constraint_tok=None, **kw
+):
+    shapes = {**SHAPES, **{k: kw.pop(k) for k in list(kw) if k in SHAPES}}
+    engine_kw = {k: kw.pop(k) for k in list(kw) if k in ("rule", "restore_mode")}
+    engine = MockEngine(
+        **shapes, max_logprobs=5, dspark_widths=widths, draft_miss_every=miss_every, **engine_kw
+    )
+    engine.warmup()
+    cfg = ServeConfig(
+        **shapes, max_logprobs=5, max_tokens_limit=60, default_max_tokens=16, max_queued=16,
+        metrics_port=None, dspark=dspark, dspark_confidence=confidence, **kw,
+    )  # fmt: skip
+    extra = {} if constraint_tok is None else {"constraint_tokenizer": constraint_tok}
+    return engine, Scheduler(engine, TOK, cfg, metrics, **extra)
+
+
+def _run(sched, reqs):
+    """Submits (rid, prompt, kwargs) requests, runs to idle; {rid: (ids, text, final event)}."""
+    events = {}
+    for rid, prompt, kw in reqs:
+        events[rid] = []
+        sched.submit(request(rid, prompt, **kw), events[rid].append)
+    run_until_idle(sched)
+    return {rid: collect(ev) for rid, ev in events.items()}
+
+
+def _assert_clean(engine, sched):
+    assert sched.num_running == 0 and sched.num_in_flight == 0
+    assert sched.pool.num_referenced == 0
+    assert sched.pool.num_free + sched.pool.num_cached == sched.pool.num_pages
+    sched.pool.check_invariants()
+    assert engine.compiles_after_warmup == 0
+
+
+def _same(a, b):
+    """Two runs' results agree token for token, in text, finish reason and completion_tokens."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        (ia, ta, la), (ib, tb, lb) = a[rid], b[rid]
+        assert (ia, ta) == (ib, tb), rid
+        assert la.finish_reason is lb.finish_reason, rid
+        assert la.usage.completion_tokens == lb.usage.completion_tokens, rid
+
+
+def _workload(**kw):
+    return [(f"r{i}", p, {"max_tokens": 9 + 7 * i, **kw}) for i, p in enumerate(PROMPTS * 2)]
+
+
+@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
+def test_greedy_output_is_plain_decodings_with_several_tokens_per_step(restore_mode):
+    plain_engine, plain = _sched(0, restore_mode=restore_mode)
+    engine, spec = _sched(4, restore_mode=restore_mode)
+    want, got = _run(plain, _workload()), _run(spec, _workload())
+    _same(want, got)
+    for i, p in enumerate(PROMPTS * 2):  # and the mock's reference (max_tokens within max_context)
+        n = min(9 + 7 * i, SHAPES["max_context"] - len(p))
+        assert got[f"r{i}"][0] == mock_greedy_stream(TOK.encode(p), n)
+    assert not plain_engine.spec_log  # K = 0: plain decode steps only
+    emitted = [e for _, _, _, e in engine.spec_log]
+    assert max(emitted) == 5 and min(emitted) == 1  # whole blocks accepted, and rejections
+    assert engine.decode_steps < plain_engine.decode_steps
+    assert sum(g[2].usage.accepted_draft_tokens for g in got.values()) > 0
+    _assert_clean(engine, spec)
+
+
+def test_seeded_sampling_is_plain_decodings():
+    kw = {"sampling": SamplingParams(temperature=1.0, top_p=0.9, seed=1234)}
+    _, plain = _sched(0)
+    engine, spec = _sched(3)
+    _same(_run(plain, _workload(**kw)), _run(spec, _workload(**kw)))
+    assert any(e > 1 for _, _, _, e in engine.spec_log)
+    _assert_clean(engine, spec)
+
+
+def test_n_drafts_never_pass_max_tokens_and_start_at_zero_after_prefill():
+    engine, sched = _sched(4, miss_every=0)  # every draft right: whole blocks
+    reqs = [(f"m{n}", "hello there", {"max_tokens": n}) for n in range(1, 12)]
+    got = _run(sched, reqs)
+    for n in range(1, 12):
+        ids, _, last = got[f"m{n}"]
+        assert ids == mock_greedy_stream(TOK.encode("hello there"), n)
+        assert last.finish_reason is FinishReason.LENGTH and last.usage.completion_tokens == n
+    # Each request's rows: the first step after prefill verifies nothing; the drafts verified never
+    # reach past max_tokens (so nothing is dropped for length): emitted tokens sum to max_tokens - 1.
+    by_slot_steps = {}
+    for slot, width, k, e in engine.spec_log:
+        assert k <= width and e == k + 1
+        by_slot_steps.setdefault(slot, []).append(k)
+    assert all(steps[0] == 0 for steps in by_slot_steps.values())
+    _assert_clean(engine, sched)
+
+
+def _stream_with_multi_token_step(prompt, n):
+    """A greedy stream and an index i > 1 of a token that a K = 4 run emits in the middle of a step."""
+    engine, sched = _sched(4)
+    ids = _run(sched, [("x", prompt, {"max_tokens": n})])["x"][0]
+    pos, mids = 1, []
+    for _, _, _, e in engine.spec_log:  # one request: the rows are its steps, in order
+        mids += [pos + j for j in range(e - 1)]  # every emitted token but the step's last
+        pos += e
+    return ids, [i for i in mids if i >= 2 and ids[i] not in ids[:i]]
+
+
+@pytest.mark.parametrize("how", ["stop_token_ids", "eos", "stop_string"])
+def test_a_stop_in_the_middle_of_a_block_drops_the_rest(how):
+    prompt = "stop here please"
+    ids, mids = _stream_with_multi_token_step(prompt, 30)
+    assert mids, "the workload must stop mid-block"
+    i = mids[0]
+    stop = ids[i]
+    if how == "stop_token_ids":
+        kw, rule = {"stop_token_ids": (stop,)}, MockRule()
+    elif how == "eos":
+        kw, rule = {}, MockRule(eos_id=stop)  # the mock's EOS is this token
+    else:
+        kw, rule = {"stop": (TOK.decode([stop]),)}, MockRule()
+    results = []
+    for k in (0, 4):
+        engine, sched = _sched(k, rule=rule)
+        results.append(_run(sched, [("s", prompt, {"max_tokens": 30, **kw})]))
+        _assert_clean(engine, sched)
+    _same(*results)
+    got_ids, _, last = results[1]["s"]
+    assert last.finish_reason is FinishReason.STOP
+    assert got_ids == ids[:i]  # the stop token is never sent (nor the text of a stop string)
+    assert last.usage.completion_tokens == i + 1
+
+
+def test_pages_are_reserved_ahead_and_never_leak():
+    # Requests that run to max_context: a block past it cannot be paged, so those steps narrow.
+    _, plain = _sched(0)
+    engine, sched = _sched(4, miss_every=0)
+    long_prompt = "x" * 50  # 50 + 14 = max_context 64
+    reqs = [("long", long_prompt, {"max_tokens": 40}), ("short", "ab", {"max_tokens": 13})]
+    _same(_run(plain, reqs), _run(sched, reqs))
+    widths = {w for _, w, _, _ in engine.spec_log}
+    assert 4 in widths and len(widths) > 1  # narrowed near max_context
+    _assert_clean(engine, sched)
+    # Aborts mid-stream and a stream of queued requests: every page comes back.
+    events = []
+    for i in range(8):
+        sched.submit(request(f"a{i}", PROMPTS[i % 4], max_tokens=40), events.append)
+    for _ in range(6):
+        sched.step()
+    assert sched.pool.num_referenced > 0
+    for i in range(0, 8, 2):
+        sched.abort(f"a{i}")
+    run_until_idle(sched)
+    _assert_clean(engine, sched)
+
+
+def test_reserved_pages_cover_the_draft_block():
+    engine, sched = _sched(4)
+    sched.submit(request("p", "abcdefg", max_tokens=5), lambda ev: None)  # 7 + 5 - 1 + 4 = 15 -> 4 pages
+    sched.step()
+    seq = next(s for s in sched._slots if s is not None)
+    assert len(seq.pages) == 4
+    run_until_idle(sched)
+    _assert_clean(engine, sched)
+
+
+def test_confidence_chooses_the_length_and_narrows_steps():
+    metrics_fixed, metrics_conf = Metrics(), Metrics()
+    e_fixed, fixed = _sched(4, miss_every=4, metrics=metrics_fixed)
+    e_conf, conf = _sched(4, miss_every=4, metrics=metrics_conf, confidence=0.5)
+    _same(_run(fixed, _workload()), _run(conf, _workload()))
+    # The mock's confidence is +4 for right drafts and -4 for wrong ones: with T = 0.5 a row stops
+    # before its first wrong draft (at least one), so far fewer drafts are rejected.
+    rejected = lambda log: sum(k - (e - 1) for _, _, k, e in log)
+    assert rejected(e_conf.spec_log) < rejected(e_fixed.spec_log) / 2
+    assert {w for _, w, _, _ in e_conf.spec_log} > {4}  # narrower programs when every row wants fewer
+    # A row verifies more than one draft only while they are all right (confidence +4 each).
+    assert all(e == k + 1 for _, _, k, e in e_conf.spec_log if k > 1)
+    _assert_clean(e_conf, conf)
+
+
+def _value(metrics, name):
+    return metrics.registry.get_sample_value(name) or 0.0
+
+
+def test_metrics_move():
+    metrics = Metrics()
+    engine, sched = _sched(4, metrics=metrics)
+    got = _run(sched, _workload())
+    steps = _value(metrics, "ced_dspark_steps_total")
+    proposed = _value(metrics, "ced_dspark_draft_tokens_proposed_total")
+    accepted = _value(metrics, "ced_dspark_draft_tokens_accepted_total")
+    assert steps == engine.decode_steps > 0
+    assert proposed == sum(k for _, _, k, _ in engine.spec_log)
+    assert 0 < accepted == sum(e - 1 for _, _, _, e in engine.spec_log) < proposed
+    rows = len(engine.spec_log)
+    assert _value(metrics, "ced_dspark_mean_accepted_length") == pytest.approx(accepted / rows)
+    assert _value(metrics, "ced_dspark_accepted_length_count") == rows
+    assert _value(metrics, "ced_decode_steps_per_output_token") == pytest.approx(rows / (rows + accepted))
+    assert sum(g[2].usage.accepted_draft_tokens for g in got.values()) == accepted
+    plain_metrics = Metrics()
+    _run(_sched(0, metrics=plain_metrics)[1], _workload())
+    assert _value(plain_metrics, "ced_decode_steps_per_output_token") == 1.0
+    assert _value(plain_metrics, "ced_dspark_steps_total") == 0
+
+
+@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
+def test_prefix_cache_hit_then_speculative_decode(restore_mode):
+    _, plain = _sched(0, restore_mode=restore_mode)
+    engine, sched = _sched(4, restore_mode=restore_mode)
+    prompt = "a shared system prompt, then a question"
+    reqs = [("cold", prompt, {"max_tokens": 20})]
+    want = _run(plain, reqs)
+    _same(want, _run(sched, reqs))
+    warm = _run(sched, [("cold", prompt, {"max_tokens": 20})])
+    _same(want, warm)
+    assert warm["cold"][2].usage.cached_prompt_tokens > 0
+    assert any(e > 1 for _, _, _, e in engine.spec_log[-5:])
+    _assert_clean(engine, sched)
+
+
+@pytest.fixture(scope="module")
+def byte_constraint_tokenizer(tmp_path_factory):
+    """llguidance's view of the mock's byte vocabulary (a byte-level BPE tokenizer.json, no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from serving.constraints import ConstraintTokenizer
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):  # GPT-2's byte -> character map, which ByteLevel uses
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    vocab = {"<bos>": TOK.BOS, "<eos>": TOK.EOS, "<pad>": TOK.PAD}
+    vocab.update({chars[b]: TOK.OFFSET + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<bos>", "<eos>", "<pad>"])
+    path = tmp_path_factory.mktemp("bytetok") / "tokenizer.json"
+    tok.save(str(path))
+    return ConstraintTokenizer(path, vocab_size=TOK.vocab_size, eos_token_ids=(TOK.EOS,))
+
+
+def test_constraints_truncate_drafts_at_the_first_forbidden_one(byte_constraint_tokenizer):
+    import re
+
+    from serving.constraints import OutputConstraint
+
+    regex = "(ab|cd|e[a-z])+q"
+    kw = {"constraint": OutputConstraint(kind="regex", regex=regex), "max_tokens": 40}
+    reqs = [("c0", "constrained", kw), ("c1", "other prompt", kw), ("u", "unconstrained", {"max_tokens": 30})]
+    _, plain = _sched(0, constraint_tok=byte_constraint_tokenizer)
+    engine, sched = _sched(4, miss_every=0, constraint_tok=byte_constraint_tokenizer)
+    want, got = _run(plain, reqs), _run(sched, reqs)
+    _same(want, got)
+    for rid in ("c0", "c1"):
+        assert re.fullmatch(regex, got[rid][1]) or got[rid][2].finish_reason is FinishReason.LENGTH
+    assert got["u"][0] == mock_greedy_stream(TOK.encode("unconstrained"), 30)
+    # The mock drafts the unconstrained greedy continuation, which the grammar mostly forbids: the
+    # constrained rows verify fewer drafts than they have, the unconstrained row all 4 of them.
+    short = [k for _, w, k, _ in engine.spec_log if 0 < k < 4]
+    assert short
+    _assert_clean(engine, sched)
+
+
+def test_config_and_engine_checks_name_the_flag():
+    with pytest.raises(ValueError, match=r"--dspark\b"):
+        ServeConfig(**SHAPES, dspark=-1)
+    with pytest.raises(ValueError, match="--dspark-confidence"):
+        ServeConfig(**SHAPES, dspark=2, dspark_confidence=1.5)
+    with pytest.raises(ValueError, match="needs dspark"):
+        ServeConfig(**SHAPES, dspark_confidence=0.5)
+    no_dspark = MockEngine(**SHAPES)
+    with pytest.raises(ValueError, match="--dspark.*no DSpark"):
+        ServeConfig(**SHAPES, dspark=2).check_engine(no_dspark.spec)
+    fixed = MockEngine(**SHAPES, dspark_widths=(4,))
+    with pytest.raises(ValueError, match="--dspark-confidence.*every draft width"):
+        ServeConfig(**SHAPES, dspark=4, dspark_confidence=0.5).check_engine(fixed.spec)
+    with pytest.raises(ValueError, match="dspark_widths"):
+        EngineSpec(
+            max_slots=1, page_size=4, num_pages=4, max_context=16, prefill_buckets=(4,), vocab_size=8,
+            eos_token_ids=(1,), max_logprobs=1, dspark_widths=(3, 2), dspark_max_drafts=5,
+        )  # fmt: skip
