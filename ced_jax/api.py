@@ -17,6 +17,11 @@ images (or explicit `token_types` / `span_embeds`).
 
 Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a directory written by
 `convert_weights`); the `tiny` preset's weights come from `ced_jax.testing.random_weights`.
+
+DSpark draft stages: `load(..., dspark=None)` reads them when the checkpoint has them (config
+`num_nextn_predict_layers` > 0 and the `mtp.*` tensors, or a converted checkpoint's `dspark` part),
+into `Model.params["mtp"]` (the tree `ced_jax.dspark.load_dspark_params` returns, storage dtypes
+kept, replicated on a mesh); `Model.dspark` says whether they are there.
 """
 
 from __future__ import annotations
@@ -35,15 +40,15 @@ import numpy as np
 
 from ced_jax import cache as cache_lib
 from ced_jax import ops, sharding
-from ced_jax.checkpoint.converted import is_converted_checkpoint, load_flat
-from ced_jax.checkpoint.hf_loader import load_hf_checkpoint
-from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
+from ced_jax.checkpoint.converted import included_parts, is_converted_checkpoint, load_flat, read_manifest
+from ced_jax.checkpoint.hf_loader import CheckpointError, load_hf_checkpoint, read_index
+from ced_jax.checkpoint.mapping import hf_inventory, our_param_specs, parameter_counts
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engine import Engine, Programs, StateShapes
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sampling import jitted_sample
-from ced_jax.testing.random_weights import tiny_params
+from ced_jax.testing.random_weights import tiny_dspark_params, tiny_params
 
 
 def _to_device(
@@ -87,6 +92,42 @@ def _flat_param_shardings(cfg: ModelConfig, names, mesh, rules) -> dict[str, Any
     return out
 
 
+DSPARK_PREFIX = "mtp."
+
+
+def _dspark_to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], mesh) -> dict:
+    """The DSpark stages' flat `mtp.*` arrays -> the nested tree under params["mtp"], as
+    `ced_jax.dspark.load_dspark_params` gives it: storage dtypes kept (no bf16 widening: the stages
+    are small and the draft code casts where it computes in f32), checked against the config's
+    inventory. On a mesh every device gets the whole (small) tree: replicated."""
+    if cfg.num_nextn_predict_layers <= 0:
+        raise ValueError(
+            f"DSpark parameters given (e.g. {sorted(flat)[0]}) but the config's num_nextn_predict_layers is 0"
+        )
+    specs = our_param_specs(cfg, ("dspark",))
+    missing = sorted(set(specs) - set(flat))
+    extra = sorted(set(flat) - set(specs))
+    if missing or extra:
+        raise ValueError(
+            f"DSpark parameters: missing {missing[:5]}, not in the config's inventory {extra[:5]}"
+        )
+    for name, arr in flat.items():
+        shape, dtype = specs[name]
+        if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
+            raise ValueError(
+                f"DSpark parameter {name}: {arr.dtype} {list(arr.shape)}, expected {dtype} {list(shape)}"
+            )
+    target = None if mesh is None else sharding.replicated(mesh)
+    root: dict = {}
+    for name, arr in flat.items():
+        node = root
+        *parents, leaf = name[len(DSPARK_PREFIX) :].split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = jnp.asarray(arr) if target is None else _put_global(arr, target)
+    return root
+
+
 class Model:
     def __init__(
         self,
@@ -108,8 +149,13 @@ class Model:
             bf16_as_f32 = jax.default_backend() == "cpu"
         self.mesh = mesh
         self.rules = sharding.get_rules(rules)
-        shardings = None if mesh is None else _flat_param_shardings(cfg, flat_params, mesh, self.rules)
-        self.params = _to_device(flat_params, bf16_as_f32, shardings)
+        # DSpark stages (`mtp.*` paths) go to params["mtp"]: see _dspark_to_device.
+        draft = {k: v for k, v in flat_params.items() if k.startswith(DSPARK_PREFIX)}
+        backbone = {k: v for k, v in flat_params.items() if not k.startswith(DSPARK_PREFIX)}
+        shardings = None if mesh is None else _flat_param_shardings(cfg, backbone, mesh, self.rules)
+        self.params = _to_device(backbone, bf16_as_f32, shardings)
+        if draft:
+            self.params["mtp"] = _dspark_to_device(cfg, draft, mesh)
         self.hasher = hasher
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
@@ -123,6 +169,11 @@ class Model:
             from ced_jax.vision.tower import VisionEncoder
 
             self.vision = VisionEncoder(cfg, vision_params)
+
+    @property
+    def dspark(self) -> bool:
+        """Whether the DSpark draft stages are loaded (params["mtp"])."""
+        return "mtp" in self.params
 
     def _put_input(self, arr) -> jax.Array:
         """A host input of a step: on one device as is, on a mesh replicated (global array)."""
@@ -663,12 +714,19 @@ def load(
     prefill_chunk: int = 512,
     mesh: jax.sharding.Mesh | None = None,
     rules: str | dict = sharding.DEFAULT_RULES,
+    dspark: bool | None = None,
 ) -> Model:
     """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
     directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
 
     mesh: place and run the model on this (data, expert, tensor) mesh under `rules` (see
-    ced_jax.sharding); None runs on the default device."""
+    ced_jax.sharding); None runs on the default device.
+    dspark: the DSpark draft stages (`Model.params["mtp"]`, `Model.dspark`). None: load them when
+    the checkpoint has them (config num_nextn_predict_layers > 0 and the `mtp.*` tensors present, or
+    a converted checkpoint's `dspark` part); True: required (a checkpoint without them is an error
+    naming what is missing); False: skip them."""
+    if dspark not in (None, True, False):
+        raise ValueError(f"dspark: expected None, True or False, got {dspark!r}")
     name = str(path_or_preset)
     if name in PRESETS:
         cfg = preset(name)
@@ -677,7 +735,10 @@ def load(
                 f"preset {name!r} has no embedded weights; pass a checkpoint directory "
                 f"(`ced-jax describe {name}` works without weights)"
             )
-        flat = tiny_params()
+        with_dspark = _want_dspark(dspark, cfg, f"preset {name!r}", lambda: None)
+        flat = tiny_params(dspark=False)
+        if with_dspark:
+            flat.update(tiny_dspark_params())
         hasher = EngramHasher.from_token_map_file(cfg, ASSETS / "tiny" / "engram_token_map.json")
         return Model(
             cfg,
@@ -694,9 +755,12 @@ def load(
         raise ValueError(f"{name!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
     cfg = ModelConfig.from_pretrained(directory)
     if is_converted_checkpoint(directory):  # convert_weights output: Orbax items + ced_manifest.json
-        cfg, flat = load_flat(directory)
+        with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _converted_dspark_gap(directory))
+        cfg, flat = load_flat(directory, parts=("dspark",) if with_dspark else ())
     else:
-        flat, _report = load_hf_checkpoint(directory, cfg)
+        with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _hf_dspark_gap(directory, cfg))
+        include = ("text", "dspark") if with_dspark else ("text",)
+        flat, _report = load_hf_checkpoint(directory, cfg, include=include)
     hasher = None
     if cfg.engram_layer_ids:
         if (directory / "engram_token_map.json").exists():
@@ -720,6 +784,55 @@ def load(
         # None without a vision tower, or for a converted checkpoint written text-only (images are
         # then refused by name, text runs as before).
         vision_params=load_vision_params(directory, cfg, required=False),
+    )
+
+
+def _want_dspark(dspark: bool | None, cfg: ModelConfig, source: str, gap) -> bool:
+    """Whether to load the DSpark stages. `gap()`: why the source lacks them although the config
+    describes them (None when they are all there)."""
+    if dspark is False:
+        return False
+    if cfg.num_nextn_predict_layers <= 0:
+        if dspark:
+            raise CheckpointError(
+                f"dspark=True: {source} has no DSpark stages (config.json text_config."
+                "num_nextn_predict_layers is 0)"
+            )
+        return False
+    why = gap()
+    if why is None:
+        return True
+    if dspark:
+        raise CheckpointError(f"dspark=True: {source}: {why}")
+    return False
+
+
+def _hf_dspark_gap(directory: Path, cfg: ModelConfig) -> str | None:
+    """None when the index lists every `mtp.*` tensor `cfg` describes; otherwise why not. A partial set
+    is a broken checkpoint, not an absent draft: it raises whatever `dspark` says."""
+    weight_map = read_index(directory)
+    wanted = [n for n, s in hf_inventory(cfg).items() if s.group == "dspark"]
+    missing = [n for n in wanted if n not in weight_map]
+    if not missing:
+        return None
+    if len(missing) < len(wanted):
+        raise CheckpointError(
+            f"{directory}: {len(missing)} of the {len(wanted)} DSpark tensors are missing from the index, "
+            f"e.g. {missing[:5]} (pass dspark=False to load without the draft stages)"
+        )
+    return (
+        f"config.json describes {cfg.num_nextn_predict_layers} DSpark stages but the index lists none of "
+        f"their {len(wanted)} tensors (mtp.*), e.g. '{missing[0]}'"
+    )
+
+
+def _converted_dspark_gap(directory: Path) -> str | None:
+    manifest = read_manifest(directory)
+    if "dspark" in included_parts(manifest):
+        return None
+    return (
+        f"converted without its DSpark stages (include={manifest['options']['include']}); "
+        "convert again with --include text,dspark"
     )
 
 

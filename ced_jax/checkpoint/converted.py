@@ -163,18 +163,25 @@ class Restored:
     parts: dict[str, dict] = field(default_factory=dict)
 
 
+def included_parts(manifest: dict) -> tuple[str, ...]:
+    """The optional parts (`OPTIONAL_PARTS`) a converted checkpoint was written with."""
+    return tuple(p for p in manifest["options"]["include"] if p in OPTIONAL_PARTS)
+
+
 def restore(
     directory: str | Path,
     *,
     mesh=None,
     rules=None,
     engram_on_host: bool = True,
+    parts: Iterable[str] | None = None,
 ) -> Restored:
     """Restore a converted checkpoint. With `mesh`, `params` become jax Arrays sharded by
     `ced_jax.sharding.param_shardings(specs, mesh, rules)` (default rules EP_TP_RULES), whatever mesh
     it was written on; the separate Engram item stays in host memory unless `engram_on_host=False`,
-    and the optional parts (`dspark`, `vision`) always do. Leaves are checked against the config's
-    specs before any data is read."""
+    and the optional parts (`dspark`, `vision`) always do. `parts`: the optional parts to read
+    (default: every one written; one not written is a CheckpointError naming the --include that
+    writes it). Leaves are checked against the config's specs before any data is read."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
@@ -184,12 +191,25 @@ def restore(
         cfg = ModelConfig.from_pretrained(directory)
     except ConfigError as e:
         raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
+    written = included_parts(manifest)
+    wanted_parts = written if parts is None else tuple(parts)
+    for part in wanted_parts:
+        if part not in OPTIONAL_PARTS:
+            raise ValueError(f"parts: unknown part {part!r}; known: {list(OPTIONAL_PARTS)}")
+        if part not in written:
+            raise CheckpointError(
+                f"{directory}: converted without its {part!r} part (include={opts['include']}); "
+                f"convert again with --include text,{part}"
+            )
     targets = target_specs(
         cfg, weights_dtype=opts["weights_dtype"], engram=opts["engram"], include=opts["include"]
     )
     by_item: dict[str, dict[str, ParamSpec]] = {}
     for path, spec in targets.items():
-        by_item.setdefault(item_of(path, opts["engram"]), {})[path] = spec
+        item = item_of(path, opts["engram"])
+        if item in OPTIONAL_PARTS and item not in wanted_parts:
+            continue
+        by_item.setdefault(item, {})[path] = spec
 
     loaded: dict[str, dict] = {}
     verified = _VerifiedZarr3Items()
@@ -274,9 +294,12 @@ class _VerifiedZarr3Items(logging.Filter):
         )
 
 
-def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_flat(
+    directory: str | Path, *, parts: Iterable[str] = ()
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, {dotted path: numpy array}) of a native converted checkpoint, all in host memory:
-    the same dict `hf_loader.load_hf_checkpoint` returns for the source."""
+    the same dict `hf_loader.load_hf_checkpoint` returns for the source (with `parts=("dspark",)`
+    also the DSpark stages' `mtp.*` leaves, as `include=("text", "dspark")` gives them)."""
     manifest = read_manifest(directory)
     opts = manifest["options"]
     if opts["weights_dtype"] != "native":
@@ -291,8 +314,14 @@ def load_flat(directory: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]
                 f"{directory}: converted with --engram skip, but the model's layers "
                 f"{list(cfg.engram_layer_ids)} need their Engram tables; convert with --engram separate"
             )
-    r = restore(directory)
+    parts = tuple(parts)
+    unsupported = [p for p in parts if p != "dspark"]
+    if unsupported:
+        raise ValueError(f"parts: {unsupported} are not model parameters (only 'dspark' is)")
+    r = restore(directory, parts=parts)
     flat = flatten(r.params)
     if r.engram is not None:
         flat.update(flatten(r.engram))
+    for tree in r.parts.values():
+        flat.update(flatten(tree))
     return r.cfg, {k: np.asarray(v) for k, v in flat.items()}

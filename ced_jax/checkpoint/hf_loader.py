@@ -17,8 +17,10 @@ Conventions
   float8_e4m3fn / uint8, so no value is converted.
 - Memory: one tensor is read at a time (safe_open maps the file; raw reads read one byte range).
   Stacked experts are preallocated once and filled slot by slot.
-- `mtp.*` and vision tensors are recognised and skipped, each listed in `report.skipped` (the vision
-  encoder reads its own group with `ced_jax.vision.load_vision_params`).
+- `mtp.*` (DSpark) tensors are read with `include=("text", "dspark")` (our paths `mtp.{k}...`, mapped
+  like backbone layers); otherwise they and the vision tensors are recognised and skipped, each
+  listed in `report.skipped` (the vision encoder reads its own group with
+  `ced_jax.vision.load_vision_params`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from ced_jax.checkpoint.mapping import (
     GROUPS,
     ITEMSIZE,
+    LOADABLE_GROUPS,
     SKIP_NOTES,
     STORAGE_DTYPES,
     TEXT_GROUPS,
@@ -214,15 +217,20 @@ class ParamAssembler:
 
 
 # ---------------------------------------------------------------------- validation
-def _resolve_include(include: Iterable[str]) -> tuple[str, ...]:
+def _resolve_include(include: Iterable[str], cfg: ModelConfig) -> tuple[str, ...]:
     groups: list[str] = []
     for item in include:
         names = TEXT_GROUPS if item == "text" else (item,)
         for g in names:
             if g not in GROUPS:
                 raise ValueError(f"include: unknown group {g!r}; known: 'text', {list(GROUPS)}")
-            if g not in TEXT_GROUPS:
+            if g not in LOADABLE_GROUPS:
                 raise NotImplementedError(f"include: {SKIP_NOTES[g]}")
+            if g == "dspark" and cfg.num_nextn_predict_layers <= 0:
+                raise ValueError(
+                    "include 'dspark': the config's num_nextn_predict_layers is 0, "
+                    "it describes no DSpark stages"
+                )
             if g not in groups:
                 groups.append(g)
     return tuple(groups)
@@ -305,9 +313,10 @@ def load_hf_checkpoint(
     directory: str | Path, cfg: ModelConfig, *, include: Iterable[str] = ("text",)
 ) -> tuple[dict[str, np.ndarray], LoadReport]:
     """Read, validate and convert a checkpoint. `include`: "text" (= "backbone" + "engram_table"),
-    or those groups one by one (e.g. ("backbone",) to leave the large Engram tables on disk)."""
+    or those groups one by one (e.g. ("backbone",) to leave the large Engram tables on disk), plus
+    "dspark" for the DSpark stages (paths `mtp.{k}....`; every one must be present)."""
     directory = Path(directory)
-    groups = _resolve_include(include)
+    groups = _resolve_include(include, cfg)
     report = LoadReport(str(directory))
     _check_config(directory, cfg, report)
     index = read_index_json(directory)
@@ -344,6 +353,31 @@ def load_hf_checkpoint(
                 if our_target(name).kind == "wo_a_scale":
                     report.consumed.append(name)
     return assembler.finish(), report
+
+
+def load_group_file(path: str | Path, cfg: ModelConfig, group: str = "dspark") -> dict[str, np.ndarray]:
+    """One safetensors file holding exactly the tensors of `group` (released names and dtypes, e.g. a
+    DSpark draft trained for a preset) -> our params of that group (flat paths, as
+    `load_hf_checkpoint` gives them). Every tensor is checked against `cfg`'s inventory; a missing,
+    extra or mis-shaped one is a CheckpointError naming it."""
+    path = Path(path)
+    groups = _resolve_include((group,), cfg)
+    wanted = {n: s for n, s in hf_inventory(cfg).items() if s.group in groups}
+    assembler = ParamAssembler(cfg, groups)
+    with Shard(path.parent, path.name) as shard:
+        present = shard.keys()
+        extra = sorted(set(present) - set(wanted))
+        missing = [n for n in wanted if n not in present]
+        if extra or missing:
+            raise CheckpointError(
+                f"{path}: expected exactly the {len(wanted)} '{group}' tensors of this config; "
+                f"missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        check_shard_header(shard, present, wanted)
+        for name in present:
+            spec = wanted[name]
+            assembler.add(name, shard.read(name, spec.dtype, spec.shape))
+    return assembler.finish()
 
 
 def iter_raw_tensors(

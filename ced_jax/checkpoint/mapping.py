@@ -26,12 +26,13 @@ Our parameter tree mirrors these names, with three differences (`our_target`):
 - `layers.{i}.attn.wo_a.weight` is dequantised to bfloat16 with its `.scale` (as DeepSeek's
   convert.py does, because the model uses it through a grouped einsum, not an FP8 GEMM); the
   scale is consumed and has no path of its own;
-- `mtp.*` and vision tensors are recognised; they are not part of the text model's parameter tree,
-  so the text loader skips them (the vision encoder reads its own group with
-  `ced_jax.vision.load_vision_params`). `convert_weights` writes them into Orbax items of their own
-  (`--include dspark`; vision by default when config.json has a vision tower), DSpark stages mapped
-  like backbone layers (experts stacked, `mtp.{k}.attn.wo_a` dequantised), vision tensors under
-  their released names.
+- `mtp.*` (DSpark) stages map like backbone layers (experts stacked over their own
+  `dspark_n_routed_experts`, `mtp.{k}.attn.wo_a` dequantised); the loader reads them only when asked
+  (`include=("text", "dspark")`; `ced_jax.load(dspark=...)` puts them under params["mtp"]). Vision
+  tensors are not part of the text model's parameter tree, so the text loader skips them (the vision
+  encoder reads its own group with `ced_jax.vision.load_vision_params`). `convert_weights` writes
+  both into Orbax items of their own (`--include dspark`; vision by default when config.json has a
+  vision tower), vision tensors under their released names.
 
 Storage dtypes of our numpy arrays (`STORAGE_DTYPES`) keep the stored bytes unchanged: F8_E4M3 ->
 float8_e4m3fn, F8_E8M0 -> uint8 (the raw exponent byte), I8 -> uint8 (raw packed bytes), BF16 ->
@@ -54,9 +55,14 @@ Group = Literal["backbone", "engram_table", "dspark", "vision"]
 GROUPS: tuple[Group, ...] = ("backbone", "engram_table", "dspark", "vision")
 # The groups our model implements; "text" in loader `include=` stands for these.
 TEXT_GROUPS: tuple[Group, ...] = ("backbone", "engram_table")
-# Optional groups: recognised by name even when the config does not describe them, then skipped.
+# The groups `our_param_specs` maps into the parameter tree: the text model's, and the DSpark stages
+# (params["mtp"]), which are read only when asked for.
+LOADABLE_GROUPS: tuple[Group, ...] = (*TEXT_GROUPS, "dspark")
+# Optional groups: recognised by name even when the config does not describe them, then skipped
+# (these notes say why in a load report).
 SKIP_NOTES: dict[str, str] = {
-    "dspark": "DSpark draft stages (mtp.*) are recognised but not implemented yet; skipped",
+    "dspark": "DSpark draft stages (mtp.*): read only when asked for (include 'dspark', "
+    "ced_jax.load(dspark=None|True)); skipped",
     "vision": "the vision tower / aligner / image delimiters are not text-model parameters; "
     "ced_jax.vision.load_vision_params reads them for the vision encoder; skipped here",
 }
@@ -343,13 +349,21 @@ def our_target(hf_name: str) -> Target:
     return Target(hf_name, "copy")
 
 
+def stacked_experts(cfg: ModelConfig, path: str) -> int:
+    """The expert count a stacked expert path holds: a DSpark stage (`mtp.*`) has its own set."""
+    return cfg.dspark_n_routed_experts if path.startswith("mtp.") else cfg.n_routed_experts
+
+
 def our_param_specs(
     cfg: ModelConfig, groups: tuple[Group, ...] = TEXT_GROUPS
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Our parameter paths -> (shape, numpy storage dtype), for the implemented (text) groups."""
-    unsupported = sorted(set(groups) - set(TEXT_GROUPS))
+    """Our parameter paths -> (shape, numpy storage dtype), for the implemented groups
+    (`LOADABLE_GROUPS`: the text groups by default; "dspark" adds the `mtp.*` stages)."""
+    unsupported = sorted(set(groups) - set(LOADABLE_GROUPS))
     if unsupported:
-        raise ValueError(f"groups {unsupported} are not implemented; {SKIP_NOTES}")
+        raise ValueError(
+            f"groups {unsupported} are not implemented here; {[SKIP_NOTES[g] for g in unsupported]}"
+        )
     out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     for spec in hf_inventory(cfg).values():
         if spec.group not in groups:
@@ -359,7 +373,10 @@ def our_param_specs(
             out[target.path] = (spec.shape, STORAGE_DTYPES[spec.dtype])
         elif target.kind == "stack":
             if target.path not in out:
-                out[target.path] = ((cfg.n_routed_experts, *spec.shape), STORAGE_DTYPES[spec.dtype])
+                out[target.path] = (
+                    (stacked_experts(cfg, target.path), *spec.shape),
+                    STORAGE_DTYPES[spec.dtype],
+                )
         elif target.kind == "wo_a":
             out[target.path] = (spec.shape, np.dtype(ml_dtypes.bfloat16))
     return out

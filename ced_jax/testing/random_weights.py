@@ -23,24 +23,33 @@ it never acts, because with a power-of-two scale >= amax/448 no float32 |w / sca
 `tests/conversion/test_synthetic.py` checks the rounding against an independent e4m3 grid.
 
 `random_params` assembles the draws into our parameter tree with the checkpoint loader's own
-`ParamAssembler`, so it gives the same arrays as writing a checkpoint and loading it.
+`ParamAssembler`, so it gives the same arrays as writing a checkpoint and loading it. Because every
+tensor has its own generator, adding DSpark stages (`mtp.*`) to a config leaves its backbone draws
+bit-identical.
+
+The tiny preset's DSpark stages: random draws (which accept almost no drafts) unless a trained draft
+is shipped as `TINY_DSPARK_FILE` (released `mtp.*` names and dtypes, one safetensors file), which
+`tiny_dspark_params` then reads instead.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from ced_jax.checkpoint.hf_loader import ParamAssembler
+from ced_jax.checkpoint.hf_loader import ParamAssembler, load_group_file
 from ced_jax.checkpoint.mapping import FP4_GROUP, STORAGE_DTYPES, TEXT_GROUPS, TensorSpec, hf_inventory
-from ced_jax.config import ModelConfig, preset
+from ced_jax.config import ASSETS, ModelConfig, preset
 from pallas_kernels import formats
 from pallas_kernels.formats import np_e2m1_codes, np_pack_nibbles, np_ue8m0_byte_ceil, np_ue8m0_to_f32
 
 TINY_SEED = 1234  # the embedded tiny model's weights
+# A trained DSpark draft for the tiny preset, when shipped (else the stages are random draws).
+TINY_DSPARK_FILE = ASSETS / "tiny" / "dspark.safetensors"
 FP8_MAX = np.float32(formats.FP8_MAX)  # float32, so amax / FP8_MAX is the README's float32 division
 FP4_MAX = np.float32(formats.FP4_MAX)
 AMAX_FLOOR = np.float32(2.0**-100)
@@ -140,17 +149,40 @@ def iter_hf_tensors(
         yield name, arr
 
 
-def random_params(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+def model_groups(cfg: ModelConfig) -> tuple[str, ...]:
+    """The groups of our parameter tree `cfg` describes: the text model, plus "dspark" when it has
+    DSpark stages (vision weights are the vision encoder's, not drawn here)."""
+    return (*TEXT_GROUPS, "dspark") if cfg.num_nextn_predict_layers > 0 else TEXT_GROUPS
+
+
+def random_params(cfg: ModelConfig, seed: int, groups: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """Our params in memory (flat dotted paths -> numpy in our storage dtypes): the same arrays as
-    `conversion.synthetic.write_synthetic_checkpoint` then `load_hf_checkpoint` (same draws, same
-    `ParamAssembler`), for small configs such as `tiny`."""
-    assembler = ParamAssembler(cfg, TEXT_GROUPS)
-    names = [n for n, s in hf_inventory(cfg).items() if s.group in TEXT_GROUPS]
+    `conversion.synthetic.write_synthetic_checkpoint` then `load_hf_checkpoint(include=groups)`
+    (same draws, same `ParamAssembler`), for small configs such as `tiny`. `groups`: default
+    `model_groups(cfg)` (the DSpark stages' `mtp.*` paths included when the config has them)."""
+    groups = model_groups(cfg) if groups is None else tuple(groups)
+    assembler = ParamAssembler(cfg, groups)
+    names = [n for n, s in hf_inventory(cfg).items() if s.group in groups]
     for name, arr in iter_hf_tensors(cfg, seed, names):
         assembler.add(name, arr)
     return assembler.finish()
 
 
-def tiny_params() -> dict[str, np.ndarray]:
-    """The weights of the embedded `tiny` preset (deterministic: `TINY_SEED`)."""
-    return random_params(preset("tiny"), TINY_SEED)
+def tiny_dspark_params(path: str | Path = TINY_DSPARK_FILE) -> dict[str, np.ndarray]:
+    """The tiny preset's DSpark stages (flat `mtp.*` paths): read from `path` when that file exists
+    (a trained draft: released names and dtypes, checked against the tiny config), else drawn like
+    the other random weights (`TINY_SEED`)."""
+    cfg = preset("tiny")
+    path = Path(path)
+    if path.is_file():
+        return load_group_file(path, cfg, "dspark")
+    return random_params(cfg, TINY_SEED, ("dspark",))
+
+
+def tiny_params(*, dspark: bool = True) -> dict[str, np.ndarray]:
+    """The weights of the embedded `tiny` preset (deterministic: `TINY_SEED`), with its DSpark
+    stages (`tiny_dspark_params`) unless `dspark=False`."""
+    flat = random_params(preset("tiny"), TINY_SEED, TEXT_GROUPS)
+    if dspark:
+        flat.update(tiny_dspark_params())
+    return flat

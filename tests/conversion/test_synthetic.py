@@ -203,20 +203,30 @@ def test_order_independent_and_seeded(mid):
 def test_tiny_checkpoint_round_trip(tmp_path):
     cfg = preset("tiny")
     info = write_synthetic_checkpoint(cfg, tmp_path, seed=7)
-    assert info["tensors"] == 657
-    # Same layout as the golden tiny-a (the release's): identical index, shard by shard.
+    inventory = hf_inventory(cfg)
+    assert info["tensors"] == len(inventory)
+    # Same layout as the golden tiny-a (the release's): identical index, shard by shard, for the
+    # model tiny-a also has; tiny's DSpark stages (mtp.*, which tiny-a lacks) go with the second half.
     index = (tmp_path / "model.safetensors.index.json").read_text()
-    assert json.loads(index) == json.loads((GOLDEN_TINY_A / "model.safetensors.index.json").read_text())
+    weight_map = json.loads(index)["weight_map"]
+    golden = json.loads((GOLDEN_TINY_A / "model.safetensors.index.json").read_text())
+    assert {n: f for n, f in weight_map.items() if not n.startswith("mtp.")} == golden["weight_map"]
+    dspark = {n for n, s in inventory.items() if s.group == "dspark"}
+    assert dspark and {weight_map[n] for n in dspark} == {weight_map["head.weight"]}
+    assert json.loads(index)["metadata"]["total_size"] == sum(s.nbytes for s in inventory.values())
     assert index.endswith("}\n")
     for file in info["files"]:
         with safe_open(str(tmp_path / file), framework="numpy") as f:
             assert f.metadata() == {"format": "pt"}
     assert ModelConfig.from_pretrained(tmp_path) == cfg
-    params, report = load_hf_checkpoint(tmp_path, cfg)
+    params, report = load_hf_checkpoint(tmp_path, cfg, include=("text", "dspark"))
     expected = random_params(cfg, 7)
-    assert set(params) == set(expected)
+    assert set(params) == set(expected) and any(k.startswith("mtp.") for k in expected)
     for k, v in expected.items():
         assert params[k].dtype == v.dtype and params[k].tobytes() == v.tobytes(), k
+    text_only, report = load_hf_checkpoint(tmp_path, cfg)
+    assert set(text_only) == {k for k in expected if not k.startswith("mtp.")}
+    assert {n for n, _ in report.skipped} == dspark
 
 
 def test_custom_shard_plan_splitting_a_pair(tmp_path):

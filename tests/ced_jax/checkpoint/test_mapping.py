@@ -140,9 +140,17 @@ def test_tiny_a_inventory_equals_its_index_and_headers():
     assert found == {n: (s.dtype, s.shape) for n, s in inv.items()}
     assert sum(s.nbytes for s in inv.values()) == index["metadata"]["total_size"]
     # The same model as the tiny preset; only the Engram compressed vocab differs, a property of the
-    # tokenizer (tiny ships a byte-level BPE, tiny-a a word-level stand-in).
+    # tokenizer (tiny ships a byte-level BPE, tiny-a a word-level stand-in), and tiny adds DSpark
+    # stages (tiny-a has none, so its dspark_* fields are placeholders).
     tiny = preset("tiny")
-    assert cfg.replace(engram_compressed_vocab_size=tiny.engram_compressed_vocab_size) == tiny
+    dspark_fields = {f: getattr(tiny, f) for f in tiny.__dataclass_fields__ if f.startswith("dspark_")}
+    assert cfg.num_nextn_predict_layers == 0 < tiny.num_nextn_predict_layers
+    same = cfg.replace(
+        engram_compressed_vocab_size=tiny.engram_compressed_vocab_size,
+        num_nextn_predict_layers=tiny.num_nextn_predict_layers,
+        **dspark_fields,
+    )
+    assert same == tiny
 
 
 def test_parameter_convention_packed_fp4_and_scales():
