@@ -529,6 +529,12 @@ def _check_port_option(option: str, port: int, off: int | None = None) -> None:
         raise ValueError(f"{option} must be in 0..65535 (0: any free port){also}, got {port}")
 
 
+def _dspark_options(args) -> dict:
+    """ServeConfig's speculative decoding fields from `serve`'s --dspark / --dspark-confidence
+    (ServeConfig checks them, naming the flags; JaxEngine checks K against the model)."""
+    return {"dspark": args.dspark, "dspark_confidence": args.dspark_confidence}
+
+
 def cmd_serve(args) -> int:
     """`ced-jax serve MODEL`: bind the ports, load, compile the engine's programs, serve gRPC until
     SIGTERM. Options are checked and ports bound before anything slow (JAX is imported by the loader)."""
@@ -571,6 +577,7 @@ def cmd_serve(args) -> int:
         max_prompt_bytes=args.max_prompt_bytes,
         max_tokenize_bytes=args.max_tokenize_bytes,
         enable_prefix_cache=not args.no_prefix_cache,
+        **_dspark_options(args),
         api_keys=api_keys,
         share_prefix_cache=args.shared_prefix_cache,
         host=args.host,
@@ -595,7 +602,9 @@ def cmd_serve(args) -> int:
         rows = "/".join(map(str, config.prefill_rows))
         print(
             f"ced-jax: compiling prefill ({chunk}-token chunks, {rows} rows) "
-            f"and decode ({config.max_slots} slots) ...",
+            f"and decode ({config.max_slots} slots"
+            + (f", DSpark widths {list(engine.dspark_widths)}" if config.dspark else "")
+            + ") ...",
             flush=True,
         )
         return engine, ModelTokenizer(model)
@@ -807,6 +816,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="prompt tokens prefilled per step beside the running decodes, summed over requests "
         "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams",
+    )
+    g.add_argument(
+        "--dspark",
+        type=int,
+        default=serve.dspark,
+        metavar="K",
+        help="DSpark speculative decoding: draft tokens verified per decode step, at most the model's "
+        "dspark_block_size (0: off; needs a checkpoint with DSpark draft stages); greedy output is "
+        "unchanged, only the number of decode steps falls",
+    )
+    g.add_argument(
+        "--dspark-confidence",
+        type=float,
+        default=serve.dspark_confidence,
+        metavar="T",
+        help="with --dspark: each row verifies the longest prefix of its drafts whose product of "
+        "estimated acceptance (sigmoid of the confidence head) stays >= T, at least one; every width "
+        "1..K is compiled and a step runs the narrowest that holds its rows (default: off, K drafts)",
     )
     g = p.add_argument_group("admission")
     g.add_argument("--max-running", type=int, help="requests holding a slot (default: --max-slots)")

@@ -25,6 +25,12 @@ whose shapes, dtypes or shardings warm-up did not cover compiles, and shows in
   pays for 8 rows, not `max_slots`; why not 1, see
   `ServeConfig.decode_buckets`.
 - restore: puts a snapshot's rings and partial groups into a slot.
+- speculative decode (`ServeConfig.dspark` K > 0, a model with DSpark stages): the engine's
+  `speculative_decode` program for each draft width w (K alone; every 1..K with
+  `dspark_confidence`, so a step whose rows all want fewer drafts runs a narrower one) and each
+  decode batch size, rows bucketed like decode; its results come back already on the host. With
+  K > 0 the engine is built with `dspark=True`, so prefill and the plain decode step (used when a
+  row is within K of max_context) also insert the DSpark context.
 `prefill_async` and `decode_async` only dispatch their program (JAX runs it asynchronously); the
 returned `Pending` copies the results to the host when asked, so the scheduler overlaps host work
 with the device's.
@@ -71,6 +77,7 @@ from serving.engine_api import (
     EngineSpec,
     PrefillChunk,
     PrefillResult,
+    Ready,
     SampledToken,
     SamplingParams,
     mask_words,
@@ -212,6 +219,26 @@ class _PendingPrefill:
         return results
 
 
+def _dspark_widths(model, config: ServeConfig) -> tuple[int, ...]:
+    """The draft widths to compile for `config.dspark` K (none for 0; every 1..K with a confidence
+    threshold, else K alone); ValueError naming the flag if the model cannot draft K tokens."""
+    k, cfg = config.dspark, model.cfg
+    if not k:
+        return ()
+    if not cfg.num_nextn_predict_layers or not cfg.dspark_block_size or "mtp" not in model.params:
+        raise ValueError(
+            f"dspark (--dspark) {k}: the model {cfg.name!r} has no DSpark draft stages "
+            "(a checkpoint with mtp.* tensors and dspark_block_size); serve it with --dspark 0"
+        )
+    limit = min(cfg.dspark_block_size, cfg.sliding_window - 1)
+    if k > limit:
+        raise ValueError(
+            f"dspark (--dspark) {k}: at most the model's draft block size {cfg.dspark_block_size} "
+            f"(and sliding_window - 1 = {cfg.sliding_window - 1})"
+        )
+    return tuple(range(1, k + 1)) if config.dspark_confidence is not None else (k,)
+
+
 class ModelTokenizer:
     """`serving.text.Tokenizer` over a `ced_jax.api.Model`: encode prepends BOS, as `Model.encode`."""
 
@@ -262,11 +289,13 @@ class JaxEngine:
         self.decode_buckets = tuple(config.decode_buckets)
         self.prefill_rows = tuple(config.prefill_rows)
         self.max_logprobs = max_logprobs
+        self.dspark_widths = _dspark_widths(model, config)
         self.engine = Engine(
             model,
             StateShapes(
                 max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
             ),
+            dspark=bool(self.dspark_widths),
         )
         kv_bytes = cache_lib.kv_bytes_per_token(self.engine.state)
         self._spec = EngineSpec(
@@ -283,6 +312,8 @@ class JaxEngine:
             model_name=cfg.name,
             hidden_size=cfg.hidden_size if getattr(model, "vision", None) is not None else 0,
             image_token_id=cfg.image_token_id,
+            dspark_widths=self.dspark_widths,
+            dspark_max_drafts=cfg.dspark_block_size if self.dspark_widths else 0,
             config_summary={
                 "layers": str(cfg.num_layers),
                 "hidden_size": str(cfg.hidden_size),
@@ -355,6 +386,9 @@ class JaxEngine:
         self.release(0)
         for size in self.decode_buckets[1:]:  # the step above compiled the smallest; idle rows for the rest
             self._decode_idle_rows(size)
+        for width in self.dspark_widths:  # every width and batch size, idle rows
+            for size in self.decode_buckets:
+                self._speculative_idle_rows(size, width)
         for size in self.prefill_rows[1:]:  # likewise
             self._prefill_rows(_PrefillRows.idle(size, self))
         if self._spec.hidden_size:  # the image variant of every prefill row count (idle rows)
@@ -374,6 +408,31 @@ class JaxEngine:
         )  # fmt: skip
         for s in slots:  # idle rows moved no history, but the slots are free: leave them fresh
             self.engine.reset_history(int(s))
+
+    def _speculative_idle_rows(self, size: int, width: int) -> None:
+        """A speculative step of `size` idle rows at draft width `width` (nothing is written), with
+        the argument types of `_speculative`, to compile that program."""
+        slots = np.arange(size, dtype=np.int32)
+        self._speculative_rows(
+            slots, np.full(size, self.cfg.pad_token_id, np.int32), np.zeros((size, width), np.int32),
+            np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, bool),
+            np.zeros((size, self._spec.pages_per_slot), np.int32), np.zeros(size, np.float32),
+            np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
+            np.full((size, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32),
+        )  # fmt: skip
+        for s in slots:
+            self.engine.reset_history(int(s))
+
+    def _speculative_rows(
+        self, slots, tokens, drafts, n_drafts, positions, active, page_tables, temperature, top_p, top_k,
+        seed, token_bitmask,
+    ):  # fmt: skip
+        """The speculative program of drafts' width over the rows `slots` (host results)."""
+        with self._counter.watch():
+            return self.engine.speculative_decode(
+                slots, tokens, drafts, n_drafts, positions, active, page_tables, temperature, top_p,
+                top_k, seed, max_logprobs=self.max_logprobs, token_bitmask=token_bitmask,
+            )  # fmt: skip
 
     def _restore_slot(self, slot: int, state: dict, history) -> None:
         with self._counter.watch():
@@ -464,8 +523,10 @@ class JaxEngine:
     def decode(self, batch: DecodeBatch) -> DecodeResult:
         return self.decode_async(batch).result()
 
-    def decode_async(self, batch: DecodeBatch) -> _PendingDecode:
+    def decode_async(self, batch: DecodeBatch) -> _PendingDecode | Ready:
         self._require_warm()
+        if batch.drafts is not None:
+            return Ready(self._speculative(batch))
         active = np.asarray(batch.active, bool)
         tokens = np.asarray(batch.token_ids, np.int32)
         positions = np.asarray(batch.positions, np.int32)
@@ -497,6 +558,56 @@ class JaxEngine:
         )  # fmt: skip
         self._pos[active] += 1
         return _PendingDecode(out, slots, len(active))
+
+    def _speculative(self, batch: DecodeBatch) -> DecodeResult:
+        """A speculative step (engine_api's module docstring): rows bucketed as in `decode_async`,
+        the program of the batch's draft width, results scattered back to their slots' rows."""
+        spec = self._spec
+        S, width, W = spec.max_slots, batch.draft_width, mask_words(self.cfg.vocab_size)
+        if width not in self.dspark_widths:
+            raise ValueError(f"drafts: width {width} is not one of the compiled {self.dspark_widths}")
+        active = np.asarray(batch.active, bool)
+        positions = np.asarray(batch.positions, np.int32)
+        n_drafts = np.where(active, np.asarray(batch.n_drafts, np.int32), 0)
+        for s in np.flatnonzero(active):
+            if not self._decoding[s] or self._pos[s] != positions[s]:
+                raise ValueError(f"slot {s}: decode at {positions[s]}, state is at {self._pos[s]}")
+            if positions[s] + width >= spec.max_context:
+                raise ValueError(
+                    f"slot {s}: draft block [{positions[s]}, {positions[s] + width}] past max_context"
+                )
+        mask = batch.token_bitmask
+        if mask is None:
+            mask = np.full((S, width + 1, W), -1, np.int32)
+        elif np.shape(mask) != (S, width + 1, W):
+            raise ValueError(f"token_bitmask shape {np.shape(mask)}, expected {(S, width + 1, W)}")
+        positions = np.where(active, positions, 0).astype(np.int32)
+        tokens = np.where(active, np.asarray(batch.token_ids, np.int32), self.cfg.pad_token_id)
+        idle = np.flatnonzero(~active)
+        n_active = len(active) - len(idle)
+        size = next(b for b in self.decode_buckets if b >= n_active)
+        slots = np.concatenate([np.flatnonzero(active), idle[: size - n_active]]).astype(np.int32)
+        take = lambda a, dtype: np.asarray(a, dtype)[slots]
+        out = self._speculative_rows(
+            slots, tokens[slots].astype(np.int32), take(batch.drafts, np.int32),
+            n_drafts[slots].astype(np.int32), positions[slots], active[slots],
+            take(batch.page_tables, np.int32),
+            take(batch.temperature, np.float32), take(batch.top_p, np.float32), take(batch.top_k, np.int32),
+            take(batch.seed, np.uint32), take(mask, np.int32),
+        )  # fmt: skip
+        full = []
+        for a in out:
+            a = np.asarray(a)
+            dst = np.zeros((S, *a.shape[1:]), a.dtype)
+            dst[slots] = a
+            full.append(dst)
+        accepted, tok, lp, ids, tlp, next_drafts, next_conf = full
+        emitted = (accepted + 1).astype(np.int32)
+        self._pos[active] += emitted[active]
+        return DecodeResult(
+            token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp, emitted=emitted,
+            next_drafts=next_drafts, next_confidence=next_conf,
+        )  # fmt: skip
 
     def _decode_rows(
         self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,

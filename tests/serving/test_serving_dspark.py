@@ -10,6 +10,7 @@ the metrics move. Then over gRPC with the tiny model's DSpark stages (`JaxEngine
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from serving_helpers import request, run_until_idle
 
@@ -308,3 +309,94 @@ def test_config_and_engine_checks_name_the_flag():
             max_slots=1, page_size=4, num_pages=4, max_context=16, prefill_buckets=(4,), vocab_size=8,
             eos_token_ids=(1,), max_logprobs=1, dspark_widths=(3, 2), dspark_max_drafts=5,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------ the tiny model over gRPC
+TINY_SLOTS, TINY_PAGE, TINY_CONTEXT, TINY_CHUNK = 8, 16, 256, 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import ced_jax
+
+    return ced_jax.load("tiny")
+
+
+def _tiny_server(model, k):
+    from serving_helpers import ServerThread
+
+    from serving.jax_engine import JaxEngine, ModelTokenizer
+
+    cfg = ServeConfig(
+        max_slots=TINY_SLOTS, page_size=TINY_PAGE, max_context=TINY_CONTEXT, prefill_buckets=(TINY_CHUNK,),
+        max_tokens_limit=200, default_max_tokens=16, max_queued=64, metrics_port=0, dspark=k,
+    )  # fmt: skip
+    engine = JaxEngine(model, cfg)
+    engine.warmup()
+    return ServerThread(engine, ModelTokenizer(model), cfg)
+
+
+def _generate_all(addr, prompts, max_tokens):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving import client
+
+    def one(prompt):
+        return client.generate(
+            addr, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600
+        )
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _scrape(server) -> dict[str, float]:
+    import urllib.request
+
+    port = server.server.metrics_port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in body.splitlines()
+        if line and not line.startswith("#") and "{" not in line
+    }
+
+
+def test_grpc_tiny_speculative_greedy_equals_plain_decoding(tiny):
+    """Many slots (more requests than slots), long greedy outputs: `dspark=4` gives the tokens of
+    `dspark=0` token for token; then a prefix-cache hit followed by speculative steps; no compiles
+    after warm-up; the DSpark metrics move."""
+    rng = np.random.default_rng(15)
+    prompts = [[0, *rng.integers(3, 512, n - 1).tolist()] for n in (5, 17, 33, 40, 9, 64, 23, 50, 12, 30)]
+    max_tokens = 120
+    servers = {}
+    try:
+        for k in (0, 4):
+            servers[k] = _tiny_server(tiny, k)
+        out = {k: _generate_all(s.addr, prompts, max_tokens) for k, s in servers.items()}
+        for i, (plain, spec) in enumerate(zip(out[0], out[4], strict=True)):
+            assert len(plain.token_ids) == len(spec.token_ids) == max_tokens
+            first = next(
+                (j for j, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids, strict=True)) if a != b),
+                None,
+            )
+            assert first is None, f"prompt {i}: the streams differ first at token {first}"
+            assert plain.finish_reason == spec.finish_reason == "length"
+        # A prefix-cache hit (the 64-token prompt's full pages), then speculative steps.
+        again = _generate_all(servers[4].addr, [prompts[5]], max_tokens)[0]
+        assert again.usage.cached_prompt_tokens >= 48
+        assert list(again.token_ids) == list(out[0][5].token_ids)
+        m = _scrape(servers[4])
+        assert m["ced_compiles_after_warmup"] == 0.0
+        assert m["ced_dspark_steps_total"] > 0
+        assert m["ced_dspark_draft_tokens_proposed_total"] > 0
+        assert 0 <= m["ced_dspark_draft_tokens_accepted_total"] <= m["ced_dspark_draft_tokens_proposed_total"]
+        per_token = m["ced_decode_steps_per_output_token"]
+        accepted = m["ced_dspark_draft_tokens_accepted_total"]
+        assert per_token <= 1.0 and (accepted == 0) == (per_token == 1.0)
+        assert _scrape(servers[0])["ced_dspark_steps_total"] == 0
+        for s in servers.values():
+            s.assert_idle()
+    finally:
+        for s in servers.values():
+            s.close()
