@@ -400,3 +400,36 @@ def test_grpc_tiny_speculative_greedy_equals_plain_decoding(tiny):
     finally:
         for s in servers.values():
             s.close()
+
+
+def test_serve_dspark_flags_reach_the_config():
+    from ced_cli.main import _dspark_options, build_parser
+
+    def options(*flags: str) -> ServeConfig:
+        return ServeConfig(**_dspark_options(build_parser().parse_args(["serve", "tiny", *flags])))
+
+    default = options()
+    assert (default.dspark, default.dspark_confidence) == (0, None)  # off by default
+    cfg = options("--dspark", "3", "--dspark-confidence", "0.6")
+    assert (cfg.dspark, cfg.dspark_confidence) == (3, 0.6)
+    with pytest.raises(ValueError, match=r"--dspark\b"):
+        options("--dspark", "-1")
+    with pytest.raises(ValueError, match="--dspark-confidence"):
+        options("--dspark", "2", "--dspark-confidence", "0")
+
+
+def test_jax_engine_refuses_k_beyond_the_models_draft_block(tiny):
+    from types import SimpleNamespace
+
+    from serving.jax_engine import JaxEngine
+
+    shapes = dict(max_slots=8, page_size=16, max_context=64, prefill_buckets=(32,))
+    block = tiny.cfg.dspark_block_size
+    with pytest.raises(ValueError, match=rf"--dspark\) {block + 1}: at most .* {block}"):
+        JaxEngine(tiny, ServeConfig(**shapes, dspark=block + 1))
+    # A checkpoint without its mtp.* tensors (the check comes before anything is built).
+    no_stages = SimpleNamespace(
+        cfg=tiny.cfg, hasher=tiny.hasher, params={k: v for k, v in tiny.params.items() if k != "mtp"}
+    )
+    with pytest.raises(ValueError, match=r"--dspark\) 2: the model .* has no DSpark draft stages"):
+        JaxEngine(no_stages, ServeConfig(**shapes, dspark=2))
