@@ -248,6 +248,11 @@ class PagedCache:
     index_k     {source: u8 [num_pages, page_size / r, index_key_bytes]}    FP4 index keys
     state_kv    {source (r > 1): f32 [max_slots, r, D]}             compressor partial group
     state_score {source (r > 1): f32 [max_slots, r, D]}
+    draft_window {DSpark stage: u8 [max_slots, W, swa_entry_bytes]}  context rings of the draft stages
+                (empty without DSpark; spec 7.3)
+    draft_logits {"q": f32 [max_slots, block, V]}  each slot's last drafts' filtered draft logits, which
+                the next speculative step's rejection sampling needs (empty without DSpark; not part of
+                a slot's snapshot: a restored slot has no drafts yet)
     """
 
     window: dict
@@ -258,6 +263,8 @@ class PagedCache:
     page_size: int
     head_dim: int
     index_head_dim: int
+    draft_window: dict = dataclasses.field(default_factory=dict)
+    draft_logits: dict = dataclasses.field(default_factory=dict)
 
     def entry_dim(self, kind: str) -> int:
         return self.head_dim if kind == "kv" else self.index_head_dim
@@ -274,6 +281,22 @@ class PagedCache:
         rings = self.window[key]
         new = ring_update(rings[meta.slots], packed, meta.start, meta.lens)
         return dataclasses.replace(self, window={**self.window, key: rings.at[meta.slots].set(new)})
+
+    def write_draft_window(self, stage: int, meta: StepMetadata, packed: jax.Array) -> PagedCache:
+        """The cache with a chunk's DSpark context entries, packed [B, T, swa_entry_bytes], in stage
+        `stage`'s rings (context insertion, spec 7.3)."""
+        key = str(stage)
+        rings = self.draft_window[key]
+        new = ring_update(rings[meta.slots], packed, meta.start, meta.lens)
+        return dataclasses.replace(
+            self, draft_window={**self.draft_window, key: rings.at[meta.slots].set(new)}
+        )
+
+    def write_draft_logits(self, slots: jax.Array, live: jax.Array, q: jax.Array) -> PagedCache:
+        """The cache with rows `live` [B] of q [B, block, V] stored as their slots' draft logits."""
+        buf = self.draft_logits["q"]
+        new = jnp.where(live[:, None, None], q, buf[slots])
+        return dataclasses.replace(self, draft_logits={"q": buf.at[slots].set(new)})
 
     # ---- compressor partial groups
     def compressor_state(self, layer: int, meta: StepMetadata) -> tuple[jax.Array | None, jax.Array | None]:
@@ -334,6 +357,7 @@ class PagedCache:
             "window": {k: v[slot] for k, v in self.window.items()},
             "state_kv": {k: v[slot] for k, v in self.state_kv.items()},
             "state_score": {k: v[slot] for k, v in self.state_score.items()},
+            "draft_window": {k: v[slot] for k, v in self.draft_window.items()},
         }
 
     def restore_slot_state(self, slot: jax.Array, state: dict) -> PagedCache:
@@ -347,12 +371,42 @@ class PagedCache:
             window=put(self.window, state["window"]),
             state_kv=put(self.state_kv, state["state_kv"]),
             state_score=put(self.state_score, state["state_score"]),
+            draft_window=put(self.draft_window, state["draft_window"]),
         )
+
+    # ---- speculative verification
+    def keep_accepted(
+        self, before: PagedCache, meta: StepMetadata, chunk_state: dict, kept: jax.Array
+    ) -> PagedCache:
+        """After a chunk of meta.lens tokens was written by `forward`, the cache as if only the first
+        `kept` [B] tokens of each row had been: every per-slot buffer the chunk changed (SWA rings,
+        compressor partial groups) is rebuilt from `before` (the cache the chunk started from) and the
+        chunk's own values (forward's aux['chunk_state']) with lens = kept. Page entries written for the
+        dropped tokens stay: they lie past the row's new length, invisible to every read, and are
+        rewritten when those positions are computed again."""
+        kept_meta = dataclasses.replace(meta, lens=kept)
+        cache = self
+        for key, packed in chunk_state["window"].items():
+            rings = before.window[key]
+            new = ring_update(rings[meta.slots], packed, meta.start, kept)
+            cache = dataclasses.replace(
+                cache, window={**cache.window, key: cache.window[key].at[meta.slots].set(new)}
+            )
+        for key, (kv, score) in chunk_state["compressor"].items():
+            layer = int(key)
+            old_kv, old_score = before.compressor_state(layer, kept_meta)
+            cache = cache.write_compressor_state(
+                layer,
+                kept_meta,
+                ring_update(old_kv, kv, meta.start, kept),
+                ring_update(old_score, score, meta.start, kept),
+            )
+        return cache
 
 
 jax.tree_util.register_dataclass(
     PagedCache,
-    data_fields=["window", "kv", "index_k", "state_kv", "state_score"],
+    data_fields=["window", "kv", "index_k", "state_kv", "state_score", "draft_window", "draft_logits"],
     meta_fields=["page_size", "head_dim", "index_head_dim"],
 )
 
@@ -360,8 +414,19 @@ jax.tree_util.register_dataclass(
 _ENTRY_FORMATS = {"kv": (pack_fp4_e4m3, unpack_fp4_e4m3), "index_k": (pack_fp4_ue8m0, unpack_fp4_ue8m0)}
 
 
-def init_paged_cache(cfg: ModelConfig, *, max_slots: int, page_size: int, num_pages: int) -> PagedCache:
-    """Zeroed state (under `jax.eval_shape` this sizes it without allocating)."""
+def init_paged_cache(
+    cfg: ModelConfig,
+    *,
+    max_slots: int,
+    page_size: int,
+    num_pages: int,
+    draft_stages: int = 0,
+    draft_vocab: int = 0,
+    draft_block: int = 0,
+) -> PagedCache:
+    """Zeroed state (under `jax.eval_shape` this sizes it without allocating). draft_stages: DSpark
+    stages whose context rings the state carries (0: none); draft_vocab / draft_block: the shape of
+    each slot's stored draft logits (0: none)."""
     hd, dk, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     swa = swa_entry_bytes(hd)
     window = {str(i): jnp.zeros((max_slots, W, swa), jnp.uint8) for i in range(cfg.num_layers)}
@@ -384,6 +449,12 @@ def init_paged_cache(cfg: ModelConfig, *, max_slots: int, page_size: int, num_pa
         page_size=page_size,
         head_dim=hd,
         index_head_dim=dk,
+        draft_window={str(k): jnp.zeros((max_slots, W, swa), jnp.uint8) for k in range(draft_stages)},
+        draft_logits=(
+            {"q": jnp.zeros((max_slots, draft_block, draft_vocab), jnp.float32)}
+            if draft_vocab and draft_block
+            else {}
+        ),
     )
 
 
@@ -401,6 +472,8 @@ def paged_cache_axes(cache: PagedCache) -> PagedCache:
         index_k={k: whole(v) for k, v in cache.index_k.items()},
         state_kv={k: per_slot(v) for k, v in cache.state_kv.items()},
         state_score={k: per_slot(v) for k, v in cache.state_score.items()},
+        draft_window={k: per_slot(v) for k, v in cache.draft_window.items()},
+        draft_logits={k: per_slot(v) for k, v in cache.draft_logits.items()},
         page_size=cache.page_size,
         head_dim=cache.head_dim,
         index_head_dim=cache.index_head_dim,

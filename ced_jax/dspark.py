@@ -148,6 +148,12 @@ def _window_kv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) ->
     return fp8_fake_quant(apply_rope(kv, positions, _inv_freq(cfg)), 32)
 
 
+def pack_rings(rings: jax.Array) -> jax.Array:
+    """Dequantised rings [..., W, Dh] (FP8 values) -> the packed FP8 layout [..., W, swa_entry_bytes]
+    the engine's state keeps (`PagedCache.draft_window`); exact for `insert_context`'s values."""
+    return cache_lib.pack_fp8_ue8m0(rings)
+
+
 def empty_rings(cfg: ModelConfig, rows: int) -> jax.Array:
     """[S, N, W, Dh] zeros: every stage's ring for `rows` requests, before any insertion."""
     return jnp.zeros((cfg.num_nextn_predict_layers, rows, cfg.sliding_window, cfg.head_dim), jnp.float32)
@@ -172,8 +178,8 @@ def _stage_attention(
     p: dict, cfg: ModelConfig, x: jax.Array, ring: jax.Array, position: jax.Array
 ) -> jax.Array:
     """x: attn_norm output [N, B, D] of the block at positions position+1 .. position+B; ring
-    [N, W, Dh] holding positions <= position. Queries see every filled ring slot and all B block
-    keys (no mask inside the block). -> [N, B, D]."""
+    [N, W, swa_entry_bytes] (packed FP8, as the engine's state keeps it) holding positions <= position.
+    Queries see every filled ring slot and all B block keys (no mask inside the block). -> [N, B, D]."""
     eps, inv_freq = cfg.rms_norm_eps, _inv_freq(cfg)
     n, b, _ = x.shape
     H, Dh = cfg.num_heads, cfg.head_dim
@@ -188,7 +194,7 @@ def _stage_attention(
     own_page = jnp.arange(n, dtype=jnp.int32)[:, None]
     segments = [
         ops.KeySegment(
-            cache_lib.pack_fp8_ue8m0(ring),
+            ring,
             own_page,
             jnp.broadcast_to(jnp.arange(period, dtype=jnp.int32), (n, period)),
             jnp.broadcast_to((ring_pos >= 0)[:, None, :], (n, b, period)),
@@ -252,8 +258,9 @@ def stage_forward(
 ):
     """One DSpark stage, a SWA-only block under single-pass mHC (as `ced_jax.model.forward`'s layers).
 
-    x [N, B, M, D] streams, pre [N, B, M] the previous site's pre-mix, ring [N, W, Dh] this stage's
-    ring (positions <= position [N]), forced_ids optional [N, B, X] expert ids to replay.
+    x [N, B, M, D] streams, pre [N, B, M] the previous site's pre-mix, ring [N, W, swa_entry_bytes]
+    this stage's packed ring (`pack_rings`; positions <= position [N]), forced_ids optional [N, B, X]
+    expert ids to replay.
     -> (streams [N, B, M, D], pre-mix for the next collapse [N, B, M], own expert ids, gate weights)."""
     p = stage_params(params, stage)
     eps = cfg.rms_norm_eps
@@ -367,10 +374,11 @@ def draft_step(
     rings = insert_context(params, cfg, rings, mx[:, None, :], position, jnp.ones_like(position))
     x, pre = stage0_input(embed_weight, cfg, input_ids)
     inputs, pres, gids, gws = [], [], [], []
+    packed = pack_rings(rings)
     for s in range(cfg.num_nextn_predict_layers):
         inputs.append(x)
         pres.append(pre)
-        x, pre, ids, w = stage_forward(params, cfg, s, x, pre, rings[s], position)
+        x, pre, ids, w = stage_forward(params, cfg, s, x, pre, packed[s], position)
         gids.append(ids)
         gws.append(w)
     hin = head_input(x, pre)
@@ -382,3 +390,59 @@ def draft_step(
         x, pre, hin, normed, base, bias, emb, logits, drafts, conf,
     )  # fmt: skip
     return out, rings
+
+
+# ------------------------------------------------------------------- on the engine's state
+def insert_into_state(params: dict, cfg: ModelConfig, state, meta, mx: jax.Array):
+    """Context insertion into the engine's state: main_x rows mx [B, T, D] of a chunk described by
+    meta (`StepMetadata`: positions start .. start + lens - 1 of slots) go into every stage's packed
+    ring `state.draft_window` (as `insert_context`). -> the new state."""
+    positions = meta.positions(mx.shape[1])
+    for s in range(cfg.num_nextn_predict_layers):
+        kv = _window_kv(stage_params(params, s), cfg, mx, positions)
+        state = state.write_draft_window(s, meta, cache_lib.pack_fp8_ue8m0(kv))
+    return state
+
+
+class Drafts(NamedTuple):
+    tokens: jax.Array  # i32 [N, B]: the drafted ids, position p+2 .. p+B+1
+    filtered_logits: jax.Array  # f32 [N, B, V]: the distribution each was drawn from (`draft_token`)
+    confidence: jax.Array  # f32 [N, B]: the confidence head (unnormalised; sigmoid = acceptance estimate)
+
+
+def draft(
+    params: dict,
+    cfg: ModelConfig,
+    embed_weight: jax.Array,
+    head_weight: jax.Array,
+    rings: list,
+    input_ids: jax.Array,
+    position: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seed: jax.Array,
+) -> Drafts:
+    """Draft B = dspark_block_size tokens for N rows from the packed stage rings (rings[s] [N, W,
+    swa_entry_bytes], holding positions <= position [N]) and input_ids [N] (the target's token at
+    position + 1): the block runs through the stages, then the Markov head chains the draws position
+    by position (greedy rows: argmax, sampled rows: a draw from the draft's filtered distribution,
+    `ced_jax.sampling.draft_token`)."""
+    from ced_jax.sampling import draft_token
+
+    x, pre = stage0_input(embed_weight, cfg, input_ids)
+    for s in range(cfg.num_nextn_predict_layers):
+        x, pre, _, _ = stage_forward(params, cfg, s, x, pre, rings[s], position)
+    hin = head_input(x, pre)
+    _, base = base_logits(params, cfg, head_weight, hin)
+    prev = input_ids
+    tokens, filtered, embeds = [], [], []
+    for j in range(base.shape[1]):
+        emb, bias = markov(params, cfg, prev)
+        prev, q = draft_token(base[:, j] + bias, position + 2 + j, temperature, top_p, top_k, seed)
+        prev = prev.astype(input_ids.dtype)
+        tokens.append(prev)
+        filtered.append(q)
+        embeds.append(emb)
+    conf = confidence(params, cfg, hin, jnp.stack(embeds, 1))
+    return Drafts(jnp.stack(tokens, 1), jnp.stack(filtered, 1), conf)

@@ -44,17 +44,19 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ced_jax import cache as cache_lib
+from ced_jax import dspark as dspark_lib
 from ced_jax import sharding
 from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.model import forward
-from ced_jax.sampling import mask_words, sample
+from ced_jax.sampling import mask_words, sample, speculative_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +88,20 @@ def state_shardings(state, mesh, rules):
     return sharding.logical_shardings(cache_lib.paged_cache_axes(state), state, mesh, rules)
 
 
-def new_state(cfg: ModelConfig, shapes: StateShapes, mesh=None, rules=None) -> PagedCache:
-    """A zeroed state; on a mesh built in place, already laid out (no host copy, global across processes)."""
+def new_state(
+    cfg: ModelConfig, shapes: StateShapes, mesh=None, rules=None, *, dspark: bool = False
+) -> PagedCache:
+    """A zeroed state; on a mesh built in place, already laid out (no host copy, global across processes).
+    dspark: with the DSpark stages' context rings and each slot's last drafts' distributions."""
     make = partial(
         cache_lib.init_paged_cache,
         cfg,
         max_slots=shapes.max_slots,
         page_size=shapes.page_size,
         num_pages=shapes.num_pages,
+        draft_stages=cfg.num_nextn_predict_layers if dspark else 0,
+        draft_vocab=cfg.vocab_size if dspark else 0,
+        draft_block=cfg.dspark_block_size if dspark else 0,
     )
     if mesh is None:
         return make()
@@ -134,10 +142,12 @@ def step(
     impl,
     mesh,
     rules,
+    dspark,
 ):
     """`forward` over a chunk of every row: (logits [B, T, V], new state, aux). token_types i32 [B, T]
     and span_embeds f32 [B, T, D]: image spans (`forward`), None for both = text only (its own
-    executable: jit traces None as an empty argument)."""
+    executable: jit traces None as an empty argument). dspark: also insert the chunk's context into
+    the DSpark stages' rings."""
     logits, state, aux = forward(
         params,
         cfg,
@@ -149,11 +159,20 @@ def step(
         token_types=token_types,
         span_embeds=span_embeds,
         capture_blocks=capture_blocks,
+        capture_main_hidden=dspark,
         index_k_mode=index_k_mode,
         impl=impl,
         layout=sharding.make_layout(mesh, rules),
     )
+    if dspark:
+        state = _insert_context(params, cfg, state, meta, aux.pop("main_hidden"))
     return _replicated(logits, mesh), _pin(state, mesh, rules), _replicated(aux, mesh)
+
+
+def _insert_context(params, cfg, state, meta, main_hidden):
+    """DSpark context insertion (spec 7.3) of a chunk's valid positions: main_x into every stage's ring."""
+    mx = dspark_lib.main_x(params, cfg, main_hidden)
+    return dspark_lib.insert_into_state(params, cfg, state, meta, mx)
 
 
 def decode(
@@ -216,6 +235,7 @@ def prefill_batch(
     max_logprobs,
     mesh,
     rules,
+    dspark,
 ):
     """Prefill R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of page_size,
     n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page aligned)
@@ -243,10 +263,12 @@ def prefill_batch(
         meta = StepMetadata(
             start=jnp.where(lens > 0, start + off, start), lens=lens, slots=slots, page_tables=page_tables
         )
-        logits, state, _ = forward(
+        logits, state, aux = forward(
             params, cfg, page_tokens, state, meta, page_rows, token_types=page_types,
-            span_embeds=page_spans, impl=impl, layout=layout,
+            span_embeds=page_spans, capture_main_hidden=dspark, impl=impl, layout=layout,
         )  # fmt: skip
+        if dspark:
+            state = _insert_context(params, cfg, state, meta, aux["main_hidden"])
         i = n - 1 - off  # each row's last token, if it is on this page
         here = (i >= 0) & (i < ps)
         picked = jnp.take_along_axis(logits, jnp.clip(i, 0, ps - 1)[:, None, None], axis=1)[:, 0]
@@ -262,6 +284,63 @@ def prefill_batch(
     return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
 
 
+def speculative_decode(
+    params,
+    state,
+    tokens,
+    meta,
+    engram_rows,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    token_bitmask,
+    *,
+    cfg,
+    impl,
+    max_logprobs,
+    mesh,
+    rules,
+):
+    """One speculative decode step (spec 7.3; the loop is ours). Row b's chunk tokens[b] (i32 [B, K+1])
+    is its last emitted token (position meta.start[b]) then its K drafts from the previous step, of
+    which meta.lens[b] - 1 are verified (lens 0: an idle row). The target runs once over the chunk;
+    `ced_jax.sampling.speculative_sample` accepts a prefix of the drafts and samples the token after
+    it; the state keeps only the input token and the accepted drafts (`PagedCache.keep_accepted`:
+    rejected positions' SWA and compressor writes undone, their page entries left past the row's
+    length); their main_x goes into the stages' rings; then the stages draft the next block from the
+    token just sampled. token_bitmask i32 [B, K+1, W]: mask j for the token after j accepted drafts.
+    Returns (new state, (accepted [B], tokens [B, K+1], logprob [B, K+1], top ids, top logprobs,
+    next drafts [B, block], next confidence [B, block]))."""
+    layout = sharding.make_layout(mesh, rules)
+    before = state
+    width = tokens.shape[1] - 1
+    logits, state, aux = forward(
+        params, cfg, tokens, state, meta, engram_rows, capture_main_hidden=True,
+        capture_chunk_state=True, impl=impl, layout=layout,
+    )  # fmt: skip
+    n_drafts = jnp.maximum(meta.lens - 1, 0)
+    draft_filtered = state.draft_logits["q"][meta.slots][:, :width]
+    accepted, emitted, logp, top_ids, top_logp = speculative_sample(
+        logits, draft_filtered, tokens[:, 1:], n_drafts, meta.start, temperature, top_p, top_k, seed,
+        token_bitmask, num_logprobs=max_logprobs,
+    )  # fmt: skip
+    live = meta.lens > 0
+    kept = jnp.where(live, accepted + 1, 0)
+    state = state.keep_accepted(before, meta, aux["chunk_state"], kept)
+    kept_meta = dataclasses.replace(meta, lens=kept)
+    state = _insert_context(params, cfg, state, kept_meta, aux["main_hidden"])
+    next_input = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
+    rings = [state.draft_window[str(k)][meta.slots] for k in range(cfg.num_nextn_predict_layers)]
+    drafts = dspark_lib.draft(
+        params, cfg, params["embed"]["weight"], params["head"]["weight"], rings, next_input,
+        meta.start + accepted, temperature, top_p, top_k, seed,
+    )  # fmt: skip
+    state = state.write_draft_logits(meta.slots, live, drafts.filtered_logits)
+    out = (accepted, emitted, logp, top_ids, top_logp, drafts.tokens, drafts.confidence)
+    return _pin(state, mesh, rules), _replicated(out, mesh)
+
+
 def restore_slot(state, slot, snapshot, *, mesh, rules):
     """The state with a slot's rings and partial groups replaced by a `PagedCache.slot_state` result."""
     return _pin(state.restore_slot_state(slot, snapshot), mesh, rules)
@@ -270,10 +349,13 @@ def restore_slot(state, slot, snapshot, *, mesh, rules):
 class Programs:
     """The jitted programs of one model (see the module docstring); the state is donated by name."""
 
-    def __init__(self, cfg: ModelConfig, *, impl: str, mesh=None, rules=None):
+    def __init__(self, cfg: ModelConfig, *, impl: str, mesh=None, rules=None, dspark: bool = False):
+        """dspark: the programs of a speculative engine (prefill and step insert DSpark context;
+        `speculative_decode` exists); the model must carry the stages (params['mtp'])."""
         static = dict(cfg=cfg, impl=impl, mesh=mesh, rules=rules)
+        self.dspark = dspark
         self.step = jax.jit(
-            partial(step, **static),
+            partial(step, **static, dspark=dspark),
             static_argnames=("capture_blocks", "index_k_mode"),
             donate_argnames=("state",),
         )
@@ -281,7 +363,18 @@ class Programs:
             partial(decode, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
         )
         self.prefill_batch = jax.jit(
-            partial(prefill_batch, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
+            partial(prefill_batch, **static, dspark=dspark),
+            static_argnames=("max_logprobs",),
+            donate_argnames=("state",),
+        )
+        self.speculative_decode = (
+            jax.jit(
+                partial(speculative_decode, **static),
+                static_argnames=("max_logprobs",),
+                donate_argnames=("state",),
+            )
+            if dspark
+            else None
         )
         self.restore_slot = jax.jit(partial(restore_slot, mesh=mesh, rules=rules), donate_argnames=("state",))
 
@@ -289,17 +382,34 @@ class Programs:
 # ------------------------------------------------------------------------------------ host side
 
 
+class SpecOutput(NamedTuple):
+    """A speculative step on the host (rows as the call's; inactive rows are garbage)."""
+
+    accepted: np.ndarray  # i32 [B]: drafts accepted, 0..n_drafts
+    tokens: np.ndarray  # i32 [B, K+1]: row b emits tokens[b, :accepted[b] + 1]
+    logprob: np.ndarray  # f32 [B, K+1]: of each emitted token under the raw target distribution
+    top_ids: np.ndarray  # i32 [B, K+1, N]
+    top_logprobs: np.ndarray  # f32 [B, K+1, N]
+    next_drafts: np.ndarray  # i32 [B, block]: drafts for the next step
+    next_confidence: np.ndarray  # f32 [B, block]: confidence head (sigmoid = estimated acceptance)
+
+
 class Engine:
     """One device state of `shapes` and the host state that goes with it (the Engram history per
     slot), run by a model's `Programs`. Clients say which slots and pages a call uses; the engine
     checks nothing about scheduling (that is the client's job) but keeps the history in step."""
 
-    def __init__(self, model, shapes: StateShapes):
+    def __init__(self, model, shapes: StateShapes, *, dspark: bool = False):
+        """dspark: a speculative engine (`speculative_decode`; prefill inserts the DSpark context);
+        the model must carry the DSpark stages."""
         self.model, self.cfg, self.shapes = model, model.cfg, shapes
-        self.programs: Programs = model.programs
+        if dspark and "mtp" not in model.params:
+            raise ValueError("dspark: the model has no DSpark stages loaded (load it with its mtp.* tensors)")
+        self.dspark = dspark
+        self.programs: Programs = model.draft_programs if dspark else model.programs
         self.hasher = model.hasher
         self.mesh, self.rules = model.mesh, model.rules
-        self.state = new_state(self.cfg, shapes, self.mesh, self.rules)
+        self.state = new_state(self.cfg, shapes, self.mesh, self.rules, dspark=dspark)
         self.history = self.empty_history(shapes.max_slots)
 
     # ---- host inputs
@@ -525,6 +635,75 @@ class Engine:
                 max_logprobs=max_logprobs,
             )
         return out, snaps
+
+    def speculative_decode(
+        self,
+        slots,
+        tokens,
+        drafts,
+        n_drafts,
+        positions,
+        active,
+        page_tables,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        *,
+        max_logprobs,
+        token_bitmask=None,
+    ) -> SpecOutput:
+        """One speculative step for each row (row i is slot slots[i]; inactive rows idle): verify the
+        first n_drafts[i] of drafts[i] (i32 [B, K], the previous step's next_drafts; 0 right after a
+        prefill) after tokens[i] (the row's last emitted token, at positions[i]), as the program
+        `speculative_decode` describes. Page tables must cover positions up to positions + K.
+        token_bitmask: i32 [B, K+1, W] (mask j for the token after j accepted drafts), None =
+        unconstrained. The Engram history moves past the fed tokens that were kept. Returns the
+        host `SpecOutput`."""
+        if not self.dspark:
+            raise ValueError("speculative_decode: this engine was built without dspark=True")
+        drafts = np.asarray(drafts, np.int32)
+        b, width = drafts.shape
+        if not 1 <= width <= self.cfg.dspark_block_size:
+            raise ValueError(f"drafts: width must be 1..{self.cfg.dspark_block_size}, got {width}")
+        if width + 1 > self.cfg.sliding_window:
+            raise ValueError(f"drafts: width + 1 must fit the SWA window {self.cfg.sliding_window}")
+        n_drafts = np.asarray(n_drafts, np.int32)
+        if n_drafts.shape != (b,) or n_drafts.min(initial=0) < 0 or n_drafts.max(initial=0) > width:
+            raise ValueError(f"n_drafts: expected {b} values in 0..{width}, got {n_drafts.tolist()}")
+        active = np.asarray(active, bool)
+        chunk = np.concatenate([np.asarray(tokens, np.int32)[:, None], drafts], axis=1)
+        lens = np.where(active, n_drafts + 1, 0).astype(np.int32)
+        slots = np.asarray(slots, np.int32)
+        history = None
+        rows = None
+        if self.hasher is not None:
+            history = self.history[slots]
+            rows = self.hasher.hash_ids(history, chunk, None)
+        if token_bitmask is None:
+            mask = np.full((b, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32)
+        else:
+            mask = np.asarray(token_bitmask, np.int32)
+        put = self.put
+        with self._mesh_context():
+            self.state, out = self.programs.speculative_decode(
+                self.model.params,
+                self.state,
+                put(chunk),
+                self.metadata(positions, lens, slots, page_tables),
+                None if rows is None else put(rows),
+                put(np.asarray(temperature, np.float32)),
+                put(np.asarray(top_p, np.float32)),
+                put(np.asarray(top_k, np.int32)),
+                put(np.asarray(seed, np.uint32)),
+                put(mask),
+                max_logprobs=max_logprobs,
+            )
+        out = SpecOutput(*jax.device_get(out))
+        if history is not None:
+            kept = np.where(active, out.accepted + 1, 0).astype(np.int64)
+            self.history[slots] = self.hasher.next_history(history, chunk, kept, None)
+        return out
 
     def restore_slot(self, slot: int, snapshot_state: dict, history: np.ndarray | None) -> None:
         with self._mesh_context():

@@ -227,6 +227,8 @@ def forward(
     token_types: jax.Array | None = None,
     span_embeds: jax.Array | None = None,
     capture_blocks: bool = False,
+    capture_main_hidden: bool = False,
+    capture_chunk_state: bool = False,
     index_k_mode: str = "intended",
     impl: str = "reference",
     layout: sharding.Layout | None = None,
@@ -247,7 +249,11 @@ def forward(
 
     Returns (logits f32 [B, T, V], new state, aux) with aux = {'topk': {layer: own top-k},
     'experts': own expert ids [L, B, T, X], 'block_output' (if capture_blocks): [L, B, T, M, D],
-    what each block produced, after the next layer's Engram}. layout: the mesh and rules the
+    what each block produced, after the next layer's Engram}, plus with capture_main_hidden
+    'main_hidden' [B, T, n_targets * D] (the DSpark input, `ced_jax.dspark.main_hidden`: per position the
+    concatenation over dspark_target_layer_ids of each target layer's input averaged over the streams,
+    bf16 values) and with capture_chunk_state 'chunk_state' (what the chunk wrote into the per-slot
+    buffers, for `PagedCache.keep_accepted`). layout: the mesh and rules the
     parameters are laid out by (`sharding.make_layout`; None on one device), for the layers that
     lay out their own work (the MoE's expert-parallel dispatch)."""
     if index_k_mode not in ("intended", "reference"):
@@ -270,7 +276,7 @@ def forward(
         h = jnp.where(image_mask[..., None], round_bf16(span_embeds.astype(jnp.float32)), h)
     x = jnp.broadcast_to(h[:, :, None, :], (b, t, M, h.shape[-1]))
     pre = jnp.zeros((b, t, M), jnp.float32).at[..., 0].set(1.0)
-    own_topk, own_experts, block_outputs = {}, [], []
+    own_topk, own_experts, block_outputs, layer_inputs = {}, [], [], {}
     for i in range(cfg.num_layers):
         p = params["layers"][str(i)]
         if i in cfg.engram_layer_ids:
@@ -284,6 +290,8 @@ def forward(
             )
         if capture_blocks and i > 0:
             block_outputs.append(x)
+        if capture_main_hidden and i in cfg.dspark_target_layer_ids:
+            layer_inputs[i] = x
         if str(i) in forced.get("block_input", {}):
             x = forced["block_input"][str(i)].astype(jnp.float32)
             pre = forced["pre_mix"][str(i)].astype(jnp.float32)
@@ -322,4 +330,11 @@ def forward(
     aux = {"topk": own_topk, "experts": jnp.stack(own_experts)}
     if capture_blocks:
         aux["block_output"] = jnp.stack(block_outputs)
+    if capture_main_hidden:
+        layer_inputs[cfg.num_layers] = x
+        # The reference averages the bf16 streams: the f32 mean of bf16 values, rounded to bf16.
+        means = [round_bf16(jnp.mean(layer_inputs[l], axis=-2)) for l in cfg.dspark_target_layer_ids]
+        aux["main_hidden"] = jnp.concatenate(means, axis=-1)
+    if capture_chunk_state:
+        aux["chunk_state"] = shared.get("chunk_state", {"window": {}, "compressor": {}})
     return logits, cache, aux

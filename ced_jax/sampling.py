@@ -112,3 +112,121 @@ def sample(
 def jitted_sample(num_logprobs: int):
     """A jitted `sample` for one `num_logprobs` (one cache entry per shape of logits)."""
     return jax.jit(functools.partial(sample, num_logprobs=num_logprobs))
+
+
+# --------------------------------------------------------------------- speculative decoding
+# Random streams: the target's draw for position p uses row_keys(seed, p) (as `sample`); the draft's
+# draw and the acceptance test for the draft at position p fold these constants into that key, so
+# the three never share random numbers.
+DRAFT_STREAM = 1
+ACCEPT_STREAM = 2
+
+
+def stream_keys(seed: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
+    """uint32[B, 2]: fold_in(row_keys(seed, positions), stream)."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, stream))(row_keys(seed, positions))
+
+
+def draft_token(
+    logits: jax.Array,
+    positions: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seed: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One drafted token per row from the draft's logits f32[B, V] for `positions` [B]: greedy rows
+    take the argmax, sampled rows draw from the draft's own filtered distribution q (same temperature,
+    top-k, top-p as the target). Returns (token i32[B], q's filtered logits f32[B, V])."""
+    filtered = filter_logits(logits.astype(jnp.float32), temperature, top_p, top_k)
+    keys = stream_keys(seed.astype(jnp.uint32), positions.astype(jnp.uint32), DRAFT_STREAM)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    token = jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1))
+    return token.astype(jnp.int32), filtered
+
+
+def speculative_sample(
+    target_logits: jax.Array,
+    draft_filtered: jax.Array,
+    drafts: jax.Array,
+    n_drafts: jax.Array,
+    start: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seed: jax.Array,
+    token_bitmask: jax.Array | None,
+    *,
+    num_logprobs: int,
+):
+    """Verify drafted tokens against the target and sample what follows them.
+
+    target_logits f32[B, T, V]: the target's logits after the input token (index 0) and after each
+    draft (index j, j = 1..T-1), the chunk starting at position start [B], so index j's token lands
+    at start + j + 1; drafts i32[B, T-1] (draft j at position start + j + 1), n_drafts i32[B] how
+    many are real; draft_filtered f32[B, T-1, V] the draft's filtered logits each draft was drawn
+    from (`draft_token`); token_bitmask i32[B, T, W] or None: mask j for the token at index j.
+
+    Greedy rows (temperature 0) accept draft j while it equals the masked target argmax, then take the
+    masked argmax at the first mismatch: exactly the tokens greedy decoding gives. Sampled rows use
+    rejection sampling (Leviathan et al.; Chen et al.): accept draft j with probability
+    min(1, p_j(d) / q_j(d)), p the target's filtered masked distribution and q the draft's; at the
+    first rejection draw from normalise(max(p - q, 0)), and after n accepted drafts from p. The emitted
+    tokens then follow the target's sampling distribution whatever the draft does.
+    Returns (accepted i32[B] in 0..n_drafts, tokens i32[B, T] (row b emits tokens[b, :accepted + 1]),
+    logprob f32[B, T], top_ids i32[B, T, N], top_logprobs f32[B, T, N]): log-probabilities of the
+    raw target distribution, as `sample` reports them."""
+    b, t, vocab = target_logits.shape
+    logits = target_logits.astype(jnp.float32)
+    flat = logits.reshape(b * t, vocab)
+    masked = flat if token_bitmask is None else apply_token_bitmask(flat, token_bitmask.reshape(b * t, -1))
+    rep = lambda a: jnp.repeat(a, t)
+    p_filtered = filter_logits(masked, rep(temperature), rep(top_p), rep(top_k))
+    p = jax.nn.softmax(p_filtered, axis=-1).reshape(b, t, vocab)
+    greedy = jnp.argmax(masked, axis=-1).reshape(b, t).astype(jnp.int32)
+    positions = start[:, None] + 1 + jnp.arange(t)[None, :]  # where index j's token lands
+    seed = seed.astype(jnp.uint32)
+
+    # Acceptance of draft j (at index j's position).
+    q = jax.nn.softmax(draft_filtered, axis=-1)  # [B, T-1, V]
+    p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    accept_keys = stream_keys(
+        jnp.repeat(seed, t - 1), positions[:, :-1].reshape(-1).astype(jnp.uint32), ACCEPT_STREAM
+    )
+    u = jax.vmap(jax.random.uniform)(accept_keys).reshape(b, t - 1)
+    sampled_ok = u * q_d < p_d  # u < p/q without dividing (q_d > 0: the draft drew d from q)
+    greedy_ok = drafts == greedy[:, :-1]
+    ok = jnp.where((temperature > 0)[:, None], sampled_ok, greedy_ok)
+    ok = ok & (jnp.arange(t - 1)[None, :] < n_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+    # The token after the accepted drafts: the residual distribution after a rejection, p otherwise.
+    p_last = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_pad = jnp.concatenate([q, jnp.zeros((b, 1, vocab), q.dtype)], axis=1)
+    rejected = accepted < n_drafts
+    q_last = jnp.where(
+        rejected[:, None], jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0], 0.0
+    )
+    residual = jnp.maximum(p_last - q_last, 0.0)
+    # p == q exactly leaves nothing: then p itself (a rejection is impossible there anyway).
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_last)
+    last_pos = jnp.take_along_axis(positions, accepted[:, None], axis=1)[:, 0]
+    drawn = jax.vmap(jax.random.categorical)(row_keys(seed, last_pos.astype(jnp.uint32)), jnp.log(residual))
+    last_greedy = jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0]
+    last = jnp.where(temperature > 0, drawn, last_greedy).astype(jnp.int32)
+
+    drafts_pad = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
+    idx = jnp.arange(t)[None, :]
+    tokens = jnp.where(
+        idx < accepted[:, None], drafts_pad, jnp.where(idx == accepted[:, None], last[:, None], 0)
+    )
+    tokens = tokens.astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [B, T, V] raw
+    token_logp = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    if num_logprobs > 0:
+        top_logp, top_ids = jax.lax.top_k(logp, num_logprobs)
+    else:
+        top_logp = jnp.zeros((b, t, 0), jnp.float32)
+        top_ids = jnp.zeros((b, t, 0), jnp.int32)
+    return accepted, tokens, token_logp, top_ids.astype(jnp.int32), top_logp

@@ -87,7 +87,7 @@ def fns(cfg):
         "main_x": jax.jit(lambda p, h: ds.main_x(p, cfg, h)),
         "insert": jax.jit(lambda p, r, mx, s, n: ds.insert_context(p, cfg, r, mx, s, n)),
         "stage": jax.jit(
-            lambda p, x, pre, ring, pos, ids, s: ds.stage_forward(p, cfg, s, x, pre, ring, pos, ids),
+            lambda p, x, pre, ring, pos, ids, s: ds.stage_forward(p, cfg, s, x, pre, ds.pack_rings(ring), pos, ids),
             static_argnums=6,
         ),
         "draft": jax.jit(lambda p, e, h, r, mx, ids, pos: ds.draft_step(p, cfg, e, h, r, mx, ids, pos)),
