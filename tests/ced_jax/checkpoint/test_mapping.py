@@ -192,5 +192,12 @@ def test_our_param_specs_tiny():
     # 657 HF tensors - 8 layers x (8 experts x 6 - 6 stacked) - 8 consumed wo_a scales
     assert len(specs) == 657 - 8 * 42 - 8
     assert "layers.1.engram.embed.weight" not in our_param_specs(cfg, ("backbone",))
+    assert not [p for p in specs if p.startswith("mtp.")]  # the text groups only, by default
+    # DSpark stages stack their own expert set (tiny: 4 against the backbone's 8).
+    draft = our_param_specs(cfg, ("dspark",))
+    assert cfg.dspark_n_routed_experts != cfg.n_routed_experts
+    assert draft["mtp.1.ffn.experts.w2.weight"][0] == (cfg.dspark_n_routed_experts, 256, 64)
+    assert draft["mtp.0.attn.wo_a.weight"][1] == np.dtype(ml_dtypes.bfloat16)
+    assert all(p.startswith("mtp.") for p in draft)
     with pytest.raises(ValueError, match="not implemented"):
         our_param_specs(preset("v41-flash"), ("backbone", "vision"))
