@@ -21,11 +21,12 @@ import pytest
 from safetensors.numpy import save_file
 
 import ced_jax
-from ced_jax.checkpoint.converted import MANIFEST_NAME
+from ced_jax.checkpoint.converted import MANIFEST_NAME, nest
 from ced_jax.checkpoint.hf_loader import INDEX_NAME, CheckpointError
 from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig, preset
 from ced_jax.dspark import load_dspark_params
+from ced_jax.dspark_train import save_dspark_safetensors
 from ced_jax.sharding import make_mesh
 from ced_jax.testing.random_weights import TINY_SEED, iter_hf_tensors, random_params, tiny_dspark_params
 from conversion.convert import ConvertOptions, convert
@@ -195,3 +196,13 @@ def test_tiny_dspark_file_replaces_the_random_stages(tmp_path):
     _write_dspark_file(bad, cfg, seed=99, drop="mtp.1.markov_head.embed.weight")
     with pytest.raises(CheckpointError, match=r"mtp\.1\.markov_head\.embed\.weight"):
         tiny_dspark_params(bad)
+
+
+def test_trained_draft_file_round_trips(tmp_path):
+    """What the training path ships (`dspark_train.save_dspark_safetensors` of a storage tree) is what
+    `tiny_dspark_params` reads back: the same params, `attn.wo_a` (bf16 in our tree, FP8 in the
+    file) included."""
+    cfg = preset("tiny")
+    stages = random_params(cfg, 5, ("dspark",))
+    path = save_dspark_safetensors(nest(stages), cfg, tmp_path / "dspark.safetensors")
+    assert_same_tree(tiny_dspark_params(path), stages)
