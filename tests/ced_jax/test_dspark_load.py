@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 import ced_jax
 from ced_jax.checkpoint.converted import MANIFEST_NAME, nest
-from ced_jax.checkpoint.hf_loader import INDEX_NAME, CheckpointError
+from ced_jax.checkpoint.hf_loader import INDEX_NAME, CheckpointError, load_hf_checkpoint
 from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig, preset
 from ced_jax.dspark import load_dspark_params
@@ -114,6 +114,9 @@ def test_checkpoint_without_stages():
     assert not model.dspark and "mtp" not in model.params
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers"):
         ced_jax.load(GOLDEN_TINY_A, dspark=True)
+    cfg = ModelConfig.from_pretrained(GOLDEN_TINY_A)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        load_hf_checkpoint(GOLDEN_TINY_A, cfg, include=("text", "dspark"))
     with pytest.raises(ValueError, match="dspark"):
         ced_jax.load(GOLDEN_TINY_A, dspark="yes")
 
