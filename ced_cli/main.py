@@ -418,7 +418,12 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--image {image} does not exist (image {i + 1})")
     model = _load_sharded(args)
     result = model.generate(
-        args.prompt, args.max_tokens, temperature=args.temperature, seed=args.seed, images=images or None
+        args.prompt,
+        args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        images=images or None,
+        dspark=args.dspark,
     )
     if not _is_writer():
         return 0
@@ -777,6 +782,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dspark",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with up to K DSpark drafts per step (0 = off; the checkpoint needs its "
+        "mtp.* stages); --json then reports steps / proposed / accepted drafts",
+    )
     _add_impl_options(p)
     p.add_argument("--json", action="store_true", help="print ids and text as JSON")
     _add_mesh_options(p)

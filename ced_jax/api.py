@@ -26,6 +26,7 @@ kept, replicated on a mesh); `Model.dspark` says whether they are there.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -175,6 +176,12 @@ class Model:
         """Whether the DSpark draft stages are loaded (params["mtp"])."""
         return "mtp" in self.params
 
+    @functools.cached_property
+    def draft_programs(self) -> Programs:
+        """The programs of speculative engines (`Engine(..., dspark=True)`): the prefill also inserts
+        the DSpark context, and `speculative_decode` exists. Built on first use."""
+        return Programs(self.cfg, impl=self.impl, mesh=self.mesh, rules=self.rules, dspark=True)
+
     def _put_input(self, arr) -> jax.Array:
         """A host input of a step: on one device as is, on a mesh replicated (global array)."""
         if self.mesh is None:
@@ -206,8 +213,10 @@ class Model:
         return describe(self.cfg)
 
     # ------------------------------------------------------------------ running
-    def new_session(self, batch: int, max_len: int) -> Session:
-        return Session(self, batch, max_len)
+    def new_session(self, batch: int, max_len: int, *, dspark: bool = False) -> Session:
+        """`batch` sequences of up to `max_len` tokens on one engine; dspark: a speculative engine
+        (`Session.speculative_step`)."""
+        return Session(self, batch, max_len, dspark=dspark)
 
     def logits(
         self,
@@ -400,9 +409,15 @@ class Model:
         stop_at_eos: bool = True,
         images: Sequence | None = None,
         token_types=None,
+        dspark: int = 0,
     ) -> dict:
         """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise a categorical
         draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens.
+
+        dspark: speculative decoding with up to this many DSpark drafts per step (0 = off; the model
+        must carry the stages). Greedy output is the same as without; sampled output follows the
+        same distribution (rejection sampling). The result then has 'dspark': {'steps', 'proposed',
+        'accepted'} (decode steps, drafts verified, drafts accepted).
 
         images: with a text prompt, one image per placeholder `<｜deepseek_image｜>` (`encode_vl`);
         with a list of ids, `token_types` places them (as in `logits`)."""
@@ -424,8 +439,16 @@ class Model:
             )
             if images is not None or token_types is not None:
                 types, spans = self._prompt_image_inputs(len(ids), token_types, None, images)
+        if not 0 <= dspark <= self.cfg.dspark_block_size:
+            raise ValueError(
+                f"dspark must be 0..{self.cfg.dspark_block_size} (the model's draft block), got {dspark}"
+            )
         # Power-of-two context buckets: a new prompt or output length reuses the compiled programs.
-        session = self.new_session(1, max(256, 1 << (len(ids) + max_tokens - 1).bit_length()))
+        # (A speculative step writes up to `dspark` positions past the sequence before it knows
+        # which are kept.)
+        session = self.new_session(
+            1, max(256, 1 << (len(ids) + max_tokens + dspark - 1).bit_length()), dspark=dspark > 0
+        )
         chunk = self.prefill_chunk
         for s in range(0, len(ids), chunk):
             piece = ids[s : s + chunk]
@@ -442,9 +465,27 @@ class Model:
                 image_inputs = dict(token_types=piece_types[None], span_embeds=piece_spans[None])
             logits, _ = session.step(padded[None], np.array([len(piece)], np.int32), **image_inputs)
         out = [_sample(logits[0, len(piece) - 1], temperature, seed, len(ids))]
-        while len(out) < max_tokens and not (stop_at_eos and out[-1] == self.cfg.eos_token_id):
+        done = lambda: len(out) >= max_tokens or (stop_at_eos and out[-1] == self.cfg.eos_token_id)
+        stats = {"steps": 0, "proposed": 0, "accepted": 0}
+        if dspark:
+            drafts, n = np.zeros((1, dspark), np.int32), 0  # no drafts before the first step
+            while not done():
+                # Never verify past max_tokens: at most max_tokens - len(out) - 1 drafts are useful.
+                n = min(n, max_tokens - len(out) - 1)
+                step = session.speculative_step(out[-1], drafts, n, temperature, seed)
+                stats["steps"] += 1
+                stats["proposed"] += n
+                stats["accepted"] += int(step.accepted[0])
+                for token in step.tokens[0, : step.accepted[0] + 1]:
+                    if done():
+                        break
+                    out.append(int(token))
+                drafts, n = step.next_drafts[:, :dspark], dspark
+        while not done():
             out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), temperature, seed)[0]))
         result = {"prompt_ids": ids, "token_ids": out}
+        if dspark:
+            result["dspark"] = stats
         if self.tokenizer_path is not None:
             result["text"] = self.decode_text(out)
         return result
@@ -454,7 +495,7 @@ class Session:
     """`batch` sequences advancing together (all start at position 0) on an `Engine` of `batch` slots
     with contiguous page tables: the same state, programs and sampler as the server."""
 
-    def __init__(self, model: Model, batch: int, max_len: int):
+    def __init__(self, model: Model, batch: int, max_len: int, *, dspark: bool = False):
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
         self.model, self.batch, self.max_len = model, batch, max_len
@@ -463,7 +504,7 @@ class Session:
         shapes = StateShapes(
             max_slots=batch, page_size=page, num_pages=batch * (context // page), max_context=context
         )
-        self.engine = Engine(model, shapes)
+        self.engine = Engine(model, shapes, dspark=dspark)
         self.slots = np.arange(batch, dtype=np.int32)
         self.page_tables = cache_lib.contiguous_page_tables(batch, shapes.pages_per_slot)
         self.positions = np.zeros(batch, np.int32)
@@ -491,6 +532,23 @@ class Session:
         )  # fmt: skip
         self.positions = self.positions + lens
         return np.asarray(tok)
+
+    def speculative_step(self, token: int, drafts: np.ndarray, n_drafts: int, temperature: float, seed: int):
+        """One speculative decode step of a one-row session: feed `token` (the last emitted one) and
+        verify the first n_drafts of drafts [1, K] (`Engine.speculative_decode`). Returns the
+        `ced_jax.engine.SpecOutput`; the session advances by the accepted drafts + 1."""
+        if self.batch != 1:
+            raise ValueError("speculative_step: sessions of one row only")
+        drafts = np.asarray(drafts, np.int32)
+        if np.any(self.positions + drafts.shape[1] + 1 > self.max_len):
+            raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
+        out = self.engine.speculative_decode(
+            self.slots, np.array([token], np.int32), drafts, np.array([n_drafts], np.int32), self.positions,
+            np.ones(1, bool), self.page_tables, np.full(1, temperature, np.float32), np.ones(1, np.float32),
+            np.zeros(1, np.int32), np.full(1, seed, np.uint32), max_logprobs=0,
+        )  # fmt: skip
+        self.positions = self.positions + out.accepted + 1
+        return out
 
     def step(
         self,

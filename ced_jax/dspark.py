@@ -446,3 +446,12 @@ def draft(
         embeds.append(emb)
     conf = confidence(params, cfg, hin, jnp.stack(embeds, 1))
     return Drafts(jnp.stack(tokens, 1), jnp.stack(filtered, 1), conf)
+
+
+def confident_prefix(confidence: np.ndarray, threshold: float) -> np.ndarray:
+    """How many of each row's drafts to verify when the confidence head chooses (host side):
+    confidence [..., K] (`next_confidence`, unnormalised) -> int32 [...], the longest prefix whose
+    running product of sigmoid(confidence) (the estimated probability that every draft so far is
+    accepted) stays >= threshold, at least 1 (a verify step has one draft position anyway)."""
+    odds = 1.0 / (1.0 + np.exp(-np.asarray(confidence, np.float64)))
+    return np.maximum(1, np.sum(np.cumprod(odds, axis=-1) >= threshold, axis=-1)).astype(np.int32)
