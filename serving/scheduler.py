@@ -707,9 +707,7 @@ class Scheduler:
             seq = self._slots[slot]
             k = min(K, int(self._draft_count[slot]), seq.max_tokens - seq.generated - 1)
             if T is not None and k > 0:
-                # sigmoid(c) >= 0 so the running product only falls: count the leading ones >= T.
-                odds = 1.0 / (1.0 + np.exp(-self._draft_confidence[slot, :k].astype(np.float64)))
-                k = max(1, int(np.sum(np.cumprod(odds) >= T)))
+                k = confident_length(self._draft_confidence[slot, :k], T)
             n_drafts[slot] = k
             # The engine may write up to `width` positions past the last token: within the pages.
             cap = min(cap, len(seq.pages) * spec.page_size - 1 - seq.pos)
@@ -927,6 +925,14 @@ class Scheduler:
         m.pages_free.set(self.pool.num_free)
         m.pages_cached.set(self.pool.num_cached)
         m.compiles_after_warmup.set(self.engine.compiles_after_warmup)
+
+
+def confident_length(confidence: np.ndarray, threshold: float) -> int:
+    """How many drafts a row verifies under `dspark_confidence`: the longest prefix of its drafts
+    whose running product of sigmoid(confidence) stays >= threshold, at least 1 (the verify program
+    has a draft position anyway). The rule of `ced_jax.dspark.confident_prefix`, here without JAX."""
+    odds = 1.0 / (1.0 + np.exp(-np.asarray(confidence, np.float64)))
+    return max(1, int(np.sum(np.cumprod(odds) >= threshold)))  # the product only falls
 
 
 def _overlapping(images: Sequence[RequestImage], start: int, end: int) -> list[RequestImage]:

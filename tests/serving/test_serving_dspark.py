@@ -204,6 +204,17 @@ def test_confidence_chooses_the_length_and_narrows_steps():
     _assert_clean(e_conf, conf)
 
 
+def test_confident_length_is_the_engines_rule():
+    from ced_jax.dspark import confident_prefix
+    from serving.scheduler import confident_length
+
+    conf = np.random.default_rng(3).normal(0.0, 3.0, (200, 4)).astype(np.float32)
+    for t in (0.05, 0.3, 0.5, 0.9):
+        want = confident_prefix(conf, t)
+        assert [confident_length(row, t) for row in conf] == want.tolist()
+        assert len(set(want.tolist())) > 1  # the threshold cuts at different lengths
+
+
 def _value(metrics, name):
     return metrics.registry.get_sample_value(name) or 0.0
 
