@@ -15,12 +15,15 @@ Output layout (OUT/)
 - `dspark/`, `vision/`: the DSpark draft stages (`mtp.*`, with `--include dspark`) and the vision
   tower, aligner and image delimiters (`ced_jax.vision.load_vision_params` reads them back), each
   as its own Orbax item restored into host memory. Without an explicit `--include` (options
-  `include=None`), the vision item is written whenever config.json describes a vision tower, so a
-  default conversion of a multimodal checkpoint serves images; an explicit `--include text` leaves
-  it out. DSpark stages are laid out like backbone layers (routed experts stacked,
-  `mtp.{k}.attn.wo_a` dequantised); vision tensors keep their released names. Shapes and dtypes
-  come from the config's inventory like everything else. Parts not included are ignored and listed
-  in the manifest.
+  `include=None`), the vision item is written whenever config.json describes a vision tower, and the
+  DSpark item whenever config.json describes DSpark stages (num_nextn_predict_layers > 0) and the
+  index lists their `mtp.*` tensors, so a default conversion serves images and speculative decoding
+  and `ced_jax.load(OUT)` gives what `ced_jax.load(HF_DIR)` gives (a checkpoint whose index lists
+  none of the stages, e.g. one stripped of them, converts as text; one listing only some of them is
+  an error naming a missing tensor). An explicit `--include text` leaves both out. DSpark stages
+  are laid out like backbone layers (routed experts stacked, `mtp.{k}.attn.wo_a` dequantised);
+  vision tensors keep their released names. Shapes and dtypes come from the config's inventory like
+  everything else. Parts not included are ignored and listed in the manifest.
 - `config.json`, `tokenizer.json`, `tokenizer_config.json`, `engram_token_map.json`: copied byte for
   byte when present, so `ced-jax describe OUT` reports what it reports on the source.
 - `ced_manifest.json`: converter version, options, every source file (name, bytes, SHA-256), every
@@ -152,7 +155,8 @@ class ConversionError(CheckpointError):
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    # None: "text", plus "vision" when config.json describes a vision tower (see the module docstring).
+    # None: "text", plus "vision" when config.json describes a vision tower and "dspark" when it
+    # describes DSpark stages whose tensors the index lists (`default_include`, module docstring).
     include: tuple[str, ...] | None = None
     engram: EngramMode = "separate"
     weights_dtype: WeightsDtype = "native"
@@ -216,10 +220,31 @@ def _check_include(include: Iterable[str]) -> tuple[str, ...]:
     return items
 
 
-def default_include(cfg: ModelConfig) -> tuple[str, ...]:
-    """The parts a conversion without an explicit include writes: the text model, and the vision
-    tower when the config has one (it is small beside the text model and needed to serve images)."""
-    return ("text", "vision") if cfg.vision is not None else ("text",)
+def default_include(
+    cfg: ModelConfig, indexed: Iterable[str], index_path: Path | str = INDEX_NAME
+) -> tuple[str, ...]:
+    """The parts a conversion without an explicit include writes: the text model; the vision tower
+    when the config has one (small beside the text model, needed to serve images); the DSpark stages
+    when the config describes them and the index (`indexed`: its tensor names) lists their tensors,
+    which is when `ced_jax.load(dspark=None)` reads them from the HF directory, so the conversion
+    loads the same by default. An index listing only some of them is a broken draft, not an absent
+    one: a ConversionError naming a missing tensor (as `load` raises), not a silent text-only output."""
+    parts = ["text"]
+    if cfg.num_nextn_predict_layers > 0:
+        indexed = set(indexed)
+        stage_tensors = sorted(n for n, s in hf_inventory(cfg).items() if s.group == "dspark")
+        missing = [n for n in stage_tensors if n not in indexed]
+        if len(missing) < len(stage_tensors):
+            if missing:
+                raise ConversionError(
+                    f"{index_path}: lists {len(stage_tensors) - len(missing)} of the {len(stage_tensors)} "
+                    f"tensors of the {cfg.num_nextn_predict_layers} DSpark stages config.json describes; "
+                    f"missing e.g. '{missing[0]}' (--include text converts without the draft stages)"
+                )
+            parts.append("dspark")
+    if cfg.vision is not None:
+        parts.append("vision")
+    return tuple(parts)
 
 
 def _check_parts_described(cfg: ModelConfig, include: tuple[str, ...], config_path: Path) -> None:
@@ -347,7 +372,8 @@ def _plan(hf_dir: Path, cfg: ModelConfig, options: ConvertOptions, include: tupl
         if diff:
             p = diff[0]
             raise ConversionError(
-                f"internal: ced_jax.model.param_specs and ced_jax.checkpoint.mapping disagree on {len(diff)} leaves, "
+                "internal: ced_jax.model.param_specs and ced_jax.checkpoint.mapping disagree on "
+                f"{len(diff)} leaves, "
                 f"e.g. {p}: model {ours.get(p)}, mapping {mapped.get(p)}"
             )
     groups: dict[str, _Group] = {}
@@ -973,7 +999,10 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
         raise ConversionError(f"{hf / 'config.json'}: {e}") from None
     except FileNotFoundError:
         raise ConversionError(f"{hf}: no config.json") from None
-    include = _check_include(default_include(cfg) if options.include is None else options.include)
+    if options.include is None:
+        include = default_include(cfg, read_index_json(hf)["weight_map"], hf / INDEX_NAME)
+    else:
+        include = _check_include(options.include)
     _check_parts_described(cfg, include, hf / "config.json")
     _check_fp4_dims(cfg, hf / "config.json")
     plan = _plan(hf, cfg, options, include)
@@ -1121,7 +1150,6 @@ def _package_version() -> str:
         return version("ced-jax")
     except PackageNotFoundError:
         return "unknown"
-
 
 
 # ---------------------------------------------------------------------- command line

@@ -732,3 +732,57 @@ def test_loading_an_item_with_missing_data_fails(converted, tmp_path):
     (broken / "params" / "state" / "embed.weight" / "zarr.json").unlink()
     with pytest.raises(CheckpointError, match=r"leaf embed\.weight has no data"):
         restore(broken)
+
+
+def test_default_include_converts_what_load_reads(multimodal, tmp_path):
+    """Without --include, a checkpoint whose config describes DSpark stages and whose index lists
+    them is converted with its dspark item (and vision item), so `ced_jax.load` of the conversion
+    gives the HF directory's stages by default."""
+    import ced_jax
+
+    # The synthetic checkpoint with the tiny preset's Engram token map (same vocabulary), which
+    # `ced_jax.load` needs for the Engram layers.
+    src = tmp_path / "hf"
+    src.mkdir()
+    for f in multimodal[1].iterdir():
+        (src / f.name).symlink_to(f)
+    shutil.copyfile(
+        REPO / "ced_jax" / "assets" / "tiny" / "engram_token_map.json", src / "engram_token_map.json"
+    )
+    out = tmp_path / "default"
+    assert run_cli(src, out) == 0
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    assert m["options"]["include"] == ["text", "dspark", "vision"]
+    assert set(m["items"]) == {"params", "engram", "dspark", "vision"} and m["tensors"]["ignored"] == []
+    from_hf, from_converted = ced_jax.load(src), ced_jax.load(out)
+    assert from_hf.dspark and from_converted.dspark
+    a, b = _flat(from_converted.params["mtp"]), _flat(from_hf.params["mtp"])
+    assert sorted(a) == sorted(b)
+    for path, want in b.items():
+        got, want = np.asarray(a[path]), np.asarray(want)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), path
+
+
+def test_default_include_without_listed_stages(multimodal, tmp_path, capsys):
+    """The default follows the index: stages the config describes but the index does not list (a
+    checkpoint stripped of them) leave "dspark" out, as `ced_jax.load(dspark=None)` does; a config
+    without stages never gets it; an index listing only some stage tensors is refused by name."""
+    from conversion.convert import default_include
+
+    cfg, src = multimodal
+    inv = hf_inventory(cfg)
+    assert default_include(cfg, inv) == ("text", "dspark", "vision")
+    assert default_include(cfg, [n for n, s in inv.items() if s.group != "dspark"]) == ("text", "vision")
+    no_stages = cfg.replace(num_nextn_predict_layers=0, vision=None)
+    assert default_include(no_stages, hf_inventory(no_stages)) == ("text",)
+    # Partial: one stage tensor dropped from the index. Its shard would then hold a tensor the index
+    # does not assign, but the default's own check comes first and says what to do.
+    dropped = "mtp.1.ffn.experts.3.w1.weight"
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in src.iterdir():
+        (partial / f.name).symlink_to(f)
+    (partial / INDEX).unlink()
+    shutil.copyfile(src / INDEX, partial / INDEX)
+    edit_index(partial, lambda wm: wm.pop(dropped))
+    assert_fails(partial, tmp_path / "out", capsys, INDEX, dropped, "--include text")
