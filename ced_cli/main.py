@@ -629,6 +629,7 @@ def _check_plan_options(args) -> None:
         ("--page-size", args.page_size),
     ):
         _check_at_least(flag, value, 1)
+    _check_at_least("--dspark", args.dspark, 0)
     if args.mesh is not None:
         from ced_jax.sharding import parse_mesh  # parsing only (its errors name --mesh)
 
@@ -649,6 +650,7 @@ def cmd_plan(args) -> int:
             ("context", args.context),
             ("prefill_bucket", args.prefill_bucket),
             ("page_size", args.page_size),
+            ("dspark", args.dspark),
         )
         if value is not None
     }
@@ -682,7 +684,8 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
         "--include",
         default=None,
         help="comma-separated parts: text, dspark, vision (written as separate host-side items); "
-        "default: text, plus vision when config.json has a vision tower",
+        "default: text, plus vision when config.json has a vision tower and dspark when it has DSpark "
+        "stages whose mtp.* tensors the index lists",
     )
     p.add_argument(
         "--engram",
@@ -1005,6 +1008,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-bucket", type=int, help="prefill chunk length (default: the server's largest bucket)"
     )
     p.add_argument("--page-size", type=int, help="tokens per KV page (default: the server's page_size)")
+    p.add_argument(
+        "--dspark",
+        type=int,
+        metavar="K",
+        help="DSpark speculative decoding with K drafts per step, as `serve --dspark K`: adds the draft "
+        "stages (replicated), each slot's draft rings and logits, and the K+1-token verify step "
+        "(default: the server's, 0 = off)",
+    )
     p.add_argument("--json", action="store_true", help="the full plan as JSON")
     p.set_defaults(func=cmd_plan)
     return parser
