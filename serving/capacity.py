@@ -21,6 +21,17 @@ Four ledgers per device, each from the real layout rather than a bytes-per-param
 - framework overhead: max(1 GiB, 5 % of device memory) for the runtime, compiled programs,
   collective scratch and allocator slack (an assumption, stated as such).
 
+With DSpark speculative decoding (`dspark` K > 0, `serve --dspark K`): the weights ledger adds the
+draft stages' parameters (`our_param_specs(cfg, ("dspark",))`, in their storage dtypes), whole on
+every device as the runtime replicates them; the KV ledger is the state of `new_state(...,
+dspark=True)`: each slot's draft context rings (num_nextn_predict_layers x sliding_window x
+swa_entry_bytes(head_dim)) and its stored draft logits (dspark_block_size x vocab f32), split with
+the slots; the decode activations are those of the verify step, K + 1 tokens per sequence. The
+draft stages' own forward (dspark_block_size positions per slot through SWA-only blocks) is not
+priced separately: its blocks have no indexer nor compressed entries and run before the verify
+step, whose live set is the larger one for K + 1 >= dspark_block_size (the usual K = block - 1 or
+block); for a smaller K this may underestimate the decode peak.
+
 The workload (sequences, context, prefill chunk, page size) defaults to a server's:
 `serving.config.ServeConfig`. `plan()` evaluates one mesh, or every (data, expert, tensor)
 factorisation of the device count, and recommends a fitting mesh: one that leaves 10 % of each
@@ -73,6 +84,8 @@ def _stored_dtype(path: str, dtype: np.dtype) -> str:
 
 
 def _category(path: str) -> str:
+    if path.startswith("mtp."):
+        return "dspark_stages"
     if ".engram.embed." in path:
         return "engram_tables"
     if ".ffn.experts." in path:
@@ -106,14 +119,36 @@ def _resident_tensors(cfg: ModelConfig) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _dspark_tensors(cfg: ModelConfig) -> tuple:
+    """(path, shape, itemsize, stored dtype, part) of every DSpark stage parameter
+    (`params["mtp"]`, as `ced_jax.load` holds them: storage dtypes, experts stacked)."""
+    return tuple(
+        (path, shape, np.dtype(dtype).itemsize, _stored_dtype(path, dtype), _category(path))
+        for path, (shape, dtype) in our_param_specs(cfg, ("dspark",)).items()
+    )
+
+
 def weight_ledger(
-    cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules, engram_on_host: bool
+    cfg: ModelConfig,
+    mesh: dict[str, int],
+    rules: sharding.Rules,
+    engram_on_host: bool,
+    *,
+    dspark: bool = False,
 ) -> dict:
-    """Per-device and total resident weight bytes (by dtype and by part) under `rules` on `mesh`."""
+    """Per-device and total resident weight bytes (by dtype and by part) under `rules` on `mesh`.
+    dspark: also the DSpark draft stages, whole on every device (the runtime replicates them:
+    `ced_jax.api._dspark_to_device`)."""
     per_device_dtype: dict[str, int] = defaultdict(int)
     per_device_part: dict[str, int] = defaultdict(int)
     total_dtype: dict[str, int] = defaultdict(int)
     host = 0
+    for _path, shape, itemsize, stored, part in _dspark_tensors(cfg) if dspark else ():
+        nbytes = math.prod(shape) * itemsize
+        total_dtype[stored] += nbytes
+        per_device_dtype[stored] += nbytes
+        per_device_part[part] += nbytes
     for path, shape, itemsize, stored, part, axes in _resident_tensors(cfg):
         nbytes = math.prod(shape) * itemsize
         total_dtype[stored] += nbytes
@@ -210,12 +245,16 @@ def activation_ledger(
     prefill_bucket: int,
     max_seqs: int,
     context: int,
+    dspark: int = 0,
 ) -> dict:
     """Per-device activation peak of a prefill chunk (one sequence, `prefill_bucket` tokens) and of
-    a decode step (`max_seqs` sequences split over the batch axis, one token each)."""
+    a decode step (`max_seqs` sequences split over the batch axis, one token each; with `dspark` K
+    drafts the verify step: K + 1 tokens each)."""
     seqs = _sequences_per_device(mesh, rules, max_seqs)
     prefill = _step_activations(cfg, mesh, rules, prefill_bucket, prefill_bucket, context)
-    decode = _step_activations(cfg, mesh, rules, seqs, 1, context)
+    per_seq = dspark + 1
+    decode = _step_activations(cfg, mesh, rules, seqs * per_seq, per_seq, context)
+    decode["tokens_per_sequence"] = per_seq
     return {"prefill": prefill, "decode": decode, "per_device": max(prefill["peak"], decode["peak"])}
 
 
@@ -230,13 +269,23 @@ def _sequences_per_device(mesh: dict[str, int], rules: sharding.Rules, max_seqs:
 
 # ---------------------------------------------------------------------- KV
 def engine_state(
-    cfg: ModelConfig, *, max_slots: int, page_size: int, max_context: int
+    cfg: ModelConfig, *, max_slots: int, page_size: int, max_context: int, dspark: bool = False
 ) -> cache_lib.PagedCache:
     """The serving engine's device state for these shapes, every sequence's pages included, as
-    ShapeDtypeStructs: `jax.eval_shape` of the `init_paged_cache` that `JaxEngine` runs."""
+    ShapeDtypeStructs: `jax.eval_shape` of the `init_paged_cache` that `JaxEngine` runs (through
+    `ced_jax.engine.new_state`; dspark: with the draft stages' context rings and each slot's draft
+    logits, as a speculative engine's state has them)."""
     num_pages = max_slots * (max_context // page_size)
     return jax.eval_shape(
-        lambda: cache_lib.init_paged_cache(cfg, max_slots=max_slots, page_size=page_size, num_pages=num_pages)
+        lambda: cache_lib.init_paged_cache(
+            cfg,
+            max_slots=max_slots,
+            page_size=page_size,
+            num_pages=num_pages,
+            draft_stages=cfg.num_nextn_predict_layers if dspark else 0,
+            draft_vocab=cfg.vocab_size if dspark else 0,
+            draft_block=cfg.dspark_block_size if dspark else 0,
+        )
     )
 
 
@@ -265,15 +314,19 @@ def kv_ledger(
     max_seqs: int,
     context: int,
     page_size: int = SERVE.page_size,
+    dspark: bool = False,
 ) -> dict:
     """The engine's state for `max_seqs` slots of `context` tokens (rounded up to whole pages, as a
-    server's max_context is), in total and per device."""
+    server's max_context is), in total and per device; dspark: a speculative engine's (draft rings
+    and draft logits per slot)."""
     max_context = -(-context // page_size) * page_size
-    state = engine_state(cfg, max_slots=max_seqs, page_size=page_size, max_context=max_context)
+    state = engine_state(cfg, max_slots=max_seqs, page_size=page_size, max_context=max_context, dspark=dspark)
     per_seq = {  # every buffer holds max_seqs equal shares (num_pages: max_context's pages per slot)
         "compressed": cache_lib.buffer_bytes((state.kv, state.index_k)) // max_seqs,
         "swa_rings": cache_lib.buffer_bytes(state.window) // max_seqs,
         "compressor_states": cache_lib.buffer_bytes((state.state_kv, state.state_score)) // max_seqs,
+        "draft_rings": cache_lib.buffer_bytes(state.draft_window) // max_seqs,
+        "draft_logits": cache_lib.buffer_bytes(state.draft_logits) // max_seqs,
     }
     return {
         "bytes_per_token": cache_lib.kv_bytes_per_token(state),
@@ -314,14 +367,18 @@ def evaluate(
     context: int,
     prefill_bucket: int,
     page_size: int,
+    dspark: int = 0,
 ) -> dict:
-    """The four ledgers of one mesh and placement, and whether they fit."""
+    """The four ledgers of one mesh and placement, and whether they fit (`dspark`: K drafts per
+    step, 0 = off)."""
     table = sharding.get_rules(rules)
-    weights = weight_ledger(cfg, mesh, table, engram_on_host)
+    weights = weight_ledger(cfg, mesh, table, engram_on_host, dspark=dspark > 0)
     acts = activation_ledger(
-        cfg, mesh, table, prefill_bucket=prefill_bucket, max_seqs=max_seqs, context=context
+        cfg, mesh, table, prefill_bucket=prefill_bucket, max_seqs=max_seqs, context=context, dspark=dspark
     )
-    kv = kv_ledger(cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size)
+    kv = kv_ledger(
+        cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size, dspark=dspark > 0
+    )
     overhead = overhead_bytes(hw.device_bytes)
     per_device = weights["per_device"] + acts["per_device"] + kv["per_device"] + overhead
     host_need = weights["host"]
@@ -380,19 +437,26 @@ def plan(
     context: int = SERVE.max_context,
     prefill_bucket: int = max(SERVE.prefill_buckets),
     page_size: int = SERVE.page_size,
+    dspark: int = SERVE.dspark,
 ) -> dict:
     """Evaluate `mesh` (or every candidate), recommend a mesh and Engram placement, and correct
     the naive BF16 estimate. Engram tables are tried on device first, then (given host memory)
-    in host memory."""
+    in host memory. dspark: K draft tokens per decode step (`serve --dspark K`; 0 = off)."""
     if hw.devices < 1 or hw.device_memory_gib <= 0:
         raise ValueError("--devices must be >= 1 and --device-memory > 0")
     if max_seqs < 1 or context < 1 or prefill_bucket < 1 or page_size < 1:
         raise ValueError("--max-seqs, --context, --prefill-bucket and --page-size must be >= 1")
+    _check_dspark(cfg, dspark)
     if mesh is not None and math.prod(mesh.values()) != hw.devices:
         raise ValueError(f"mesh {mesh} has {math.prod(mesh.values())} devices, --devices is {hw.devices}")
     placements = [False] + ([True] if hw.host_memory_gib is not None else [])
     kw = dict(
-        rules=rules, max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket, page_size=page_size
+        rules=rules,
+        max_seqs=max_seqs,
+        context=context,
+        prefill_bucket=prefill_bucket,
+        page_size=page_size,
+        dspark=dspark,
     )
     # A mesh the rules cannot lay the model out on (a mesh axis that does not divide a dimension it
     # splits) is refused, never evaluated as if it replicated: the runtime refuses it alike.
@@ -446,6 +510,7 @@ def plan(
             "context": context,
             "prefill_bucket": prefill_bucket,
             "page_size": page_size,
+            "dspark": dspark,
         },
         "checkpoint_bytes": checkpoint_bytes(cfg),
         "article_estimate": article_estimate(cfg, hw),
@@ -465,6 +530,25 @@ def plan(
     }
 
 
+def _check_dspark(cfg: ModelConfig, k: int) -> None:
+    """The K a server accepts (`serving.jax_engine` refuses the same): 0, or up to the draft block
+    (and sliding_window - 1) of a model with DSpark stages."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"--dspark must be an integer >= 0, got {k!r}")
+    if k == 0:
+        return
+    if not cfg.num_nextn_predict_layers or not cfg.dspark_block_size:
+        raise ValueError(
+            f"--dspark {k}: the model {cfg.name!r} has no DSpark draft stages; plan it with --dspark 0"
+        )
+    limit = min(cfg.dspark_block_size, cfg.sliding_window - 1)
+    if k > limit:
+        raise ValueError(
+            f"--dspark {k}: at most the model's draft block size {cfg.dspark_block_size} "
+            f"(and sliding_window - 1 = {cfg.sliding_window - 1})"
+        )
+
+
 def _mesh_text(mesh: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh.items())
 
@@ -480,7 +564,8 @@ def format_plan(p: dict) -> str:
         f"{p['model']}: {hw['devices']} devices x {hw['device_memory_bytes'] / GIB:g} GiB"
         + (f", host {hw['host_memory_bytes'] / GIB:g} GiB" if hw["host_memory_bytes"] else ""),
         f"workload: {p['workload']['max_seqs']} sequences x {p['workload']['context']} tokens, "
-        f"prefill chunk {p['workload']['prefill_bucket']}, {p['workload']['page_size']}-token pages",
+        f"prefill chunk {p['workload']['prefill_bucket']}, {p['workload']['page_size']}-token pages"
+        + (f", DSpark K={p['workload']['dspark']}" if p["workload"]["dspark"] else ""),
         "",
         "naive estimate (every parameter BF16): "
         f"{a['backbone_parameters'] / 1e9:.1f}B x 2 B = {a['bf16_bytes'] / GB:.0f} GB -> "
@@ -501,14 +586,33 @@ def format_plan(p: dict) -> str:
     ]
     for dtype, n in sorted(led["weights"]["per_device_by_dtype"].items()):
         lines.append(f"    {dtype:9s}  {_g(n)}")
+    if "dspark_stages" in led["weights"]["per_device_by_part"]:
+        lines.append(
+            f"    DSpark stages (replicated) {_g(led['weights']['per_device_by_part']['dspark_stages'])}"
+        )
     lines += [
         f"  activations  {_g(led['activations']['per_device'])} per device "
         f"(prefill {led['activations']['prefill']['peak'] / GIB:.2f} GiB, "
-        f"decode {led['activations']['decode']['peak'] / GIB:.2f} GiB)",
+        f"decode {led['activations']['decode']['peak'] / GIB:.2f} GiB"
+        + (
+            f" at {led['activations']['decode']['tokens_per_sequence']} tokens per sequence"
+            if led["activations"]["decode"]["tokens_per_sequence"] > 1
+            else ""
+        )
+        + ")",
         f"  KV           {_g(led['kv']['per_device'])} per device "
         f"({led['kv']['bytes_per_token']:g} B/token in {led['kv']['pages']} pages on every device + "
         f"{led['kv']['per_sequence']['swa_rings'] / 2**20:.2f} MiB "
         f"SWA rings per sequence, {led['kv']['sequences_per_device']} sequences' slots per device)",
+    ]
+    per_seq = led["kv"]["per_sequence"]
+    draft = per_seq["draft_rings"] + per_seq["draft_logits"]
+    if draft:
+        lines.append(
+            f"               incl. DSpark {per_seq['draft_rings'] / 2**20:.2f} MiB draft rings + "
+            f"{per_seq['draft_logits'] / 2**20:.2f} MiB draft logits per sequence"
+        )
+    lines += [
         f"  overhead     {_g(led['overhead']['per_device'])} per device",
         f"  total        {_g(c['per_device_total'])} of {_g(hw['device_memory_bytes'])} per device"
         f" -> {'fits' if c['fits'] else 'does NOT fit'}",

@@ -197,3 +197,89 @@ def test_cli_plan(capsys):
     assert "does NOT fit" in text and "1104 GB" in text
     assert main([*argv, "--mesh", "expert=3"]) == 2
     assert "has 3 devices" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- DSpark (serve --dspark K)
+def test_dspark_state_is_the_speculative_engines_state(flash):
+    """With DSpark the KV ledger is `new_state(..., dspark=True)` of the engine: its bytes equal
+    `jax.eval_shape` of it, and the difference to the plain state is each slot's draft rings
+    (stages x window x SWA entry) and stored draft logits (block x vocab f32), split with the slots."""
+    import jax
+
+    from ced_jax import cache as cache_lib
+    from ced_jax.engine import StateShapes, new_state
+
+    mesh = {"data": 2, "expert": 4, "tensor": 1}
+    seqs, context, page = 8, 8192, 16
+    plain = kv_ledger(flash, mesh, EP, max_seqs=seqs, context=context, page_size=page)
+    spec = kv_ledger(flash, mesh, EP, max_seqs=seqs, context=context, page_size=page, dspark=True)
+    shapes = StateShapes(
+        max_slots=seqs, page_size=page, num_pages=seqs * context // page, max_context=context
+    )
+    engine = jax.eval_shape(lambda: new_state(flash, shapes, dspark=True))
+    assert spec["total"] == cache_lib.buffer_bytes(engine)
+    assert plain["total"] == cache_lib.buffer_bytes(jax.eval_shape(lambda: new_state(flash, shapes)))
+    rings = flash.num_nextn_predict_layers * flash.sliding_window * cache_lib.swa_entry_bytes(flash.head_dim)
+    logits = flash.dspark_block_size * flash.vocab_size * 4
+    assert (rings, logits) == (3 * 128 * 528, 5 * 129280 * 4)
+    assert spec["per_sequence"]["draft_rings"] == rings and spec["per_sequence"]["draft_logits"] == logits
+    assert plain["per_sequence"]["draft_rings"] == plain["per_sequence"]["draft_logits"] == 0
+    assert spec["total"] - plain["total"] == seqs * (rings + logits)
+    assert spec["per_device"] - plain["per_device"] == (seqs // 2) * (rings + logits)  # data=2 splits slots
+
+
+def test_dspark_weights_are_the_stages_on_every_device(flash):
+    import numpy as np
+
+    from ced_jax.checkpoint.mapping import our_param_specs
+
+    stages = sum(
+        math.prod(shape) * np.dtype(dtype).itemsize
+        for shape, dtype in our_param_specs(flash, ("dspark",)).values()
+    )
+    assert stages > 7e9  # three stages with their own experts: not a rounding error beside 80 GiB
+    for mesh, rules in (
+        ({"data": 1, "expert": 8, "tensor": 1}, EP),
+        ({"data": 1, "expert": 1, "tensor": 8}, sharding.TP_RULES),
+    ):
+        plain = weight_ledger(flash, mesh, rules, engram_on_host=True)
+        spec = weight_ledger(flash, mesh, rules, engram_on_host=True, dspark=True)
+        assert spec["per_device"] - plain["per_device"] == stages  # replicated, whatever the mesh
+        assert spec["per_device_by_part"]["dspark_stages"] == stages
+        assert spec["resident_total"] - plain["resident_total"] == stages
+        assert spec["host"] == plain["host"]
+
+
+def test_dspark_decode_activations_are_the_verify_step(flash):
+    mesh = {"data": 1, "expert": 8, "tensor": 1}
+    kw = dict(prefill_bucket=512, max_seqs=32, context=1 << 16)
+    plain = activation_ledger(flash, mesh, EP, **kw)
+    spec = activation_ledger(flash, mesh, EP, **kw, dspark=4)
+    assert plain["decode"]["tokens"] == 32 and spec["decode"]["tokens"] == 32 * 5
+    assert spec["decode"]["tokens_per_sequence"] == 5
+    assert spec["decode"]["head"] == 5 * plain["decode"]["head"]  # logits at every verified position
+    assert spec["decode"]["peak"] > plain["decode"]["peak"]
+    assert spec["prefill"] == plain["prefill"]
+
+
+def test_plan_with_dspark(flash, capsys):
+    base = plan(flash, Hardware(8, 80, 512), mesh={"data": 1, "expert": 8, "tensor": 1})
+    spec = plan(flash, Hardware(8, 80, 512), mesh={"data": 1, "expert": 8, "tensor": 1}, dspark=4)
+    a, b = base["recommended"]["ledgers"], spec["recommended"]["ledgers"]
+    assert spec["workload"]["dspark"] == 4 and base["workload"]["dspark"] == 0
+    for ledger in ("weights", "activations", "kv"):
+        assert b[ledger]["per_device"] > a[ledger]["per_device"], ledger
+    added = sum(b[k]["per_device"] - a[k]["per_device"] for k in ("weights", "activations", "kv"))
+    assert spec["recommended"]["per_device_total"] - base["recommended"]["per_device_total"] == added
+    assert "DSpark K=4" in format_plan(spec) and "draft logits" in format_plan(spec)
+    with pytest.raises(ValueError, match=r"--dspark 6: at most the model's draft block size 5"):
+        plan(flash, Hardware(8, 80, 512), dspark=6)
+    with pytest.raises(ValueError, match=r"--dspark 1: the model .* has no DSpark draft stages"):
+        plan(flash.replace(num_nextn_predict_layers=0), Hardware(8, 80, 512), dspark=1)
+    argv = ["plan", "--model", "v41-flash", "--devices", "8", "--device-memory", "80", "--host-memory", "512"]
+    assert main([*argv, "--mesh", "expert=8", "--dspark", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["dspark"] == 4
+    assert out["recommended"]["per_device_total"] == spec["recommended"]["per_device_total"]
+    assert main([*argv, "--dspark", "-1"]) == 2
+    assert "--dspark must be >= 0" in capsys.readouterr().err
