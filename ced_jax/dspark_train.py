@@ -471,11 +471,6 @@ def _stage(p, cfg, x, pre, ctx_kv, draft_pos):
     return _expand(y, residual, ffn_post, ffn_comb), ffn_pre, dense_w
 
 
-class DraftForward(dict):
-    """base_logits, logits (teacher-forced Markov bias), confidence, markov_embed, head_input,
-    routing (per stage [N, P, B, E]); all [N, P, B, ...]."""
-
-
 def draft_logits(
     eff: dict,
     cfg: ModelConfig,
@@ -484,12 +479,14 @@ def draft_logits(
     main_hidden: jax.Array,
     tokens: jax.Array,
     draft_pos: jax.Array,
-) -> DraftForward:
+) -> dict:
     """The draft step at every position of `draft_pos` [P] of N sequences at once, teacher-forced.
 
     eff: `effective_params`; main_hidden [N, T, n_targets * D]; tokens [N, T] (the sequence: the
     block of position p starts with tokens[p+1], the Markov bias of draft position j uses
-    tokens[p+1+j] as its previous id). Needs draft_pos + B + 1 < T for the targets."""
+    tokens[p+1+j] as its previous id). Needs draft_pos + B + 1 < T for the targets.
+    -> {base_logits, logits (teacher-forced Markov bias), confidence, markov_embed, head_input:
+    [N, P, B, ...]; routing: per stage the dense routing weights [N, P, B, E]}."""
     stages = [eff["mtp"][str(s)] for s in range(cfg.num_nextn_predict_layers)]
     first, last = stages[0], stages[-1]
     n, t = tokens.shape
@@ -519,7 +516,7 @@ def draft_logits(
     proj = last["confidence_head"]["proj"]["weight"]
     feats = jax.lax.stop_gradient(jnp.concatenate([hin, emb], axis=-1))
     conf = jnp.einsum("...k,nk->...n", feats, proj, precision=HIGHEST)[..., 0]
-    return DraftForward(
+    return dict(
         base_logits=base, logits=logits, confidence=conf, markov_embed=emb, head_input=hin, routing=routing
     )
 
