@@ -718,7 +718,9 @@ class Scheduler:
 
     def _speculative_dispatch(self, active: np.ndarray, width: int, n_drafts: np.ndarray):
         """A decode step that verifies each row's `n_drafts` drafts (cut where its grammar forbids
-        one) over a [S, width] draft block."""
+        one) over a [S, width] draft block. Its drafts and tokens are the previous step's results,
+        so it is only built once that step is back on the host (`step` finishes a decode before the
+        next dispatch); a speculative step can never be dispatched ahead of its predecessor."""
         S, W = self.spec.max_slots, mask_words(self.spec.vocab_size)
         drafts = np.ascontiguousarray(self._drafts[:, :width])
         # Decoding rows get their masks here (with the drafts'); the [S, W] rows are for prefill.

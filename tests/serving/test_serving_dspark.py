@@ -373,6 +373,7 @@ def _scrape(server) -> dict[str, float]:
     }
 
 
+@pytest.mark.timeout(900)  # two servers' warm-up: minutes without the persistent compilation cache
 def test_grpc_tiny_speculative_greedy_equals_plain_decoding(tiny):
     """Many slots (more requests than slots), long greedy outputs: `dspark=4` gives the tokens of
     `dspark=0` token for token; then a prefix-cache hit followed by speculative steps; no compiles
