@@ -200,7 +200,12 @@ def patch_usage(api: str, obj: dict, outcome: Outcome) -> dict:
     if api == CHAT:
         u["completion_tokens"] = n
         u["total_tokens"] = u.get("prompt_tokens", 0) + n
-        u["completion_tokens_details"] = {"reasoning_tokens": outcome.reasoning_tokens}
+        # OpenAI's field for output tokens a prediction supplied: here the DSpark drafts the target
+        # accepted (0 without --dspark).
+        u["completion_tokens_details"] = {
+            "reasoning_tokens": outcome.reasoning_tokens,
+            "accepted_prediction_tokens": usage.accepted_draft_tokens,
+        }
     elif api == RESPONSES:
         u["output_tokens"] = n
         u["total_tokens"] = u.get("input_tokens", 0) + n
