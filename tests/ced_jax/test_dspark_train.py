@@ -7,7 +7,8 @@ random one on held-out greedy continuations.
 Measured (tiny preset, 2 CPU cores): the training forward's base logits and head input equal
 draft_step's bit for bit, teacher-forced logits within 9.5e-7 and confidence within 1.9e-6 (f32
 summation order of the Markov / confidence GEMMs). Shipped asset vs random draft on 16 held-out
-prompts (704 draft steps): first-position agreement 0.024 vs 0.0014.
+prompts (704 draft steps): first-position agreement 0.024 vs 0.0014 at training (seed 1), 0.0085
+vs 0.0057 on seed 4242: noise level, the slow asset test fails.
 """
 
 from __future__ import annotations
@@ -205,8 +206,10 @@ def test_short_training_lowers_the_loss_and_raises_agreement(cfg, tree, embed_he
 def test_shipped_tiny_draft_agrees_above_the_random_draft(cfg):
     """The committed assets/tiny/dspark.safetensors against the preset's random draft (TINY_SEED),
     on greedy continuations of held-out prompts (a seed the asset was not trained on). Measured at
-    training (16 prompts, 704 draft steps): first-position agreement 0.024 vs 0.0014; the
-    threshold is 0.01 and 4x the random draft's."""
+    training (16 prompts of seed 1, 704 draft steps): first-position agreement 0.024 vs 0.0014; here
+    (seed 4242, after the backbone's batch-invariance change 84fc36f): 0.0085 vs 0.0057, so this
+    test FAILS: the shipped draft does not yet agree clearly above random (see dspark_train's
+    docstring). The threshold is the claim: 0.01 and 4x the random draft's."""
     import ced_jax
     from ced_jax.testing.random_weights import TINY_DSPARK_FILE
 
