@@ -777,6 +777,9 @@ def cmd_train_draft(args) -> int:
     os.close(fd)
     try:
         dspark_train.save_dspark_safetensors(trained, cfg, tmp)
+        umask = os.umask(0)  # mkstemp made it 0600; give it the mode a plain new file would get
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
