@@ -158,12 +158,15 @@ def served(model, hf):
             got["thinking"] = _message(oai.chat.completions.create(model="deepseek-flash", **THINKING))
             got["thinking_stream"] = _streamed(oai, model="deepseek-flash", **THINKING)
             # The engine's own tokens for the thinking prompt, as thinking mode samples them.
-            got["thinking_engine"] = list(
-                grpc_client.generate(
-                    server.addr, _thinking_prompt_ids(hf), max_tokens=THINKING["max_tokens"],
-                    temperature=1.0, top_p=1.0, seed=THINKING["seed"],
-                ).token_ids
+            engine_out = grpc_client.generate(
+                server.addr, _thinking_prompt_ids(hf), max_tokens=THINKING["max_tokens"],
+                temperature=1.0, top_p=1.0, seed=THINKING["seed"],
             )  # fmt: skip
+            got["thinking_engine"] = {
+                "tokens": list(engine_out.token_ids),  # the stop token, if any, is not sent
+                "completion_tokens": engine_out.usage.completion_tokens,  # and counted here
+                "finish_reason": engine_out.finish_reason,
+            }
             got["metrics"] = _scrape(server)
             server.assert_idle()
         finally:
@@ -200,15 +203,17 @@ def test_speculative_steps_ran_and_emitted_several_tokens(served):
 
 def test_thinking_response_is_the_chat_layers_split_of_the_engines_tokens(served, hf):
     for k in (0, K):
-        got, tokens = served[k]["thinking"], served[k]["thinking_engine"]
+        got, engine = served[k]["thinking"], served[k]["thinking_engine"]
+        tokens = engine["tokens"]
         end = hf.token_to_id("</think>")
         cut = tokens.index(end) if end in tokens else len(tokens)
         reasoning = hf.decode(tokens[:cut], skip_special_tokens=False).lstrip("\n")
         content = hf.decode(tokens[cut + 1 :], skip_special_tokens=False).lstrip("\n")
         assert got["reasoning_content"] == reasoning.rstrip("\ufffd"), k
         assert (got["content"] or "") == content.rstrip("\ufffd"), k
-        assert got["completion_tokens"] == len(tokens), k
-        assert got["finish_reason"] == ("length" if len(tokens) == THINKING["max_tokens"] else "stop"), k
+        assert got["completion_tokens"] == engine["completion_tokens"], k
+        assert got["finish_reason"] == engine["finish_reason"], k
+        assert engine["finish_reason"] == ("length" if len(tokens) == THINKING["max_tokens"] else "stop"), k
         stream = served[k]["thinking_stream"]
         assert stream["reasoning"] == got["reasoning_content"] and stream["content"] == (got["content"] or "")
         assert stream["finish"] == got["finish_reason"]
