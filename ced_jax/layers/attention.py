@@ -115,13 +115,15 @@ def compress(
 ):
     """Pool each complete group of `ratio` tokens into one latent (pre-RoPE, bf16-rounded).
 
-    Returns (latent [B, G, Dh], entry index [B, G], complete [B, G], new state_kv, new state_score).
-    Ratio 1 is a plain projection; ratio > 1 pools with a softmax gate in f32, the tokens of a
-    group split across calls being carried in the partial-group state."""
+    Returns (latent [B, G, Dh], entry index [B, G], complete [B, G], kv [B, T, Dh], score [B, T, Dh]):
+    kv and score are the chunk's per-token projections that go into the partial-group state
+    (`ring_update(state, kv, start, lens)`; None for ratio 1). Ratio 1 is a plain projection; ratio > 1
+    pools with a softmax gate in f32, the tokens of a group split across calls being carried in the
+    partial-group state."""
     if ratio == 1:
         latent = rms_norm(bf16_linear(x, p["wkv"]["weight"]), p["norm"]["weight"], eps)
         groups = jnp.arange(x.shape[1])[None, :]
-        return latent, start[:, None] + groups, groups < lens[:, None], state_kv, state_score
+        return latent, start[:, None] + groups, groups < lens[:, None], None, None
     kv = f32_linear(x, p["wkv"]["weight"])
     score = f32_linear(x, p["wgate"]["weight"])
     t = x.shape[1]
@@ -140,9 +142,7 @@ def compress(
     groups = jnp.arange(n_groups)[None, :]
     complete = (groups + 1) * ratio <= offset + lens[:, None]
     entry = start[:, None] // ratio + groups
-    new_state_kv = ring_update(state_kv, kv, start, lens)
-    new_state_score = ring_update(state_score, score, start, lens)
-    return latent, entry, complete, new_state_kv, new_state_score
+    return latent, entry, complete, kv, score
 
 
 def index_keys(latent: jax.Array, p: dict, entry_pos: jax.Array, inv_freq, eps: float) -> jax.Array:
@@ -250,6 +250,10 @@ def attention(
         cache, layer, packed_kv, meta, positions, cfg.sliding_window
     )
     cache = cache.write_window(layer, meta, packed_kv)
+    # What this chunk put into the slot's per-slot buffers, for `PagedCache.keep_accepted` (speculative
+    # verification keeps only a prefix of the chunk); unused values cost nothing under jit.
+    chunk_state = shared.setdefault("chunk_state", {"window": {}, "compressor": {}})
+    chunk_state["window"][str(layer)] = packed_kv
 
     own_topk = None
     if ratio > 0:
@@ -257,11 +261,14 @@ def attention(
         if layer in cfg.kv_source_layer_ids:
             comp = p["compressor"]
             state_kv, state_score = cache.compressor_state(layer, meta)
-            latent, entry, complete, skv, ssc = compress(
+            latent, entry, complete, chunk_kv, chunk_score = compress(
                 x, comp, state_kv, state_score, meta.start, meta.lens, ratio, eps
             )
             if ratio > 1:
+                skv = ring_update(state_kv, chunk_kv, meta.start, meta.lens)
+                ssc = ring_update(state_score, chunk_score, meta.start, meta.lens)
                 cache = cache.write_compressor_state(layer, meta, skv, ssc)
+                chunk_state["compressor"][str(layer)] = (chunk_kv, chunk_score)
             entry_pos = entry * ratio
             # Index keys come from the latent before it is rotated and quantised for the main cache.
             keys = index_keys(latent, p["indexer"], entry_pos, inv_freq, eps)
