@@ -133,6 +133,7 @@ def test_keep_accepted_equals_a_shorter_chunk(model):
     assert checked > 0
 
 
+@pytest.mark.slow  # compiles plain and speculative decoding of the tiny model (minutes on 2 cores)
 def test_known_drafts_accept_and_stop(model):
     """Drafts equal to the greedy continuation are accepted in full; a wrong draft stops acceptance
     at its index and the token emitted there is the target's greedy choice; the emitted stream equals
