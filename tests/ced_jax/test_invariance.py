@@ -88,6 +88,7 @@ def test_chunks_of_five_match_one_token_steps(model, alone):
     _assert_bit_identical(logits[0], want_logits, "logits, chunks of 5 vs one token")
 
 
+@pytest.mark.slow  # a third program shape ([3, 5]) to compile: minutes on 2 cores
 def test_batch_rows_match_each_row_alone(model, alone):
     assert len({tuple(fed) for fed, _, _ in alone}) == 3
     session = model.new_session(3, MAX_LEN)
