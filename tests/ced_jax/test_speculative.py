@@ -64,6 +64,7 @@ def _slot_buffers(state):
     }
 
 
+@pytest.mark.slow  # two full forwards in one program to compile (minutes on 2 cores)
 def test_keep_accepted_equals_a_shorter_chunk(model):
     """forward over T tokens + keep_accepted(k) == forward over the first k tokens, per-slot state bit for
     bit, for k = 0..T, with the chunk crossing a ratio-2 group boundary and the SWA ring's wrap."""

@@ -74,6 +74,7 @@ def _assert_trees_identical(a, b, what: str) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=what)
 
 
+@pytest.mark.slow  # both prefill programs (text and image variant) to compile: minutes on 2 cores
 def test_text_chunks_are_bit_identical_through_the_image_variant(model, golden):
     """A text chunk (token types all -1) gives the same samples, log-probabilities, page snapshots,
     final state and Engram history through the image variant as through the text program, so the
