@@ -184,7 +184,9 @@ def _is_writer() -> bool:
 def _load_sharded(args):
     from ced_jax.api import load
 
-    return load(args.model, impl=args.impl, mesh=_mesh(args), rules=args.rules)
+    return load(
+        args.model, impl=args.impl, mesh=_mesh(args), rules=args.rules, engram_placement=args.engram_placement
+    )
 
 
 # ---------------------------------------------------------------------- option checks
@@ -447,6 +449,13 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
         default="ep_tp",
         help="sharding rules (ced_jax.sharding): expert + tensor parallel, pure tensor parallel, or none",
     )
+    g.add_argument(
+        "--engram-placement",
+        choices=("host", "device"),
+        default=None,
+        help="where the Engram tables live: host (memory-mapped or in RAM; each step's rows are gathered "
+        "there and sent with its inputs, no device memory) or device (in the parameters); default: host",
+    )
     g.add_argument("--coordinator", help="multi-host: jax.distributed coordinator address HOST:PORT")
     g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, help="multi-host: this process's index")
@@ -705,6 +714,12 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
         help="replace an existing --out that is a previous conversion (has ced_manifest.json) or empty",
     )
     p.add_argument("--no-compression", action="store_true", help="store chunks uncompressed (faster)")
+    p.add_argument(
+        "--no-engram-raw",
+        action="store_true",
+        help="do not also write the Engram tables as raw memory-mappable files (engram_raw/; they let "
+        "a host-placement load skip reading the tables into RAM, at twice their disk space)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert, command="convert", prog=p.prog)  # prog: for the interruption line
 

@@ -5,6 +5,12 @@ shared with the serving engine). `generate` and `logits` run a `Session`: an `ce
 of one slot (or a few) with contiguous page tables, the same state, step function and sampler as
 `ced-jax serve`. Engram hash rows are computed on the host from the token history.
 
+Engram placement (`load(..., engram_placement=)`, `Model.engram_placement`): "host" keeps the two
+Engram tables in host memory (`Model.engram_store`, a `ced_jax.engram_store.EngramStore`: memory-mapped
+raw files a converted checkpoint carries, else numpy arrays) and ships each step's gathered rows with
+its inputs, so `Model.params` has no table leaves and the device holds none of their bytes; "device"
+puts them in `Model.params` and the programs gather from there. Logits are bit-identical either way.
+
 With `mesh=` (a `ced_jax.sharding.make_mesh` mesh, possibly spanning several processes after
 `jax.distributed.initialize`) the parameters are placed by `sharding.param_shardings`, the state by
 `ced_jax.cache.paged_cache_axes`, and the programs are traced with the mesh and the rules passed to
@@ -47,6 +53,7 @@ from ced_jax.checkpoint.mapping import hf_inventory, our_param_specs, parameter_
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engine import Engine, Programs, StateShapes
 from ced_jax.engram_hash import EngramHasher
+from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw, table_leaves
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sampling import jitted_sample
 from ced_jax.testing.random_weights import tiny_dspark_params, tiny_params
@@ -129,6 +136,26 @@ def _dspark_to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], mesh) -> di
     return root
 
 
+def _place_engram(
+    cfg: ModelConfig, backbone: dict[str, np.ndarray], placement: str, store: EngramStore | None
+) -> EngramStore | None:
+    """Move the Engram tables between `backbone` (flat params, changed in place) and a host store
+    as `placement` says; returns the store (None on device or without Engram layers)."""
+    if not cfg.engram_layer_ids:
+        return None
+    if placement == "host":
+        if store is None:
+            return EngramStore.pop_from_flat(cfg, backbone)
+        for pair in table_leaves(cfg):
+            for leaf in pair:
+                backbone.pop(leaf, None)
+        return store
+    if store is not None:
+        for (w, s), (tw, ts) in zip(table_leaves(cfg), store.tables, strict=True):
+            backbone[w], backbone[s] = np.asarray(tw), np.asarray(ts)
+    return None
+
+
 class Model:
     def __init__(
         self,
@@ -143,7 +170,11 @@ class Model:
         mesh: jax.sharding.Mesh | None = None,
         rules: str | dict = sharding.DEFAULT_RULES,
         vision_params: dict[str, np.ndarray] | None = None,
+        engram_placement: str = "device",
+        engram_store: EngramStore | None = None,
     ):
+        """engram_placement: "host" (the tables in `engram_store`, or taken out of `flat_params`
+        into one) or "device" (in `params`, from `flat_params` or, when given, `engram_store`)."""
         ops.parse_impl(impl)  # an unknown kernel choice fails here, not when a program is first traced
         self.cfg = cfg
         if bf16_as_f32 is None:
@@ -153,6 +184,8 @@ class Model:
         # DSpark stages (`mtp.*` paths) go to params["mtp"]: see _dspark_to_device.
         draft = {k: v for k, v in flat_params.items() if k.startswith(DSPARK_PREFIX)}
         backbone = {k: v for k, v in flat_params.items() if not k.startswith(DSPARK_PREFIX)}
+        self.engram_placement = check_placement(engram_placement)
+        self.engram_store = _place_engram(cfg, backbone, engram_placement, engram_store)
         shardings = None if mesh is None else _flat_param_shardings(cfg, backbone, mesh, self.rules)
         self.params = _to_device(backbone, bf16_as_f32, shardings)
         if draft:
@@ -775,6 +808,7 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
     rules: str | dict = sharding.DEFAULT_RULES,
     dspark: bool | None = None,
+    engram_placement: str | None = None,
 ) -> Model:
     """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
     directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
@@ -784,9 +818,14 @@ def load(
     dspark: the DSpark draft stages (`Model.params["mtp"]`, `Model.dspark`). None: load them when
     the checkpoint has them (config num_nextn_predict_layers > 0 and the `mtp.*` tensors present, or
     a converted checkpoint's `dspark` part); True: required (a checkpoint without them is an error
-    naming what is missing); False: skip them."""
+    naming what is missing); False: skip them.
+    engram_placement: where the Engram tables live (module docstring): "host" or "device"; None:
+    `default_engram_placement`. A converted checkpoint's raw table files (`engram_raw/`, written by
+    `convert_weights`) are memory-mapped for "host", its Orbax Engram item read otherwise."""
     if dspark not in (None, True, False):
         raise ValueError(f"dspark: expected None, True or False, got {dspark!r}")
+    if engram_placement is not None:
+        check_placement(engram_placement)
     name = str(path_or_preset)
     if name in PRESETS:
         cfg = preset(name)
@@ -809,14 +848,20 @@ def load(
             prefill_chunk=prefill_chunk,
             mesh=mesh,
             rules=rules,
+            engram_placement=engram_placement or default_engram_placement(name),
         )
     directory = Path(name)
     if not directory.is_dir():
         raise ValueError(f"{name!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
     cfg = ModelConfig.from_pretrained(directory)
+    placement = engram_placement or default_engram_placement(directory)
+    store = None
     if is_converted_checkpoint(directory):  # convert_weights output: Orbax items + ced_manifest.json
         with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _converted_dspark_gap(directory))
-        cfg, flat = load_flat(directory, parts=("dspark",) if with_dspark else ())
+        raw = placement == "host" and has_raw(directory / RAW_DIR, cfg)
+        if raw:  # memory-mapped: the Orbax Engram item is not read
+            store = EngramStore.open_raw(directory / RAW_DIR, cfg)
+        cfg, flat = load_flat(directory, parts=("dspark",) if with_dspark else (), engram=not raw)
     else:
         with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _hf_dspark_gap(directory, cfg))
         include = ("text", "dspark") if with_dspark else ("text",)
@@ -844,7 +889,17 @@ def load(
         # None without a vision tower, or for a converted checkpoint written text-only (images are
         # then refused by name, text runs as before).
         vision_params=load_vision_params(directory, cfg, required=False),
+        engram_placement=placement,
+        engram_store=store,
     )
+
+
+def default_engram_placement(path_or_preset: str | Path) -> str:
+    """The Engram placement `load` uses when none is given: "host" for every checkpoint and preset,
+    so the tables never take device memory (logits bit-identical to "device"; the cost per step is
+    in BENCHMARKS.md, "Engram off device")."""
+    del path_or_preset
+    return "host"
 
 
 def _want_dspark(dspark: bool | None, cfg: ModelConfig, source: str, gap) -> bool:

@@ -6,7 +6,9 @@ program and donated by name (`state`); a program returns the new state. What one
 `ced_jax.cache.StepMetadata` (start, lens, slots, page tables). The Engram n-gram history is host
 state, one array per engine (`Engine.history`): the hash is int64 integer work on token ids that the
 spec puts on the host ahead of the step (`ced_jax.engram_hash`), and the rows it names are sent with
-the tokens.
+the tokens: as ids when the model's Engram tables are on device, or (placement `host`, the tables in
+the model's `ced_jax.engram_store.EngramStore`) as the gathered table rows themselves, so the device
+holds no Engram table (`Engine.engram_rows`).
 
 Programs (`Programs`, jitted once per model and shared by all its engines; jit caches one executable
 per shape):
@@ -257,7 +259,8 @@ def prefill_batch(
         lens = jnp.clip(n - off, 0, ps)
         page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps, axis=1)
         page = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, off, ps, axis=1)
-        page_rows, page_types, page_spans = page(rows), page(token_types), page(span_embeds)
+        page_rows = jax.tree.map(page, rows)  # ids, or gathered rows {"weight", "scale"}
+        page_types, page_spans = page(token_types), page(span_embeds)
         # A row done with its chunk stays at its start (positions within its sequence; it writes
         # nothing with 0 tokens).
         meta = StepMetadata(
@@ -408,6 +411,8 @@ class Engine:
         self.dspark = dspark
         self.programs: Programs = model.draft_programs if dspark else model.programs
         self.hasher = model.hasher
+        # Engram tables on the host (placement "host"): each step's rows are gathered here.
+        self.engram_store = getattr(model, "engram_store", None)
         self.mesh, self.rules = model.mesh, model.rules
         self.state = new_state(self.cfg, shapes, self.mesh, self.rules, dspark=dspark)
         self.history = self.empty_history(shapes.max_slots)
@@ -432,15 +437,28 @@ class Engine:
 
     def engram_rows(
         self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray, dead: np.ndarray | None = None
-    ) -> np.ndarray | None:
-        """The Engram hash rows of a chunk [B, T] of these slots; their histories move past it.
-        dead: bool [B, T], True at image-span tokens (DEAD in the n-gram history, spec 4.4)."""
+    ) -> np.ndarray | dict | None:
+        """The Engram inputs of a chunk [B, T] of these slots; their histories move past it.
+        dead: bool [B, T], True at image-span tokens (DEAD in the n-gram history, spec 4.4).
+        Tables on device: the hash rows i32 [B, T, n_engram_layers, C]; on the host: those rows
+        gathered (`engram_inputs`)."""
         if self.hasher is None:
             return None
         history = self.history[slots]
         rows = self.hasher.hash_ids(history, tokens, dead)
         self.history[slots] = self.hasher.next_history(history, tokens, np.asarray(lens, np.int64), dead)
-        return rows
+        return self.engram_inputs(rows)
+
+    def engram_inputs(self, ids: np.ndarray | None):
+        """What a program takes for hash rows `ids`: the ids themselves (tables on device) or the
+        table rows gathered on the host (`EngramStore.gather`: FP8 values + ue8m0 scales)."""
+        if ids is None or self.engram_store is None:
+            return ids
+        return self.engram_store.gather(ids)
+
+    def put_rows(self, rows):
+        """`put` of `engram_rows`' result (an array, a dict of arrays, or None)."""
+        return None if rows is None else jax.tree.map(self.put, rows)
 
     def image_inputs(self, tokens: np.ndarray, token_types, span_embeds):
         """Check a chunk's image inputs against tokens [B, T]: (token_types i32 [B, T], span_embeds
@@ -505,7 +523,7 @@ class Engine:
                 self.put(tokens),
                 self.state,
                 self.metadata(start, lens, slots, page_tables),
-                None if rows is None else self.put(rows),
+                self.put_rows(rows),
                 None if forced is None else jax.tree.map(self.put, forced),
                 None if types is None else self.put(types),
                 None if spans is None else self.put(spans),
@@ -574,7 +592,7 @@ class Engine:
                 self.state,
                 put(tokens),
                 self.metadata(positions, lens, slots, page_tables),
-                None if rows is None else put(rows),
+                self.put_rows(rows),
                 put(np.asarray(temperature, np.float32)),
                 put(np.asarray(top_p, np.float32)),
                 put(np.asarray(top_k, np.int32)),
@@ -620,7 +638,7 @@ class Engine:
                 self.model.params,
                 self.state,
                 put(tokens),
-                None if rows is None else put(rows),
+                self.put_rows(rows),
                 put(np.asarray(start, np.int32)),
                 put(n),
                 put(slots),
@@ -679,7 +697,7 @@ class Engine:
         rows = None
         if self.hasher is not None:
             history = self.history[slots]
-            rows = self.hasher.hash_ids(history, chunk, None)
+            rows = self.engram_inputs(self.hasher.hash_ids(history, chunk, None))
         if token_bitmask is None:
             mask = np.full((b, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32)
         else:
@@ -691,7 +709,7 @@ class Engine:
                 self.state,
                 put(chunk),
                 self.metadata(positions, lens, slots, page_tables),
-                None if rows is None else put(rows),
+                self.put_rows(rows),
                 put(np.asarray(temperature, np.float32)),
                 put(np.asarray(top_p, np.float32)),
                 put(np.asarray(top_k, np.int32)),

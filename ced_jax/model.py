@@ -55,8 +55,10 @@ def _fp8_linear(out_dim: int, in_dim: int, axes: tuple[str | None, str | None], 
     }
 
 
-def param_specs(cfg: ModelConfig) -> dict:
-    """The nested parameter tree (backbone only: DSpark and vision are not executed yet)."""
+def param_specs(cfg: ModelConfig, *, engram_tables: bool = True) -> dict:
+    """The nested parameter tree (backbone only: DSpark and vision are not executed yet).
+    engram_tables=False: without the Engram tables (`layers.{i}.engram.embed`), the tree of a model
+    whose tables stay on the host (`ced_jax.engram_store`)."""
     D, hd, ql = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
     H, G, R = cfg.num_heads, cfg.o_groups, cfg.o_lora_rank
     E, F, blk = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.weight_block_size
@@ -116,10 +118,16 @@ def param_specs(cfg: ModelConfig) -> dict:
             k = cfg.engram_layer_ids.index(i)
             rows, ehd = cfg.engram_num_embeddings[k], cfg.engram_head_dim
             layer["engram"] = {
-                "embed": {
-                    "weight": ParamSpec((rows, ehd), FP8, ("engram_rows", None)),
-                    "scale": ParamSpec((rows, ehd // 32), E8M0, ("engram_rows", None)),
-                },
+                **(
+                    {
+                        "embed": {
+                            "weight": ParamSpec((rows, ehd), FP8, ("engram_rows", None)),
+                            "scale": ParamSpec((rows, ehd // 32), E8M0, ("engram_rows", None)),
+                        }
+                    }
+                    if engram_tables
+                    else {}
+                ),
                 "wkv": _fp8_linear(D * (M + 1), cfg.engram_hash_cols * ehd, (None, None), blk),
                 "q_weight": ParamSpec((M, D), BF16, (None, "embed")),
                 "k_weight": ParamSpec((M, D), BF16, (None, "embed")),
@@ -237,7 +245,10 @@ def forward(
 
     tokens i32 [B, T]; state: the engine's `PagedCache` (not changed: the new one is returned); meta:
     `StepMetadata` (start, lens, slots, page tables of the rows); engram_rows i32 [B, T,
-    n_engram_layers, C] from `EngramHasher`; forced: optional {'topk': {layer: i32 [B, T, X]},
+    n_engram_layers, C] from `EngramHasher` (tables in `params`), or with the tables on the host the
+    gathered rows `ced_jax.engram_store.EngramStore.gather` returns ({"weight": FP8 [B, T,
+    n_engram_layers, C, ehd], "scale": u8 [..., ehd / 32]}, `params` without the tables); forced:
+    optional {'topk': {layer: i32 [B, T, X]},
     'experts': i32 [L, B, T, X], 'block_input': {layer: [B, T, M, D]}, 'pre_mix': {layer: [B, T, M]}}
     to replay recorded decisions / patch the inputs of chosen blocks.
 
@@ -283,7 +294,7 @@ def forward(
             k = cfg.engram_layer_ids.index(i)
             x = engram(
                 x,
-                engram_rows[:, :, k],
+                jax.tree.map(lambda a, k=k: a[:, :, k], engram_rows),
                 p["engram"],
                 eps=cfg.rms_norm_eps,
                 token_mask=None if image_mask is None else ~image_mask,

@@ -12,6 +12,12 @@ Output layout (OUT/)
   server can keep them in host memory (they are looked up by row, ~98 GB each in the release)
   while `params/` goes to the accelerators. `--engram inline` puts them in `params/`; `--engram
   skip` leaves them out (such a checkpoint cannot run the model; it is for inspecting the rest).
+- `engram_raw/` (with `--engram separate` and native weights; `--no-engram-raw` leaves it out): the
+  same tables once more as raw row-major files, `{leaf}.bin` (the array's bytes, nothing else) and
+  `{leaf}.json` (shape, dtype, bytes, a hash of the config's Engram fields), which
+  `ced_jax.engram_store.EngramStore.open_raw` memory-maps: with the Engram placement `host` (the
+  default) `ced_jax.load` gathers each step's rows from them and never reads the Orbax item, so the
+  tables cost neither device memory nor their size in host RAM. Twice the tables' disk space.
 - `dspark/`, `vision/`: the DSpark draft stages (`mtp.*`, with `--include dspark`) and the vision
   tower, aligner and image delimiters (`ced_jax.vision.load_vision_params` reads them back), each
   as its own Orbax item restored into host memory. Without an explicit `--include` (options
@@ -101,6 +107,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax.checkpoint.converted import (
+    ENGRAM_ITEM,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -131,6 +138,7 @@ from ced_jax.checkpoint.mapping import (
     our_target,
 )
 from ced_jax.config import ConfigError, ModelConfig
+from ced_jax.engram_store import RAW_DIR, write_raw
 from ced_jax.model import ParamSpec
 from pallas_kernels.formats import np_dequant_fp4_weight, np_dequant_fp8_weight
 
@@ -163,6 +171,8 @@ class ConvertOptions:
     overwrite: bool = False
     progress: bool = True
     compression: bool = True  # Orbax's zstd; off trades disk for speed on incompressible weights
+    # With engram "separate" and native weights: also the raw memory-mappable tables (`RAW_DIR`).
+    engram_raw: bool = True
 
 
 # ---------------------------------------------------------------------- plan (validation pass)
@@ -1037,6 +1047,10 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
     builders: dict[str, _GroupBuilder] = {}
     produced: dict[str, dict] = {}
     items_used: dict[str, dict] = {}
+    raw_leaves: dict[str, dict] = {}
+    write_engram_raw = (
+        options.engram_raw and options.engram == "separate" and options.weights_dtype == "native"
+    )
     sources: list[dict] = []
     done_tensors = 0
     consumed = 0
@@ -1066,6 +1080,13 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
                                 leaves = builders.pop(key).finish()
                                 group = plan.groups[key]
                                 ocp.v1.partial.save(tmp / group.item, nest(leaves))
+                                if write_engram_raw and group.item == ENGRAM_ITEM:
+                                    for path, arr in leaves.items():
+                                        write_raw(tmp / RAW_DIR, plan.cfg, path, arr)
+                                        raw_leaves[path] = {
+                                            "file": f"{RAW_DIR}/{path}.bin",
+                                            "bytes": arr.nbytes,
+                                        }
                                 info = items_used.setdefault(group.item, {"leaves": 0, "bytes": 0})
                                 for path, arr in leaves.items():
                                     produced[path] = {
@@ -1125,6 +1146,8 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
         },
         "leaves": dict(sorted(produced.items())),
     }
+    if raw_leaves:
+        manifest["engram_raw"] = {"path": RAW_DIR, "leaves": dict(sorted(raw_leaves.items()))}
     if consumed + len(plan.ignored) != n_tensors:
         raise ConversionError(
             f"coverage: {consumed} tensors consumed + {len(plan.ignored)} ignored != {n_tensors} in the index"
@@ -1164,6 +1187,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         compression=not args.no_compression,
+        engram_raw=not getattr(args, "no_engram_raw", False),
     )
     try:
         with _signals_interrupt():

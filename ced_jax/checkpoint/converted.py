@@ -175,13 +175,16 @@ def restore(
     rules=None,
     engram_on_host: bool = True,
     parts: Iterable[str] | None = None,
+    engram: bool = True,
 ) -> Restored:
     """Restore a converted checkpoint. With `mesh`, `params` become jax Arrays sharded by
     `ced_jax.sharding.param_shardings(specs, mesh, rules)` (default rules EP_TP_RULES), whatever mesh
     it was written on; the separate Engram item stays in host memory unless `engram_on_host=False`,
     and the optional parts (`dspark`, `vision`) always do. `parts`: the optional parts to read
     (default: every one written; one not written is a CheckpointError naming the --include that
-    writes it). Leaves are checked against the config's specs before any data is read."""
+    writes it). engram=False: the separate Engram item is not read (`engram` None; for a model that
+    memory-maps the raw table files instead, `ced_jax.engram_store`). Leaves are checked against the
+    config's specs before any data is read."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
@@ -208,6 +211,8 @@ def restore(
     for path, spec in targets.items():
         item = item_of(path, opts["engram"])
         if item in OPTIONAL_PARTS and item not in wanted_parts:
+            continue
+        if item == ENGRAM_ITEM and not engram:
             continue
         by_item.setdefault(item, {})[path] = spec
 
@@ -295,11 +300,12 @@ class _VerifiedZarr3Items(logging.Filter):
 
 
 def load_flat(
-    directory: str | Path, *, parts: Iterable[str] = ()
+    directory: str | Path, *, parts: Iterable[str] = (), engram: bool = True
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, {dotted path: numpy array}) of a native converted checkpoint, all in host memory:
     the same dict `hf_loader.load_hf_checkpoint` returns for the source (with `parts=("dspark",)`
-    also the DSpark stages' `mtp.*` leaves, as `include=("text", "dspark")` gives them)."""
+    also the DSpark stages' `mtp.*` leaves, as `include=("text", "dspark")` gives them). engram=False:
+    without the separate Engram item's tables (see `restore`)."""
     manifest = read_manifest(directory)
     opts = manifest["options"]
     if opts["weights_dtype"] != "native":
@@ -318,7 +324,7 @@ def load_flat(
     unsupported = [p for p in parts if p != "dspark"]
     if unsupported:
         raise ValueError(f"parts: {unsupported} are not model parameters (only 'dspark' is)")
-    r = restore(directory, parts=parts)
+    r = restore(directory, parts=parts, engram=engram)
     flat = flatten(r.params)
     if r.engram is not None:
         flat.update(flatten(r.engram))

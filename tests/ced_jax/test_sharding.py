@@ -207,7 +207,7 @@ def test_the_layout_is_passed_to_the_moe_dispatch(cfg):
     """The mesh and rules reach the MoE as an argument of forward (no ambient global): with a layout
     the traced step carries the expert-parallel all_to_all, without one (even under an ambient
     jax.set_mesh) it does not."""
-    model = load(str(GOLDEN_TINY_A))
+    model = load(str(GOLDEN_TINY_A), engram_placement="device")  # forward takes the hash rows' ids
     hasher = model.hasher
     tokens = np.zeros((1, 1), np.int32)
     rows = None if hasher is None else hasher.hash_ids(hasher.empty_history(1), tokens)

@@ -78,7 +78,7 @@ def test_keep_accepted_equals_a_shorter_chunk(model):
     chunk = np.array([_prompt(3, 5), _prompt(4, 5)], np.int32)
     t = chunk.shape[1]
     rows = engine.history[np.arange(2)]
-    engram = engine.hasher.hash_ids(rows, chunk, None)
+    engram = engine.engram_inputs(engine.hasher.hash_ids(rows, chunk, None))  # ids, or gathered rows
     slots = np.arange(2, dtype=np.int32)
 
     def visible_entries(state, kept):
@@ -104,11 +104,13 @@ def test_keep_accepted_equals_a_shorter_chunk(model):
             jnp.asarray(chunk),
             state,
             meta(full),
-            jnp.asarray(engram),
+            jax.tree.map(jnp.asarray, engram),
             capture_chunk_state=True,
         )
         long = long.keep_accepted(state, meta(full), aux["chunk_state"], kept)
-        _, short, _ = forward(model.params, cfg, jnp.asarray(chunk), state, meta(kept), jnp.asarray(engram))
+        _, short, _ = forward(
+            model.params, cfg, jnp.asarray(chunk), state, meta(kept), jax.tree.map(jnp.asarray, engram)
+        )
         return (_slot_buffers(long), visible_entries(long, kept)), (
             _slot_buffers(short),
             visible_entries(short, kept),

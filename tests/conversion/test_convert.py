@@ -125,7 +125,9 @@ def hf_params(cfg):
 
 def test_layout_manifest_and_coverage(converted, cfg):
     out, summary = converted
-    assert sorted(p.name for p in out.iterdir()) == sorted(["params", "engram", MANIFEST_NAME, *SIDE_FILES])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["params", "engram", "engram_raw", MANIFEST_NAME, *SIDE_FILES]
+    )
     for name in SIDE_FILES:
         assert (out / name).read_bytes() == (GOLDEN_TINY_A / name).read_bytes()
     m = json.loads((out / MANIFEST_NAME).read_text())
