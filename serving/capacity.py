@@ -8,7 +8,9 @@ Four ledgers per device, each from the real layout rather than a bytes-per-param
   stacked, `wo_a` dequantised to BF16 as the model keeps it) and divided over the mesh by the very
   rules the runtime places them with (`ced_jax.sharding.logical_to_spec` over the parameters'
   logical axes). The two Engram hash tables either live in host memory (their rows are gathered per
-  token, spec 5.5) or on every device (the rules do not split them);
+  token, spec 5.5: `ced_jax.engram_store`, zero device bytes) or on every device (the rules do not
+  split them), which is what `serve --engram-placement host|device` does; the recommendation names
+  the flag;
 - activations: the live set of the reference path (impl="reference") at the configured buckets,
   one prefill chunk and one decode batch, from the shapes the model materialises (see
   `activation_ledger` for the terms);
@@ -581,7 +583,8 @@ def format_plan(p: dict) -> str:
     mesh = _mesh_text(c["mesh"])
     head = "recommended" if p["fits"] else "nothing fits; closest"
     lines += [
-        f"{head}: --mesh {mesh} (rules {c['rules']}), Engram tables on {c['engram_tables']}",
+        # the flags that make `serve` lay the model out as these ledgers assume
+        f"{head}: --mesh {mesh} --rules {c['rules']} --engram-placement {c['engram_tables']}",
         f"  weights      {_g(led['weights']['per_device'])} per device",
     ]
     for dtype, n in sorted(led["weights"]["per_device_by_dtype"].items()):
