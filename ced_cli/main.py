@@ -2,7 +2,8 @@
 
 `logits` and `generate` run on one device, or with `--mesh data=D,expert=E,tensor=T` on a device
 mesh; `--coordinator/--num-processes/--process-id` join a multi-host run (jax.distributed), where
-every process runs the same command and process 0 writes the outputs.
+every process runs the same command and process 0 writes the outputs. `serve` runs multi-host the
+same way: process 0 serves gRPC and schedules, the others run each step with it (serving.multihost).
 
 Errors a user can cause (bad paths, malformed configs or checkpoints, bad ids) print one line
 naming the problem and exit with status 2; nothing is half-written (outputs are written to a
@@ -143,8 +144,10 @@ def _write_atomic_safetensors(arrays: dict, out: str) -> None:
             os.unlink(tmp)
 
 
-def _setup_distributed(args) -> None:
-    """Join a multi-process JAX run (jax.distributed) before anything touches a device."""
+def _setup_distributed(args, *, recoverable: bool = False) -> None:
+    """Join a multi-process JAX run (jax.distributed) before anything touches a device.
+    recoverable: the distributed runtime reports a dead process instead of terminating the others
+    (`serve`, which then turns NOT_SERVING: serving.multihost)."""
     if args.coordinator is None:
         if args.num_processes is not None or args.process_id is not None:
             raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT")
@@ -155,6 +158,8 @@ def _setup_distributed(args) -> None:
         raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
     import jax
 
+    if recoverable:
+        jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(
         coordinator_address=args.coordinator,
         num_processes=args.num_processes,
@@ -605,14 +610,24 @@ def cmd_serve(args) -> int:
         grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
+    cluster = None
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
-        raise ValueError("serve runs in one process (--mesh over its devices); multi-host is not supported")
+        if args.mesh is None:
+            raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
+        _setup_distributed(args, recoverable=True)
+        from serving.multihost import Cluster
+
+        cluster = Cluster()
+        if not cluster.is_leader:
+            return _serve_follower(args, config, cluster)
 
     def load():  # called by serve once every port is bound
         from serving.jax_engine import JaxEngine, ModelTokenizer
 
         model = _load_sharded(args)
-        engine = JaxEngine(model, config)
+        if cluster is not None and getattr(model, "vision", None) is not None:
+            raise ValueError("multi-host serve: a model with a vision tower is not supported yet")
+        engine = JaxEngine(model, config, cluster=cluster)
         rows = "/".join(map(str, config.prefill_rows))
         print(
             f"ced-jax: compiling prefill ({chunk}-token chunks, {rows} rows) "
@@ -623,7 +638,37 @@ def cmd_serve(args) -> int:
         )
         return engine, ModelTokenizer(model)
 
-    return serve(config, load)
+    if cluster is None:
+        return serve(config, load)
+    try:
+        return serve(config, load, cluster=cluster)
+    finally:
+        cluster.stop_followers()
+        n = max(cluster.calls_sent, 1)
+        print(
+            f"ced-jax: handed {cluster.calls_sent} engine calls to the other processes "
+            f"({cluster.bytes_sent / n:.0f} bytes, {cluster.send_seconds / n * 1e3:.3f} ms each); "
+            f"{cluster.compile_barriers} compile barriers, {cluster.barrier_seconds:.1f} s waiting there",
+            flush=True,
+        )
+
+
+def _serve_follower(args, config, cluster) -> int:
+    """A process other than 0 of a multi-host `serve`: the model and the engine's state on its devices,
+    then the leader's calls until it stops (serving.multihost)."""
+    from serving.jax_engine import JaxEngine
+    from serving.multihost import follow
+
+    model = _load_sharded(args)
+    engine = JaxEngine(model, config)  # the same Engine (state, programs, history) as the leader's
+    print(f"ced-jax: process {cluster.process_id} of {cluster.num_processes} following process 0", flush=True)
+    rc = follow(engine.engine, cluster)
+    print(
+        f"ced-jax: process {cluster.process_id}: stopped by process 0; {cluster.compile_barriers} compile "
+        f"barriers, {cluster.barrier_seconds:.1f} s waiting there",
+        flush=True,
+    )
+    return rc
 
 
 def _check_plan_options(args) -> None:

@@ -52,7 +52,9 @@ live in host memory (num_layers * window * swa_entry_bytes each: 2.7 MB for v41-
 tiny), so dropping one only forgets it.
 
 On a device mesh (`ced_jax.load(..., mesh=...)`, `ced-jax serve --mesh`), see `ced_jax.engine`: the
-state is laid out by the model's rules and every program pins that layout.
+state is laid out by the model's rules and every program pins that layout. On a mesh over several
+processes (multi-host), this engine runs on process 0 and hands every program call to the others
+(`serving.multihost`).
 
 A fresh slot needs no reset: at position 0 the ring is masked by position and the partial group is
 not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`).
@@ -269,9 +271,11 @@ class ModelTokenizer:
 class JaxEngine:
     """`serving.engine_api.Engine` over a `ced_jax.api.Model` (see the module docstring)."""
 
-    def __init__(self, model, config: ServeConfig):
+    def __init__(self, model, config: ServeConfig, *, cluster=None):
         """Built with `config`'s shapes (max_slots, page_size, num_pages, max_context, its one prefill
-        bucket: the chunk length) and max_logprobs; the rest of `config` is the server's."""
+        bucket: the chunk length) and max_logprobs; the rest of `config` is the server's.
+        cluster: the leader's `serving.multihost.Cluster` of a multi-host run: every engine call
+        that runs a program is handed to the other processes first (`multihost.LeaderEngine`)."""
         if len(config.prefill_buckets) != 1:
             raise ValueError(
                 "prefill_buckets: JaxEngine runs one prefill chunk length, got "
@@ -297,6 +301,10 @@ class JaxEngine:
             ),
             dspark=bool(self.dspark_widths),
         )
+        if cluster is not None:
+            from serving.multihost import LeaderEngine
+
+            self.engine = LeaderEngine(self.engine, cluster)
         kv_bytes = cache_lib.kv_bytes_per_token(self.engine.state)
         self._spec = EngineSpec(
             max_slots=max_slots,

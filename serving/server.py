@@ -721,6 +721,19 @@ class Server:
             self._metrics_server.close()
             self._metrics_server = None
 
+    async def lose_peer(self, line: str) -> None:
+        """A process of a multi-host run is gone (`serving.multihost.PeerWatch`): the mesh cannot run a
+        program any more, so health turns NOT_SERVING, new requests are refused and those in flight
+        are aborted (their streams end with ABORT as soon as the scheduler thread can say so)."""
+        log.error("%s", line)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.http is not None:
+            self.http.stop_admitting()
+        if self.scheduler is not None:
+            self.scheduler.stop_admitting()
+            self.scheduler.abort_all()
+
     def end_grace_period(self) -> None:
         """Cuts a shutdown's grace period short: whatever is still in flight is aborted at once."""
         self._grace_over.set()
@@ -756,9 +769,12 @@ class Server:
 
 
 async def serve_async(
-    config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, ready=None
+    config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, ready=None, cluster=None
 ) -> int:
     """Serves until SIGTERM/SIGINT, then shuts down gracefully; returns the exit code (0).
+
+    cluster: the leader's `serving.multihost.Cluster` of a multi-host run (None: one process); once
+    serving, a `PeerWatch` turns health NOT_SERVING if another process dies (`Server.lose_peer`).
 
     `load()` builds the engine and its tokenizer (loading the model); it runs on a worker thread after
     every port is bound. During start-up SIGTERM and SIGINT end the process at once (their default
@@ -776,6 +792,7 @@ async def serve_async(
     print(f"{line}; loading and warming up (health NOT_SERVING until ready) ...", flush=True)
     loop = asyncio.get_running_loop()
     previous_sigint = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    watch = None
     try:
         try:
             engine, tokenizer = await asyncio.to_thread(load)
@@ -793,6 +810,13 @@ async def serve_async(
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
+        if cluster is not None:
+            from serving.multihost import PeerWatch
+
+            def lost(line: str) -> None:  # on the watch thread
+                loop.call_soon_threadsafe(lambda: loop.create_task(server.lose_peer(line)))
+
+            watch = PeerWatch(cluster, lost).start()
         line = f"ced-jax serving {engine.spec.model_name or 'model'} on {server.address}"
         if server.metrics_port is not None:
             line += f" metrics http://{config.metrics_host}:{server.metrics_port}/metrics"
@@ -807,14 +831,16 @@ async def serve_async(
         await server.shutdown()
         return 0
     finally:
+        if watch is not None:
+            watch.stop()
         loop.remove_signal_handler(signal.SIGTERM)
         loop.remove_signal_handler(signal.SIGINT)
         signal.signal(signal.SIGINT, previous_sigint)
 
 
-def serve(config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]]) -> int:
+def serve(config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, cluster=None) -> int:
     """Blocking entry point for `ced-jax serve` (see serve_async); returns the process exit code."""
-    return asyncio.run(serve_async(config, load))
+    return asyncio.run(serve_async(config, load, cluster=cluster))
 
 
 def _mock_main(argv: list[str]) -> int:

@@ -1,0 +1,326 @@
+"""Multi-host serving: one program on every process of a `jax.distributed` run (SPMD).
+
+`ced-jax serve --coordinator HOST:PORT --num-processes N --process-id i --mesh ...` starts the same
+command on N processes whose devices form one mesh. Every process loads the model onto the mesh and
+builds the same `ced_jax.engine.Engine` (the device state and the host Engram history). Process 0,
+the leader, runs the gRPC front end, the scheduler and `JaxEngine`; its engine is a `LeaderEngine`,
+which hands every call that runs a program or moves host state (`MIRRORED`) to the other processes
+before running it itself. The followers (`follow`) make the same calls with the same host inputs in
+the same order, so each collective program runs in lockstep on all processes, every process feeding
+its own shards. Outputs are replicated, so the leader reads tokens and snapshots from its own devices.
+
+Transport: the distributed runtime's key-value store (the coordinator, hosted by process 0). Call n
+is one value under `ced-serve/call/<follower>/<n>`, written by the leader, read (blocking) and
+deleted by the follower: a few hundred bytes per decode step (the numpy inputs of the call, encoded
+by `encode`, no pickle). Measured on localhost (2 processes): see README, multi-host serving.
+
+Compiles: a process that loads a program from the persistent compilation cache would start it while
+its peers still compile, and gloo gives up on a peer after 30 s. Inside a mirrored call every
+process waits at a barrier after each executable it builds (fresh compile or cache load: JAX's
+`backend_compile_duration` event, on the compiling thread before the program runs), so all start it
+together.
+
+Death of a process: followers write a heartbeat key every `HEARTBEAT_S`; `PeerWatch` on the leader
+reads them and, when one stops moving for `dead_after_s`, calls back once with a line naming the
+process (the server then turns NOT_SERVING and refuses work). A follower exits when the leader (and
+with it the coordinator) is gone. The run is initialized with JAX's recoverability on, so that the
+distributed runtime reports a dead peer to us instead of terminating the surviving processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+log = logging.getLogger("ced_jax.multihost")
+
+PREFIX = "ced-serve"
+HEARTBEAT_S = 0.5
+# Mirrored `ced_jax.engine.Engine` methods: each runs a program on the mesh or moves host state that a
+# later program call reads (the Engram history).
+MIRRORED = frozenset({"prefill_batch", "dispatch_decode", "decode", "speculative_decode", "restore_slot",
+                      "reset_history", "step"})  # fmt: skip
+_STOP = "__stop__"
+
+
+# ------------------------------------------------------------------------------------------ encoding
+def encode(obj) -> bytes:
+    """A call's arguments (None, bool, int, float, str, lists, tuples, dicts with str keys, numpy
+    arrays and scalars) as bytes: a JSON header, then the arrays' raw bytes."""
+    blobs: list[bytes] = []
+
+    def walk(x):
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return {"n": x}
+        if isinstance(x, (np.ndarray, np.generic)):
+            a = np.asarray(x)
+            if a.dtype.hasobject:
+                raise TypeError("multihost.encode: object arrays are not supported")
+            blobs.append(a.tobytes(order="C"))
+            scalar = isinstance(x, np.generic)
+            return {"a": len(blobs) - 1, "dtype": a.dtype.str, "shape": list(a.shape), "scalar": scalar}
+        if isinstance(x, (list, tuple)):
+            return {"l" if isinstance(x, list) else "t": [walk(v) for v in x]}
+        if isinstance(x, dict):
+            if not all(isinstance(k, str) for k in x):
+                raise TypeError("multihost.encode: dict keys must be str")
+            return {"d": {k: walk(v) for k, v in x.items()}}
+        raise TypeError(f"multihost.encode: cannot send a {type(x).__name__}")
+
+    header = json.dumps(walk(obj)).encode()
+    sizes = [len(b) for b in blobs]
+    head = json.dumps({"h": len(header), "sizes": sizes}).encode()
+    return len(head).to_bytes(4, "little") + head + header + b"".join(blobs)
+
+
+def decode(data: bytes):
+    """The inverse of `encode`."""
+    n = int.from_bytes(data[:4], "little")
+    meta = json.loads(data[4 : 4 + n])
+    off = 4 + n
+    tree = json.loads(data[off : off + meta["h"]])
+    off += meta["h"]
+    arrays = []
+    for size in meta["sizes"]:
+        arrays.append(data[off : off + size])
+        off += size
+
+    def build(x):
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if "n" in x:
+            return x["n"]
+        if "a" in x:
+            a = np.frombuffer(arrays[x["a"]], np.dtype(x["dtype"])).reshape(x["shape"]).copy()
+            return a[()] if x["scalar"] else a
+        if "l" in x:
+            return [build(v) for v in x["l"]]
+        if "t" in x:
+            return tuple(build(v) for v in x["t"])
+        return {k: build(v) for k, v in x["d"].items()}
+
+    return build(tree)
+
+
+# --------------------------------------------------------------------------------- the cluster
+class Cluster:
+    """This process's view of the run: its index, the process count and the distributed runtime's
+    client (key-value store and barriers). Build it after `jax.distributed.initialize`."""
+
+    def __init__(self, *, barrier_timeout_s: float = 1800.0):
+        import jax
+        from jax._src.distributed import global_state
+
+        if global_state.client is None:
+            raise RuntimeError("multi-host serving needs jax.distributed.initialize first")
+        self.client = global_state.client
+        self.process_id = jax.process_index()
+        self.num_processes = jax.process_count()
+        self.barrier_timeout_ms = int(barrier_timeout_s * 1000)
+        self._sent = 0
+        self._received = 0
+        self._barriers = 0
+        self.send_seconds = 0.0  # leader: time spent handing calls to the followers
+        self.bytes_sent = 0  # leader: payload bytes per follower
+        self.barrier_seconds = 0.0  # time spent waiting for peers after compiles
+        _CompileBarrier.install()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def calls_sent(self) -> int:
+        return self._sent
+
+    @property
+    def compile_barriers(self) -> int:
+        return self._barriers
+
+    def followers(self) -> range:
+        return range(1, self.num_processes)
+
+    # The leader's side.
+    def send(self, payload: bytes) -> None:
+        t = time.perf_counter()
+        n = self._sent
+        self._sent += 1
+        for pid in self.followers():
+            self.client.key_value_set_bytes(f"{PREFIX}/call/{pid}/{n}", payload)
+        self.send_seconds += time.perf_counter() - t
+        self.bytes_sent += len(payload)
+
+    def stop_followers(self) -> None:
+        """Ends every follower's `follow` loop (they return 0)."""
+        self.send(encode(_STOP))
+
+    # A follower's side.
+    def receive(self, poll_s: float = 1.0) -> bytes:
+        """The leader's next call (blocks; a lost coordinator raises)."""
+        key = f"{PREFIX}/call/{self.process_id}/{self._received}"
+        while True:
+            try:
+                data = self.client.blocking_key_value_get_bytes(key, int(poll_s * 1000))
+            except Exception as e:  # the runtime raises XlaRuntimeError; a timeout only means idle
+                if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                    continue
+                raise
+            self.client.key_value_delete(key)
+            self._received += 1
+            return data
+
+    def compile_barrier(self) -> None:
+        """Every process waits here after building an executable inside a mirrored call."""
+        n = self._barriers
+        self._barriers += 1
+        t = time.perf_counter()
+        self.client.wait_at_barrier(f"{PREFIX}/compiled/{n}", self.barrier_timeout_ms)
+        self.barrier_seconds += time.perf_counter() - t
+
+
+class _CompileBarrier:
+    """One process-wide monitoring listener: after an executable is built on a thread inside
+    `lockstep(cluster)`, that cluster's barrier (see the module docstring)."""
+
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+    _active = threading.local()
+    _installed = False
+    _lock = threading.Lock()
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+            import jax.monitoring
+
+            def listener(event: str, duration: float, **kwargs):
+                cluster = getattr(cls._active, "cluster", None)
+                if event == cls._EVENT and cluster is not None:
+                    cluster.compile_barrier()
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+
+class lockstep:
+    """Context: compiles on this thread end at the cluster's barrier."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    def __enter__(self):
+        self._prev = getattr(_CompileBarrier._active, "cluster", None)
+        _CompileBarrier._active.cluster = self.cluster
+
+    def __exit__(self, *exc):
+        _CompileBarrier._active.cluster = self._prev
+
+
+# ------------------------------------------------------------------------------ leader / follower
+class LeaderEngine:
+    """A `ced_jax.engine.Engine` on the leader: each `MIRRORED` call goes to the followers, then runs
+    here; everything else is the engine's."""
+
+    def __init__(self, engine, cluster: Cluster):
+        self._engine = engine
+        self._cluster = cluster
+        self.calls = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._engine, name)
+        if name not in MIRRORED:
+            return attr
+
+        def mirrored(*args, **kwargs):
+            self._cluster.send(encode([name, list(args), kwargs]))
+            self.calls += 1
+            with lockstep(self._cluster):
+                return attr(*args, **kwargs)
+
+        return mirrored
+
+
+def follow(engine, cluster: Cluster, *, heartbeat: bool = True) -> int:
+    """A follower's serving loop: the leader's calls on `engine` (a `ced_jax.engine.Engine` built as
+    the leader's) until it says stop (returns 0) or is gone (raises). A call that raises here raised
+    on the leader too (same inputs, same checks): it is logged and the loop goes on. heartbeat: write
+    the key `PeerWatch` reads (and exit when the coordinator is gone), on a thread of its own."""
+    if heartbeat:
+        threading.Thread(target=_heartbeat, args=(cluster,), name="ced-heartbeat", daemon=True).start()
+    while True:
+        msg = decode(cluster.receive())
+        if msg == _STOP:
+            return 0
+        name, args, kwargs = msg
+        if name not in MIRRORED:
+            raise ValueError(f"follower: the leader asked for {name!r}, not a mirrored call")
+        try:
+            with lockstep(cluster):
+                getattr(engine, name)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the leader got the same error and answered its client
+            log.warning("follower: %s raised %s: %s (as on the leader)", name, type(e).__name__, e)
+
+
+def _heartbeat(cluster: Cluster) -> None:
+    """A follower's heartbeat key; if the coordinator (process 0) is gone the process ends."""
+    import os
+
+    n = 0
+    key = f"{PREFIX}/alive/{cluster.process_id}"
+    while True:
+        try:
+            cluster.client.key_value_set(key, str(n), allow_overwrite=True)
+        except Exception as e:  # noqa: BLE001
+            print(
+                f"ced-jax: process {cluster.process_id}: lost the coordinator (process 0): "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; exiting",
+                flush=True,
+            )
+            os._exit(1)
+        n += 1
+        time.sleep(HEARTBEAT_S)
+
+
+class PeerWatch:
+    """On the leader: watches the followers' heartbeats; `on_lost(line)` is called once, from the
+    watch thread, when one has not moved for `dead_after_s` seconds."""
+
+    def __init__(self, cluster: Cluster, on_lost: Callable[[str], None], *, dead_after_s: float = 10.0):
+        self.cluster, self.on_lost, self.dead_after_s = cluster, on_lost, dead_after_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ced-peer-watch", daemon=True)
+
+    def start(self) -> PeerWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        now = time.monotonic()
+        last = {pid: (None, now) for pid in self.cluster.followers()}
+        while not self._stop.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            for pid, (value, since) in last.items():
+                try:
+                    v = self.cluster.client.key_value_try_get(f"{PREFIX}/alive/{pid}")
+                except Exception:  # noqa: BLE001 - not written yet
+                    v = value
+                if v != value:
+                    last[pid] = (v, now)
+                elif now - since > self.dead_after_s:
+                    self.on_lost(
+                        f"ced-jax: process {pid} of {self.cluster.num_processes} stopped responding "
+                        f"(no heartbeat for {now - since:.1f} s): the mesh is incomplete; health "
+                        "NOT_SERVING, new requests refused"
+                    )
+                    return

@@ -1,0 +1,258 @@
+"""Multi-host `ced-jax serve` (serving/multihost.py): 2 processes x 4 CPU devices on localhost serve
+the tiny model on one (1, 4, 2) mesh; greedy completions over gRPC, several at once, are the tokens
+of a one-process server on 8 devices with the same mesh shape; killing process 1 turns health
+NOT_SERVING within a bound, with a log line naming the process, and no hang.
+
+Both servers run with JAX's persistent compilation cache on (the suite's), which the multi-host
+logits test (test_multihost.py) had to turn off: a process that loads its programs from the cache
+used to start them while its peer still compiled, past gloo's 30 s. `serving.multihost` now puts a
+barrier after every executable built inside a step handed to all processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving import client, multihost
+from tests.conftest import REPO
+
+# Small shapes: one prefill program (4 rows of 16-token chunks), one decode program (4 rows), restore.
+SHAPES = ["--max-slots", "4", "--page-size", "16", "--max-context", "64", "--prefill-chunk", "16"]
+MESH = ["--mesh", "expert=4,tensor=2"]
+# Prompts of 3..40 tokens (one to three chunks), completed greedily at once.
+PROMPTS = [[1, 17, 99], list(range(5, 45)), [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59],
+           [300, 200, 100, 250, 150, 50, 25, 12]]  # fmt: skip
+MAX_TOKENS = 10
+START_S = 900  # loading + compiling on a loaded 2-core machine
+NOT_SERVING_WITHIN_S = 40  # heartbeat silence 10 s (PeerWatch) + slack for a loaded machine
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(devices),
+        "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),  # the persistent cache, on
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def _serve(extra: list[str], devices: int, log_path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ced_cli.main", "serve", "tiny", *SHAPES, *MESH, *extra]
+    with open(log_path, "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(devices), cwd=REPO)
+
+
+def _wait_serving(procs: list[subprocess.Popen], log_path) -> str:
+    end = time.monotonic() + START_S
+    while time.monotonic() < end:
+        m = re.search(r"serving \S+ on (\S+)", log_path.read_text())
+        if m:
+            return m.group(1)
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, f"exited {dead[0].returncode}: {log_path.read_text()[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"not serving after {START_S} s: {log_path.read_text()[-3000:]}")
+
+
+def _complete_all(addr: str) -> list[list[int]]:
+    """The prompts' greedy completions, all in flight at once."""
+
+    def one(prompt):
+        c = client.generate(
+            addr, prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=600
+        )
+        assert c.finish_reason == "length", c.finish_reason
+        return c.token_ids
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def _health(addr: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def one_process_tokens(tmp_path_factory) -> list[list[int]]:
+    """The single-process server on 8 devices, mesh (1, 4, 2)."""
+    log_path = tmp_path_factory.mktemp("one") / "serve.log"
+    proc = _serve(["--port", "0", "--metrics-port", "-1"], 8, log_path)
+    try:
+        addr = _wait_serving([proc], log_path)
+        tokens = _complete_all(addr)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+        return tokens
+    finally:
+        _stop([proc])
+
+
+@pytest.mark.slow  # two servers load and compile the tiny model's mesh programs (several minutes on 2 cores)
+@pytest.mark.timeout(2400)
+def test_two_processes_serve_the_tokens_of_one_then_a_dead_peer_is_not_serving(one_process_tokens, tmp_path):
+    port = _free_port()
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = []
+    for pid in range(2):
+        extra = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
+        extra += ["--init-timeout", "300", "--port", "0", "--metrics-port", "-1"]
+        procs.append(_serve(extra, 4, logs[pid]))
+    try:
+        addr = _wait_serving(procs, logs[0])
+        assert "following process 0" in logs[1].read_text()
+        got = _complete_all(addr)
+        assert got == one_process_tokens
+        assert all(len(t) == MAX_TOKENS for t in got)
+        assert _health(addr) == health_pb2.HealthCheckResponse.SERVING
+        # A dead process: health NOT_SERVING within the bound, a line naming it, new requests refused.
+        procs[1].kill()
+        procs[1].wait()
+        killed = time.monotonic()
+        while _health(addr) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() - killed < NOT_SERVING_WITHIN_S, logs[0].read_text()[-3000:]
+            assert procs[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        assert re.search(r"process 1 of 2 stopped responding", logs[0].read_text())
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(addr, PROMPTS[0], max_tokens=2, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert procs[0].poll() is None  # still answering health, not gone and not hung
+        # SIGTERM still ends the server (exit 0), which reports what handing each step over cost.
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=180) == 0, logs[0].read_text()[-3000:]
+        handed = re.search(r"handed (\d+) engine calls .*", logs[0].read_text())
+        assert handed and int(handed.group(1)) > len(PROMPTS), logs[0].read_text()[-3000:]
+        print(handed.group(0))
+    finally:
+        _stop(procs)
+
+
+# ------------------------------------------------------------------ the hand-over, in one process
+class _Queue:
+    """A cluster whose transport is a list (the calls the leader sent, in order)."""
+
+    def __init__(self):
+        self.sent: list[bytes] = []
+        self.barriers = 0
+
+    def send(self, payload: bytes) -> None:
+        self.sent.append(payload)
+
+    def stop_followers(self) -> None:
+        self.send(multihost.encode("__stop__"))
+
+    def receive(self) -> bytes:
+        return self.sent.pop(0)
+
+    def compile_barrier(self) -> None:
+        self.barriers += 1
+
+
+class _Recorder:
+    """Records the mirrored calls it gets; `history` stands for host state that is read, not sent."""
+
+    def __init__(self):
+        self.calls = []
+        self.history = np.zeros(3)
+
+    def reset_history(self, slot, history=None):
+        self.calls.append(("reset_history", (slot, history), {}))
+
+    def dispatch_decode(self, *args, **kwargs):
+        self.calls.append(("dispatch_decode", args, kwargs))
+        return "device outputs"
+
+    def restore_slot(self, slot, state, history):
+        if slot < 0:
+            raise ValueError("slot must be >= 0")
+        self.calls.append(("restore_slot", (slot, state, history), {}))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def test_the_followers_make_the_leaders_calls_with_the_same_inputs():
+    queue, leader_side, follower_side = _Queue(), _Recorder(), _Recorder()
+    leader = multihost.LeaderEngine(leader_side, queue)
+    rng = np.random.default_rng(0)
+    args = (np.arange(4, dtype=np.int32), rng.integers(0, 512, 4).astype(np.int32), np.zeros(4, bool),
+            rng.random((4, 3)).astype(np.float32).T, np.uint32(7), 0.5, None)  # fmt: skip
+    assert leader.dispatch_decode(*args, max_logprobs=5, token_bitmask=None) == "device outputs"
+    leader.reset_history(2)
+    state = {"swa": rng.random((2, 8)).astype(np.float16), "groups": [np.int64(3), (1, 2.0)]}
+    leader.restore_slot(1, state, np.arange(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="slot must be"):
+        leader.restore_slot(-1, {}, None)  # raises on the leader; the follower logs it and goes on
+    assert leader.history is leader_side.history  # not a call: read from the leader's engine
+    assert len(queue.sent) == 4
+    queue.stop_followers()
+    assert multihost.follow(follower_side, queue, heartbeat=False) == 0
+    assert not queue.sent
+    assert _same(follower_side.calls, leader_side.calls)
+    assert [c[0] for c in follower_side.calls] == ["dispatch_decode", "reset_history", "restore_slot"]
+
+
+def test_only_mirrored_calls_are_followed():
+    queue = _Queue()
+    queue.send(multihost.encode(["history", [], {}]))
+    with pytest.raises(ValueError, match="not a mirrored call"):
+        multihost.follow(_Recorder(), queue, heartbeat=False)
+
+
+def test_encode_refuses_what_it_cannot_send():
+    with pytest.raises(TypeError, match="cannot send a object"):
+        multihost.encode([object()])
+    with pytest.raises(TypeError, match="dict keys must be str"):
+        multihost.encode({1: 2})
+
+
+def test_serve_multi_host_options_are_checked(capsys):
+    from ced_cli.main import main
+
+    base = ["serve", "tiny", "--port", "0", "--metrics-port", "-1"]
+    assert main([*base, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]) == 2
+    assert "needs --mesh" in capsys.readouterr().err
+    mesh = ["--mesh", "expert=4,tensor=2"]
+    assert main([*base, *mesh, "--num-processes", "2", "--process-id", "0"]) == 2
+    assert "need --coordinator" in capsys.readouterr().err
+    assert (
+        main([*base, *mesh, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"]) == 2
+    )
+    assert "--process-id must be in [0, 2)" in capsys.readouterr().err
