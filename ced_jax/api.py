@@ -56,7 +56,7 @@ from ced_jax.engram_hash import EngramHasher
 from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw, table_leaves
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sampling import jitted_sample
-from ced_jax.testing.random_weights import tiny_dspark_params, tiny_params
+from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
 
 
 def _to_device(
@@ -829,15 +829,13 @@ def load(
     name = str(path_or_preset)
     if name in PRESETS:
         cfg = preset(name)
-        if name != "tiny":
+        if name not in EMBEDDED_PRESETS:
             raise ValueError(
                 f"preset {name!r} has no embedded weights; pass a checkpoint directory "
                 f"(`ced-jax describe {name}` works without weights)"
             )
         with_dspark = _want_dspark(dspark, cfg, f"preset {name!r}", lambda: None)
-        flat = tiny_params(dspark=False)
-        if with_dspark:
-            flat.update(tiny_dspark_params())
+        flat = embedded_params(name, dspark=with_dspark)
         hasher = EngramHasher.from_token_map_file(cfg, ASSETS / "tiny" / "engram_token_map.json")
         return Model(
             cfg,

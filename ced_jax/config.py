@@ -557,7 +557,8 @@ def _tiny_hf() -> dict[str, Any]:
     return json.loads((ASSETS / "tiny" / "config.json").read_text())
 
 
-PRESETS = {"v41-flash": _v41_flash_hf, "tiny": _tiny_hf}
+# tiny-spec: tiny's config; its weights differ (ced_jax.testing.random_weights.tiny_spec_params)
+PRESETS = {"v41-flash": _v41_flash_hf, "tiny": _tiny_hf, "tiny-spec": _tiny_hf}
 
 
 def preset(name: str) -> ModelConfig:

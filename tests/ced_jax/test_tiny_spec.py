@@ -1,0 +1,53 @@
+"""The `tiny-spec` preset: tiny's backbone with a learnable greedy continuation, and its shipped
+DSpark draft, which agrees with that backbone (issue 15, point 4).
+
+The weights test is cheap (host numpy only). The agreement test (slow: it compiles the backbone's
+prefill and decode and the draft step) draws fresh held-out prompts with a seed the training never
+used and measures the shipped draft through `dspark.draft_step` on its storage tensors, against the
+random draft the training starts from and against the best any draft could do by the bigram alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ced_jax
+from ced_jax import dspark_train as tr
+from ced_jax.config import preset
+from ced_jax.testing import random_weights as rw
+
+
+def test_tiny_spec_is_tiny_but_its_embedding_and_head():
+    tiny = rw.tiny_params(dspark=False)
+    spec = rw.tiny_spec_params(dspark=False)
+    assert sorted(tiny) == sorted(spec)
+    changed = sorted(k for k in tiny if tiny[k].tobytes() != spec[k].tobytes())
+    assert changed == ["embed.weight", "head.weight"]
+    embed = tiny["embed.weight"].astype(np.float32)
+    perm = np.random.default_rng(rw.TINY_SPEC_PERMUTATION_SEED).permutation(embed.shape[0])
+    np.testing.assert_array_equal(spec["head.weight"].astype(np.float32)[perm], embed * rw.TINY_SPEC_HEAD_SCALE)
+    assert ced_jax.load("tiny-spec", dspark=False).cfg.name == "tiny-spec"
+
+
+@pytest.mark.slow  # compiles the backbone's prefill/decode and the draft step (minutes on 2 cores)
+def test_shipped_tiny_spec_draft_agrees_with_its_backbone():
+    assert rw.TINY_SPEC_DSPARK_FILE.is_file(), "the trained tiny-spec draft is not shipped"
+    cfg = preset("tiny-spec")
+    model = ced_jax.load("tiny-spec", dspark=True)
+    prompts = tr.random_prompts(cfg, 16, 16, seed=4242)
+    held = tr.greedy_continuations(model, cfg, prompts, 48)
+    embed, head = tr.backbone_embed_head(model)
+    shipped = {"mtp": model.params["mtp"]}
+    random = tr.random_dspark_tree(cfg, rw.TINY_SEED)  # where `train-draft --init random` starts
+    got = tr.measure_acceptance(shipped, cfg, embed, head, held)
+    base = tr.measure_acceptance(random, cfg, embed, head, held)
+    # The bigram ceiling: how often the greedy token after t is the permutation's image of t.
+    perm = np.random.default_rng(rw.TINY_SPEC_PERMUTATION_SEED).permutation(cfg.vocab_size)
+    toks = held.tokens[:, held.prompt_len :]
+    bigram = float((perm[toks[:, :-1]] == toks[:, 1:]).mean())
+    print({"shipped": {k: got[k] for k in ("first_agreement", "mean_accepted", "per_position")},
+           "random": {k: base[k] for k in ("first_agreement", "mean_accepted")}, "bigram": bigram})  # fmt: skip
+    assert got["first_agreement"] >= 0.4
+    assert got["mean_accepted"] >= 1.0
+    assert base["first_agreement"] <= 0.05
