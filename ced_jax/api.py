@@ -47,9 +47,17 @@ import numpy as np
 
 from ced_jax import cache as cache_lib
 from ced_jax import ops, sharding
-from ced_jax.checkpoint.converted import included_parts, is_converted_checkpoint, load_flat, read_manifest
+from ced_jax.checkpoint.converted import (
+    included_parts,
+    is_converted_checkpoint,
+    is_engram_table,
+    load_flat,
+    load_onto_mesh,
+    read_manifest,
+)
 from ced_jax.checkpoint.hf_loader import CheckpointError, load_hf_checkpoint, read_index
 from ced_jax.checkpoint.mapping import hf_inventory, our_param_specs, parameter_counts
+from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engine import Engine, Programs, StateShapes
 from ced_jax.engram_hash import EngramHasher
@@ -78,7 +86,10 @@ def _to_device(
 
 
 def _put_global(arr, target) -> jax.Array:
-    """A host array (identical on every process) -> a global array laid out by `target`."""
+    """A host array (identical on every process) -> a global array laid out by `target`. A jax Array
+    already laid out so (a parameter `load` read straight onto the mesh) is kept as is."""
+    if isinstance(arr, jax.Array):
+        return arr if arr.sharding.is_equivalent_to(target, arr.ndim) else jax.device_put(arr, target)
     arr = np.asarray(arr)
     return jax.make_array_from_callback(arr.shape, target, lambda index: arr[index])
 
@@ -98,6 +109,13 @@ def _flat_param_shardings(cfg: ModelConfig, names, mesh, rules) -> dict[str, Any
             node = node[part]
         out[name] = node
     return out
+
+
+def _mesh_targets(cfg: ModelConfig, mesh, rules) -> dict[str, Any]:
+    """The parameters `load` reads straight onto the mesh (flat name -> NamedSharding): every backbone
+    parameter but the Engram tables, which `Model` keeps in host memory or places itself."""
+    names = [n for n in flatten_specs(param_specs(cfg)) if not is_engram_table(n)]
+    return _flat_param_shardings(cfg, names, mesh, sharding.get_rules(rules))
 
 
 DSPARK_PREFIX = "mtp."
@@ -814,7 +832,11 @@ def load(
     directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
 
     mesh: place and run the model on this (data, expert, tensor) mesh under `rules` (see
-    ced_jax.sharding); None runs on the default device.
+    ced_jax.sharding); None runs on the default device. On a mesh each parameter is read straight
+    into its sharding, never the whole model into host memory: an HF directory by
+    `ced_jax.checkpoint.mesh_loader` (each process reads the byte ranges of its devices' blocks), a
+    converted one by Orbax restoring the params item into the target shardings. The Engram tables
+    and the DSpark stages are read into host memory as without a mesh.
     dspark: the DSpark draft stages (`Model.params["mtp"]`, `Model.dspark`). None: load them when
     the checkpoint has them (config num_nextn_predict_layers > 0 and the `mtp.*` tensors present, or
     a converted checkpoint's `dspark` part); True: required (a checkpoint without them is an error
@@ -859,11 +881,31 @@ def load(
         raw = placement == "host" and has_raw(directory / RAW_DIR, cfg)
         if raw:  # memory-mapped: the Orbax Engram item is not read
             store = EngramStore.open_raw(directory / RAW_DIR, cfg)
-        cfg, flat = load_flat(directory, parts=("dspark",) if with_dspark else (), engram=not raw)
+        if mesh is None:
+            cfg, flat = load_flat(directory, parts=("dspark",) if with_dspark else (), engram=not raw)
+        else:  # the params item restored by Orbax straight into its shardings
+            parts = ("dspark",) if with_dspark else ()
+            cfg, flat = load_onto_mesh(
+                directory,
+                mesh,
+                sharding.get_rules(rules),
+                parts=parts,
+                engram=not raw,
+                widen_bf16=jax.default_backend() == "cpu",
+            )
     else:
         with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _hf_dspark_gap(directory, cfg))
         include = ("text", "dspark") if with_dspark else ("text",)
-        flat, _report = load_hf_checkpoint(directory, cfg, include=include)
+        if mesh is None:
+            flat, _report = load_hf_checkpoint(directory, cfg, include=include)
+        else:  # each parameter read block by block into its sharding (Engram tables, DSpark: host)
+            flat, _report = load_hf_onto_mesh(
+                directory,
+                cfg,
+                _mesh_targets(cfg, mesh, rules),
+                include=include,
+                bf16_as_f32=jax.default_backend() == "cpu",
+            )
     hasher = None
     if cfg.engram_layer_ids:
         if (directory / "engram_token_map.json").exists():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,9 @@ MANIFEST_NAME = "ced_manifest.json"
 PARAMS_ITEM = "params"
 ENGRAM_ITEM = "engram"
 OPTIONAL_PARTS = ("dspark", "vision")  # = their Orbax item names (and their mapping groups)
+
+# Orbax's in-flight read budget when restoring onto a mesh: the largest leaf plus this (see _restore_item).
+READ_SLACK_BYTES = 16 << 20
 
 EngramMode = Literal["separate", "inline", "skip"]
 WeightsDtype = Literal["native", "bf16"]
@@ -173,6 +177,7 @@ def restore(
     *,
     mesh=None,
     rules=None,
+    widen_bf16: bool = False,
     engram_on_host: bool = True,
     parts: Iterable[str] | None = None,
     engram: bool = True,
@@ -225,14 +230,28 @@ def restore(
             if not path.is_dir():
                 raise CheckpointError(f"{path}: Orbax item missing (named by {MANIFEST_NAME})")
             verified.check(path, specs)
-            loaded[item] = _restore_item(ocp, path, item, specs, mesh, rules, engram_on_host)
+            loaded[item] = _restore_item(ocp, path, item, specs, mesh, rules, engram_on_host, widen_bf16)
     finally:
         logging.getLogger("absl").removeFilter(verified)
     parts = {item: tree for item, tree in loaded.items() if item in OPTIONAL_PARTS}
     return Restored(cfg, manifest, loaded.get(PARAMS_ITEM, {}), loaded.get(ENGRAM_ITEM), parts)
 
 
-def _restore_item(ocp, path: Path, item: str, specs: dict[str, ParamSpec], mesh, rules, engram_on_host: bool):
+def _on_device(dtype, widen_bf16: bool) -> np.dtype:
+    """The dtype a leaf is restored as on a mesh: bf16 widened to f32 (exact) when asked."""
+    return np.dtype(np.float32) if widen_bf16 and np.dtype(dtype) == np.dtype(BF16) else np.dtype(dtype)
+
+
+def _restore_item(
+    ocp,
+    path: Path,
+    item: str,
+    specs: dict[str, ParamSpec],
+    mesh,
+    rules,
+    engram_on_host: bool,
+    widen_bf16: bool,
+):
     """One Orbax item, its leaves checked against `specs` before any data is read."""
     import jax
 
@@ -257,11 +276,21 @@ def _restore_item(ocp, path: Path, item: str, specs: dict[str, ParamSpec], mesh,
         shardings = flatten(param_shardings(nest(specs), mesh, EP_TP_RULES if rules is None else rules))
         abstract = nest(
             {
-                leaf: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[leaf])
+                leaf: jax.ShapeDtypeStruct(
+                    spec.shape, _on_device(spec.dtype, widen_bf16), sharding=shardings[leaf]
+                )
                 for leaf, spec in specs.items()
             }
         )
-        return ocp.v1.load(path, abstract)
+        # Orbax reads every leaf at once unless told otherwise: the whole item in host buffers before
+        # they reach the devices. Bounded to one leaf (the largest) plus READ_SLACK_BYTES in flight.
+        largest = max(
+            (math.prod(s.shape) * _on_device(s.dtype, widen_bf16).itemsize for s in specs.values()), default=0
+        )
+        ctx = ocp.v1.Context()
+        ctx.memory.read_concurrent_bytes = largest + READ_SLACK_BYTES
+        with ctx:
+            return ocp.v1.load(path, abstract)
     return ocp.v1.load(path)  # saved as numpy: comes back as numpy, in host memory
 
 
@@ -331,3 +360,47 @@ def load_flat(
     for tree in r.parts.values():
         flat.update(flatten(tree))
     return r.cfg, {k: np.asarray(v) for k, v in flat.items()}
+
+
+def load_onto_mesh(
+    directory: str | Path,
+    mesh,
+    rules,
+    *,
+    parts: Iterable[str] = (),
+    engram: bool = True,
+    widen_bf16: bool = False,
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """`load_flat` for a mesh: (config, {dotted path: array}) where the leaves of the `params` item
+    are jax Arrays restored by Orbax straight into their shardings
+    (`ced_jax.sharding.param_shardings(specs, mesh, rules)`: each process reads only the chunks its
+    devices hold, no whole-model host copy), and the separate Engram item's tables (unless
+    `engram=False`) and the DSpark leaves (`parts=("dspark",)`) are numpy in host memory, as
+    `load_flat` gives them. An `--engram inline` checkpoint has its tables in `params`, so they come
+    back on the mesh too. `widen_bf16`: bf16 leaves restored as f32 (exact; what `ced_jax.api` runs on
+    CPU), with no bf16 copy on the devices."""
+    manifest = read_manifest(directory)
+    opts = manifest["options"]
+    if opts["weights_dtype"] != "native":
+        raise CheckpointError(
+            f"{directory}: converted with --weights-dtype {opts['weights_dtype']}; the ced_jax model runs "
+            "the native FP8/FP4 formats; convert again with --weights-dtype native"
+        )
+    if opts["engram"] == "skip":
+        cfg = ModelConfig.from_pretrained(directory)
+        if cfg.engram_layer_ids:
+            raise CheckpointError(
+                f"{directory}: converted with --engram skip, but the model's layers "
+                f"{list(cfg.engram_layer_ids)} need their Engram tables; convert with --engram separate"
+            )
+    parts = tuple(parts)
+    unsupported = [p for p in parts if p != "dspark"]
+    if unsupported:
+        raise ValueError(f"parts: {unsupported} are not model parameters (only 'dspark' is)")
+    r = restore(directory, mesh=mesh, rules=rules, widen_bf16=widen_bf16, parts=parts, engram=engram)
+    flat: dict[str, Any] = dict(flatten(r.params))
+    if r.engram is not None:
+        flat.update({k: np.asarray(v) for k, v in flatten(r.engram).items()})
+    for tree in r.parts.values():
+        flat.update({k: np.asarray(v) for k, v in flatten(tree).items()})
+    return r.cfg, flat
