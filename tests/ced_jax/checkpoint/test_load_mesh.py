@@ -3,7 +3,8 @@
 conversion (restore into the target shardings), against the host path (mesh=None).
 
 - On the suite's 8 devices (tiny-a, expert=4 x tensor=2): every parameter has its target sharding and
-  the bytes of the host path, for both sources.
+  the bytes of the host path, for both sources; the HF reader reads each block's byte ranges only
+  (bytes read per tensor counted).
 - In fresh processes with 8 fake CPU devices (bench/load_mesh.py `child`), a 188 MB released-format
   checkpoint (random bytes in the released layout, mid with 16 experts) and its conversion: the host
   transient (peak RSS - baseline - device buffers - host Engram tables, see the bench's docstring)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 from pathlib import Path
 
 import jax
@@ -149,3 +151,44 @@ def test_peak_host_memory_on_8_fake_devices(mid16):
     # The previous path (every tensor in host numpy first) is caught by the same measurement.
     r = bench.run_child(root / "hf", mesh, via_host=True, timeout=600)
     assert r["transient"] > r["largest_group"] + HF_SLACK, r
+
+
+def test_each_block_reads_only_its_byte_ranges(monkeypatch):
+    """Bytes read per HF tensor: a block reads the rows of its leading-dimension range only (so a
+    tensor split along its leading dimension, or an expert of a stacked parameter, is read exactly
+    once over all blocks), a block split along a later dimension reads its row band once per such
+    block, a replicated block once for all devices, `wo_a` once."""
+    from ced_jax.checkpoint import mesh_loader
+    from ced_jax.checkpoint.mapping import hf_inventory, our_target
+
+    cfg = ModelConfig.from_pretrained(GOLDEN_TINY_A)
+    mesh = sharding.make_mesh(MESH)
+    targets = _mesh_targets(cfg, mesh, "ep_tp")
+    read: dict[str, int] = {}
+    original = mesh_loader._Files.read_into
+
+    def counting(self, t, start, out):
+        read[t.name] = read.get(t.name, 0) + len(out)
+        return original(self, t, start, out)
+
+    monkeypatch.setattr(mesh_loader._Files, "read_into", counting)
+    load_hf_onto_mesh(GOLDEN_TINY_A, cfg, targets)
+    sizes = dict(mesh.shape)
+    checked = {"leading": 0, "later": 0, "expert": 0}
+    for name, spec in hf_inventory(cfg).items():
+        if spec.group != "backbone":
+            continue
+        t = our_target(name)
+        axes = tuple(targets[t.path].spec)
+        later = axes[2:] if t.kind == "stack" else axes[1:]
+        factor = (
+            1 if t.kind in ("wo_a", "wo_a_scale") else math.prod(sizes[a] for a in later if a is not None)
+        )
+        assert read.get(name) == spec.nbytes * factor, (name, axes, read.get(name), spec.nbytes)
+        if t.kind == "stack" and axes[0] is not None:
+            checked["expert"] += 1
+        elif axes and axes[0] is not None:
+            checked["leading"] += 1
+        elif any(a is not None for a in later):
+            checked["later"] += 1
+    assert all(checked.values()), checked
