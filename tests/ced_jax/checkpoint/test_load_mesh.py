@@ -172,7 +172,8 @@ def test_each_block_reads_only_its_byte_ranges(monkeypatch):
         return original(self, t, start, out)
 
     monkeypatch.setattr(mesh_loader._Files, "read_into", counting)
-    load_hf_onto_mesh(GOLDEN_TINY_A, cfg, targets)
+    _, report = load_hf_onto_mesh(GOLDEN_TINY_A, cfg, targets)
+    assert report.bytes_read == sum(read.values())
     sizes = dict(mesh.shape)
     checked = {"leading": 0, "later": 0, "expert": 0}
     for name, spec in hf_inventory(cfg).items():
