@@ -16,6 +16,10 @@ UNAVAILABLE; in-flight streams may finish for up to `grace_period_s` (a second s
 period at once); whatever is still running is then aborted, so its stream ends normally with
 finish_reason ABORT; the gRPC server stops and `serve` returns 0.
 
+Multi-host (`serve_async(..., cluster=...)`, process 0 of a `serving.multihost` run): once serving, a
+`PeerWatch` follows the other processes' heartbeats; when one stops, `Server.lose_peer` logs a line
+naming it, turns health NOT_SERVING, refuses new requests (UNAVAILABLE) and aborts those in flight.
+
 Tokenize runs on a small pool of its own (`tokenize_workers` threads), apart from the scheduler thread
 and from the default pool that tokenizes Generate prompts, so a burst of large Tokenize calls cannot
 hold up generation; text sizes are capped by `max_tokenize_bytes` / `max_prompt_bytes`.

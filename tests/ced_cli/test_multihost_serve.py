@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -134,10 +135,27 @@ def test_two_processes_serve_the_tokens_of_one_then_a_dead_peer_is_not_serving(o
         assert got == one_process_tokens
         assert all(len(t) == MAX_TOKENS for t in got)
         assert _health(addr) == health_pb2.HealthCheckResponse.SERVING
-        # A dead process: health NOT_SERVING within the bound, a line naming it, new requests refused.
+        # A dead process, killed while a stream runs: the stream ends (an error or ABORT, not a hang),
+        # health turns NOT_SERVING within the bound, a line names the process, new requests are refused.
+        stream = client.stream(addr, PROMPTS[0], max_tokens=60, temperature=0.0, ignore_eos=True, timeout=600)
+        first = next(stream)
+        assert first.token_ids
         procs[1].kill()
         procs[1].wait()
         killed = time.monotonic()
+        ended: list = []
+
+        def drain():
+            try:
+                ended.append([m.finish_reason for m in stream][-1:])
+            except grpc.RpcError as e:  # the engine step failed: the stream ends with an error status
+                ended.append(e.code())
+
+        drainer = threading.Thread(target=drain, daemon=True)
+        drainer.start()
+        drainer.join(NOT_SERVING_WITHIN_S)
+        assert ended, f"the stream still runs {NOT_SERVING_WITHIN_S} s after process 1 died"
+        assert ended[0] != [0], ended  # a finish reason (the last message) or an error status
         while _health(addr) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() - killed < NOT_SERVING_WITHIN_S, logs[0].read_text()[-3000:]
             assert procs[0].poll() is None, logs[0].read_text()[-3000:]
