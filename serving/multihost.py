@@ -232,7 +232,8 @@ class LeaderEngine:
     def __init__(self, engine, cluster: Cluster):
         self._engine = engine
         self._cluster = cluster
-        self.calls = 0
+        # Sending a call and making it here are one step: the followers make the calls in this order.
+        self._lock = threading.Lock()
 
     def __getattr__(self, name):
         attr = getattr(self._engine, name)
@@ -240,9 +241,9 @@ class LeaderEngine:
             return attr
 
         def mirrored(*args, **kwargs):
-            self._cluster.send(encode([name, list(args), kwargs]))
-            self.calls += 1
-            with lockstep(self._cluster):
+            payload = encode([name, list(args), kwargs])
+            with self._lock, lockstep(self._cluster):
+                self._cluster.send(payload)
                 return attr(*args, **kwargs)
 
         return mirrored
