@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 log = logging.getLogger("ced_jax.multihost")
@@ -65,7 +66,9 @@ def encode(obj) -> bytes:
                 raise TypeError("multihost.encode: object arrays are not supported")
             blobs.append(a.tobytes(order="C"))
             scalar = isinstance(x, np.generic)
-            return {"a": len(blobs) - 1, "dtype": a.dtype.str, "shape": list(a.shape), "scalar": scalar}
+            # ml_dtypes' types (bfloat16, float8_*) by name: their dtype.str is an anonymous "<V2".
+            dtype = a.dtype.name if a.dtype.kind == "V" else a.dtype.str
+            return {"a": len(blobs) - 1, "dtype": dtype, "shape": list(a.shape), "scalar": scalar}
         if isinstance(x, (list, tuple)):
             return {"l" if isinstance(x, list) else "t": [walk(v) for v in x]}
         if isinstance(x, dict):
@@ -98,7 +101,9 @@ def decode(data: bytes):
         if "n" in x:
             return x["n"]
         if "a" in x:
-            a = np.frombuffer(arrays[x["a"]], np.dtype(x["dtype"])).reshape(x["shape"]).copy()
+            name = x["dtype"]
+            dtype = np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+            a = np.frombuffer(arrays[x["a"]], dtype).reshape(x["shape"]).copy()
             return a[()] if x["scalar"] else a
         if "l" in x:
             return [build(v) for v in x["l"]]
@@ -251,9 +256,11 @@ class LeaderEngine:
 
 def follow(engine, cluster: Cluster, *, heartbeat: bool = True) -> int:
     """A follower's serving loop: the leader's calls on `engine` (a `ced_jax.engine.Engine` built as
-    the leader's) until it says stop (returns 0) or is gone (raises). A call that raises here raised
-    on the leader too (same inputs, same checks): it is logged and the loop goes on. heartbeat: write
-    the key `PeerWatch` reads (and exit when the coordinator is gone), on a thread of its own."""
+    the leader's) until it says stop (returns 0) or is gone (raises). A call that raises here raises
+    too (the process ends, and the leader turns NOT_SERVING): JaxEngine checks every input before it
+    calls the engine, so this should not happen, and a follower that skipped a call would run its
+    programs on a state that is no longer the leader's. heartbeat: write the key `PeerWatch` reads
+    (and exit when the coordinator is gone), on a thread of its own."""
     if heartbeat:
         threading.Thread(target=_heartbeat, args=(cluster,), name="ced-heartbeat", daemon=True).start()
     while True:
@@ -266,8 +273,10 @@ def follow(engine, cluster: Cluster, *, heartbeat: bool = True) -> int:
         try:
             with lockstep(cluster):
                 getattr(engine, name)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the leader got the same error and answered its client
-            log.warning("follower: %s raised %s: %s (as on the leader)", name, type(e).__name__, e)
+        except Exception as e:
+            log.error("ced-jax: process %d: %s failed (%s: %s); stopping", cluster.process_id, name,
+                      type(e).__name__, e)  # fmt: skip
+            raise
 
 
 def _heartbeat(cluster: Cluster) -> None:
