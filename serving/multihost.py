@@ -11,8 +11,9 @@ its own shards. Outputs are replicated, so the leader reads tokens and snapshots
 
 Transport: the distributed runtime's key-value store (the coordinator, hosted by process 0). Call n
 is one value under `ced-serve/call/<follower>/<n>`, written by the leader, read (blocking) and
-deleted by the follower: a few hundred bytes per decode step (the numpy inputs of the call, encoded
-by `encode`, no pickle). Measured on localhost (2 processes): see README, multi-host serving.
+deleted by the follower: the numpy inputs of the call, encoded by `encode` (no pickle), about 1 KB per
+step for tiny without token masks. Measured on localhost, 2 processes on 2 busy CPU cores: 0.6 to 1 ms
+of process 0's time per call alone, 3 ms while serving; the follower has it about 1 ms after.
 
 Compiles: a process that loads a program from the persistent compilation cache would start it while
 its peers still compile, and gloo gives up on a peer after 30 s. Inside a mirrored call every
