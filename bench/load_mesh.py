@@ -162,9 +162,7 @@ def child(model: str, mesh_text: str, via_host: bool) -> dict:
 
     mesh = sharding.make_mesh(sharding.parse_mesh(mesh_text))
     n_dev = len(jax.devices())
-    jax.block_until_ready(
-        jax.device_put(np.zeros(8 * n_dev, np.float32), jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
-    )
+    jax.block_until_ready(jax.device_put(np.zeros(8 * n_dev, np.float32), sharding.replicated(mesh)))
     import gc
 
     gc.collect()
