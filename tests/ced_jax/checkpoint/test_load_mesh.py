@@ -133,6 +133,7 @@ def _digests(flat: dict[str, np.ndarray]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # ~45-65 s of fresh-process loads; the default suite is at its 30-min budget
 def test_peak_host_memory_on_8_fake_devices(mid16):
     bench, cfg, root = mid16
     host, _ = load_hf_checkpoint(root / "hf", cfg)
