@@ -27,6 +27,7 @@ import hashlib
 import json
 import mmap
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -39,6 +40,10 @@ RAW_DIR = "engram_raw"
 RAW_FORMAT = "ced-jax/engram-raw"
 RAW_VERSION = 1
 SCALE_BLOCK = 32  # one ue8m0 scale per 32 columns of a row
+# Gathering from mapped files: threads taking pieces of the rows (disk reads in flight), about
+# two pieces per thread, of at least MIN_PIECE_ROWS rows each.
+GATHER_THREADS = 16
+MIN_PIECE_ROWS = 8
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(np.uint8)
@@ -190,6 +195,7 @@ class EngramStore:
         self.cfg = cfg
         self.tables = tables
         self.files: list[Path] = []  # the raw files mapped (`open_raw`), else empty
+        self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
     def pop_from_flat(cls, cfg: ModelConfig, flat: dict[str, np.ndarray]) -> EngramStore:
@@ -242,15 +248,40 @@ class EngramStore:
         lead = ids.shape[:-2]
         cols = ids.shape[-1]
         w0, s0 = self.tables[0]
-        weight = np.empty((*lead, n, cols, w0.shape[1]), w0.dtype)
-        scale = np.empty((*lead, n, cols, s0.shape[1]), s0.dtype)
+        # [n, rows, width] per part, transposed into [..., n, C, width] at the end
+        flat = np.moveaxis(ids, -2, 0).reshape(n, -1)
+        weight = np.empty((n, flat.shape[1], w0.shape[1]), w0.dtype)
+        scale = np.empty((n, flat.shape[1], s0.shape[1]), s0.dtype)
+        jobs = []
         for k, (w, s) in enumerate(self.tables):
-            rows = ids[..., k, :].reshape(-1)
+            rows = flat[k]
             if rows.size and (rows.min() < 0 or rows.max() >= len(w)):
                 raise EngramStoreError(
                     f"ids: layer {k} rows must be in [0, {len(w)}), got {rows.min()}..{rows.max()}"
                 )
-            # on a mapped file np.take reads only the pages of the rows it names
-            weight[..., k, :, :] = np.take(w, rows, axis=0).reshape(*lead, cols, w.shape[1])
-            scale[..., k, :, :] = np.take(s, rows, axis=0).reshape(*lead, cols, s.shape[1])
-        return {"weight": weight, "scale": scale}
+            jobs += [(w, rows, weight[k]), (s, rows, scale[k])]
+        step = max(MIN_PIECE_ROWS, -(-len(jobs) * flat.shape[1] // (2 * GATHER_THREADS)))
+        pieces = [
+            (table, rows[i : i + step], out[i : i + step])
+            for table, rows, out in jobs
+            for i in range(0, len(rows), step)
+        ]
+        if self.files and len(pieces) > 1:
+            # Mapped files: a row not in the page cache is a disk read taken by the faulting thread,
+            # so pieces run on threads to keep several reads in flight (np.take releases the GIL).
+            list(self._pool().map(_take_into, pieces))
+        else:
+            for piece in pieces:
+                _take_into(piece)
+        shape = lambda a: np.moveaxis(a.reshape(n, *lead, cols, a.shape[-1]), 0, -3)
+        return {"weight": np.ascontiguousarray(shape(weight)), "scale": np.ascontiguousarray(shape(scale))}
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="engram-gather")
+        return self._executor
+
+
+def _take_into(piece) -> None:
+    table, rows, out = piece
+    np.take(table, rows, axis=0, out=out)  # on a mapped file: only the pages of these rows
