@@ -1,7 +1,7 @@
 """Engram tables off device: the host-side store that gathers each step's rows.
 
 With the Engram placement `host` (`ced_jax.load(..., engram_placement=...)`, `Engine`) the two
-Engram tables (about 197 GB with scales in the release) never go to the accelerators: the parameter
+Engram tables (203 GB = 189 GiB with scales in the release) never go to the accelerators: the parameter
 tree has no `layers.{i}.engram.embed` leaves, and each step's inputs carry the gathered rows instead
 of their ids. The row ids are what `ced_jax.engram_hash.EngramHasher` computes on the host anyway;
 `EngramStore.gather` turns ids i32 [B, T, n_engram_layers, C] into
