@@ -684,6 +684,13 @@ def _check_plan_options(args) -> None:
     ):
         _check_at_least(flag, value, 1)
     _check_at_least("--dspark", args.dspark, 0)
+    _check_at_least("--compile-processes", args.compile_processes, 1)
+    _check_at_least("--compile-timeout", args.compile_timeout, 1)
+    if args.compile and args.devices % args.compile_processes:
+        raise ValueError(
+            f"--compile-processes {args.compile_processes} does not divide --devices {args.devices} "
+            "(every process holds the same number of fake devices)"
+        )
     if args.mesh is not None:
         from ced_jax.sharding import parse_mesh  # parsing only (its errors name --mesh)
 
@@ -715,7 +722,21 @@ def cmd_plan(args) -> int:
         rules=args.rules,
         **workload,
     )
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    text = None if args.json else format_plan(result)
+    if args.compile:
+        from serving.compile_proof import format_proof, prove
+
+        if text is not None:  # the plan first: the compile takes minutes
+            print(text, flush=True)
+        result = prove(
+            result,
+            args.model,
+            processes=args.compile_processes,
+            scheduler=args.compile_scheduler,
+            timeout_s=args.compile_timeout,
+        )
+        text = None if args.json else format_proof(result)
+    print(json.dumps(result, indent=2) if args.json else text)
     return 0 if result["fits"] else 1
 
 
@@ -1149,6 +1170,32 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the server's, 0 = off)",
     )
     p.add_argument("--json", action="store_true", help="the full plan as JSON")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compiled proof: lower and compile the real prefill and decode programs of the recommended "
+        "(or --mesh) layout from abstract inputs on as many fake CPU devices (no weights, no allocation; "
+        "minutes to tens of minutes for v41-flash) and print XLA's per-device memory analysis beside "
+        "the ledgers (exit 0 only if both fit)",
+    )
+    p.add_argument(
+        "--compile-processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="--compile: spread the fake devices over P processes (jax.distributed on localhost), "
+        "as on P hosts (default 1)",
+    )
+    p.add_argument(
+        "--compile-scheduler",
+        choices=("memory", "default"),
+        default="memory",
+        help="--compile: XLA:CPU's memory-minimising instruction scheduler (default), or its default "
+        "one, which schedules for the host's threads and keeps every layer's weight copies live",
+    )
+    p.add_argument(
+        "--compile-timeout", type=float, default=7200, metavar="S", help="--compile: seconds per compile run"
+    )
     p.set_defaults(func=cmd_plan)
 
     _add_train_draft_parser(sub)

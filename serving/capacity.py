@@ -11,9 +11,12 @@ Four ledgers per device, each from the real layout rather than a bytes-per-param
   token, spec 5.5: `ced_jax.engram_store`, zero device bytes) or on every device (the rules do not
   split them), which is what `serve --engram-placement host|device` does; the recommendation names
   the flag;
-- activations: the live set of the reference path (impl="reference") at the configured buckets,
-  one prefill chunk and one decode batch, from the shapes the model materialises (see
-  `activation_ledger` for the terms);
+- activations: the live set of the reference path (impl="reference") in the server's two programs,
+  the prefill (`prefill_rows` chunks, a page of each per loop iteration) and one decode batch, from
+  the shapes the model materialises, the f32 copies the reference makes of its dense weights
+  included: in the prefill every one of them at once, since XLA hoists them out of the page loop
+  (see `activation_ledger` for the terms). `ced-jax plan --compile` (`serving.compile_proof`)
+  compiles both programs and sets XLA's memory analysis beside the ledgers;
 - KV: the serving engine's device state itself, `jax.eval_shape` of `ced_jax.cache.init_paged_cache`
   at the server's shapes (nothing allocated): the page buffers in the deployment formats (890 bytes
   per token for v41-flash) for every sequence's context in whole pages, and each slot's
@@ -180,16 +183,60 @@ def _local(size: int, axis: str, rules: sharding.Rules, mesh: dict[str, int], wh
     return sharding.shard_shape((size,), spec, mesh)[0]
 
 
+def _dequantised_weights(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) -> dict:
+    """The f32 copies of the dense weights one device makes (the reference path dequantises every
+    FP8 weight and widens every BF16 one before its f32 matmul: `ced_jax.layers.common`), per device:
+    their sum ("all", the embedding and head included), and the largest single copy of each sublayer
+    ("attention" with its indexer and compressor, "engram" its wkv, "moe" the shared expert and gate,
+    "head"). Routed experts are dequantised one expert at a time inside the MoE (see `_step_activations`);
+    F32 weights need no copy; the embedding's rows are gathered before they are widened (a loop-invariant
+    hoist widens the whole table in the prefill program, so "all" counts it)."""
+    largest: dict[str, int] = defaultdict(int)
+    total = 0
+    for path, shape, _itemsize, stored, part, axes in _resident_tensors(cfg):
+        if stored not in ("BF16", "F8_E4M3") or part in ("engram_tables", "routed_experts", "dspark_stages"):
+            continue
+        spec = sharding.logical_to_spec(axes, rules, shape, mesh, name=f"parameter {path}")
+        copy = math.prod(sharding.shard_shape(shape, spec, mesh)) * F32
+        total += copy
+        if path.startswith("head."):
+            site = "head"
+        elif ".attn." in path:
+            site = "attention"
+        elif ".engram." in path:
+            site = "engram"
+        elif ".ffn." in path:
+            site = "moe"
+        else:
+            continue  # the embedding (rows gathered first) and the norms (vectors)
+        largest[site] = max(largest[site], copy)
+    return {"all": total, **largest}
+
+
 def _step_activations(
-    cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules, n: int, chunk: int, context: int
+    cfg: ModelConfig,
+    mesh: dict[str, int],
+    rules: sharding.Rules,
+    n: int,
+    chunk: int,
+    context: int,
+    *,
+    hoisted: bool = False,
 ) -> dict:
-    """Live f32 bytes of one step with n tokens on a device (chunk = tokens per sequence).
+    """Live bytes of one forward with n tokens on a device (chunk = tokens per sequence).
 
     The sublayers run one after another, so the peak is the residual streams plus the largest of
-    attention, indexer, MoE and head."""
+    attention, indexer, Engram, MoE and head, each with the f32 copy of its largest dense weight
+    (`_dequantised_weights`). hoisted: the program repeats the forward in a loop (the server's
+    prefill, a page per iteration), out of which XLA hoists every weight's f32 copy (they depend on
+    the parameters only: loop-invariant code motion), so all of them are live for the whole loop
+    beside the step's own activations (measured: the compiled prefill's temporaries are these copies
+    to within 0.01 %, `serving.compile_proof`)."""
     D, M, hd, W = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.sliding_window
     heads = _local(cfg.num_heads, "q_heads", rules, mesh, "attention heads")
     index_heads = _local(cfg.index_n_heads, "index_heads", rules, mesh, "indexer heads")
+    copies = _dequantised_weights(cfg, mesh, rules)
+    weight = (lambda site: 0) if hoisted else (lambda site: copies.get(site, 0))
     streams = 3 * n * M * D * F32  # input, residual, output of an mHC site
     # q and o; logits over window ring + chunk keys and over the selected compressed entries.
     attention = n * (2 * heads * hd + heads * (W + chunk + cfg.index_topk) + cfg.index_topk * hd) * F32
@@ -197,26 +244,42 @@ def _step_activations(
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids] or [1]
     entries = -(-context // min(ratios))
     indexer = n * index_heads * (entries + cfg.index_head_dim) * F32
-    # MoE: padded all_to_all buffers, hidden activations, and the reference expert_matmul's
-    # dequantised f32 expert stack (one matrix at a time; a grouped-matmul kernel would not need it).
+    # Engram: the step's rows dequantised (C per token), then key and value for every stream.
+    engram = (
+        n * (cfg.engram_hash_cols * cfg.engram_head_dim + (M + 1) * D) * F32 if cfg.engram_layer_ids else 0
+    )
+    # MoE: padded all_to_all buffers, hidden activations, and the routed experts' f32 weights: with
+    # at least as many rows as local experts and unsplit experts, the reference loops over the experts
+    # and dequantises one expert's w1, w3, w2 at a time; with fewer rows it gathers each row's expert
+    # matrix (one of w1/w3/w2 at a time); with experts split along their width, the dequantised stack.
     ml = _moe_split(cfg, mesh, rules)
     n_loc = -(-n // ml["token_shards"])
     rows = ml["ep"] * n_loc * cfg.num_experts_per_tok
     F, f_loc, d_loc, e_loc = cfg.moe_intermediate_size, ml["f_local"], ml["d_local"], ml["e_local"]
     buffers = rows * (2 * D + 3 * f_loc + F + 2 * d_loc) * F32
-    if rows >= e_loc:
+    if rows < e_loc:
+        dequant = rows * max(f_loc * D, d_loc * F) * F32
+    elif ml["f_split"]:
         dequant = e_loc * max(f_loc * D, d_loc * F) * F32
     else:
-        dequant = rows * max(f_loc * D, d_loc * F) * F32
+        dequant = (2 * f_loc * D + d_loc * F) * F32
     vocab = _local(cfg.vocab_size, "vocab", rules, mesh, "logits")
     head = n * (vocab + cfg.vocab_size) * F32  # sharded logits, then replicated for the host
-    parts = {"attention": attention, "indexer": indexer, "moe": buffers + dequant, "head": head}
+    parts = {
+        "attention": attention + weight("attention"),
+        "indexer": indexer,
+        "engram": engram + weight("engram"),
+        "moe": buffers + dequant + weight("moe"),
+        "head": head + weight("head"),
+    }
+    hoisted_bytes = copies["all"] if hoisted else 0
     return {
         "tokens": n,
         "streams": streams,
         **parts,
         "moe_expert_dequant": dequant,
-        "peak": streams + max(parts.values()),
+        "hoisted_weight_copies": hoisted_bytes,
+        "peak": streams + hoisted_bytes + max(parts.values()),
     }
 
 
@@ -236,7 +299,13 @@ def _moe_split(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) ->
         "f_local": F // (mesh[w1[1]] if w1[1] else 1),
         "d_local": D // (mesh[w2[1]] if w2[1] else 1),
         "token_shards": token_shards,
+        "f_split": bool(w1[1]),
     }
+
+
+def prefill_rows(max_seqs: int) -> int:
+    """Rows of the server's prefill program for `max_seqs` slots (`ServeConfig.prefill_rows`' default)."""
+    return max(ServeConfig(max_slots=max_seqs).prefill_rows)
 
 
 def activation_ledger(
@@ -247,13 +316,25 @@ def activation_ledger(
     prefill_bucket: int,
     max_seqs: int,
     context: int,
+    page_size: int = SERVE.page_size,
     dspark: int = 0,
 ) -> dict:
-    """Per-device activation peak of a prefill chunk (one sequence, `prefill_bucket` tokens) and of
-    a decode step (`max_seqs` sequences split over the batch axis, one token each; with `dspark` K
-    drafts the verify step: K + 1 tokens each)."""
+    """Per-device activation peak of the server's prefill program and of a decode step.
+
+    Prefill (`ced_jax.engine.prefill_batch`): `prefill_rows(max_seqs)` rows of `prefill_bucket`-token
+    chunks, run a page of every row per loop iteration (rows x page_size tokens per forward, chunk
+    page_size), with every dense weight's f32 copy hoisted out of the loop, plus its outputs beside
+    the state: each row's slot state after each page (prefix snapshots). Decode: `max_seqs`
+    sequences split over the batch axis, one token each (with `dspark` K drafts the verify step:
+    K + 1 tokens each)."""
     seqs = _sequences_per_device(mesh, rules, max_seqs)
-    prefill = _step_activations(cfg, mesh, rules, prefill_bucket, prefill_bucket, context)
+    rows = prefill_rows(max_seqs)
+    prefill = _step_activations(cfg, mesh, rules, rows * page_size, page_size, context, hoisted=True)
+    one = engine_state(cfg, max_slots=1, page_size=page_size, max_context=page_size, dspark=dspark > 0)
+    slot = cache_lib.buffer_bytes((one.window, one.state_kv, one.state_score, one.draft_window))
+    prefill["rows"] = rows
+    prefill["snapshots"] = -(-prefill_bucket // page_size) * rows * slot
+    prefill["peak"] += prefill["snapshots"]
     per_seq = dspark + 1
     decode = _step_activations(cfg, mesh, rules, seqs * per_seq, per_seq, context)
     decode["tokens_per_sequence"] = per_seq
@@ -376,7 +457,14 @@ def evaluate(
     table = sharding.get_rules(rules)
     weights = weight_ledger(cfg, mesh, table, engram_on_host, dspark=dspark > 0)
     acts = activation_ledger(
-        cfg, mesh, table, prefill_bucket=prefill_bucket, max_seqs=max_seqs, context=context, dspark=dspark
+        cfg,
+        mesh,
+        table,
+        prefill_bucket=prefill_bucket,
+        max_seqs=max_seqs,
+        context=context,
+        page_size=page_size,
+        dspark=dspark,
     )
     kv = kv_ledger(
         cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size, dspark=dspark > 0
