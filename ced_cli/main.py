@@ -13,6 +13,7 @@ temporary file and renamed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -166,6 +167,17 @@ def _setup_distributed(args, *, recoverable: bool = False) -> None:
         process_id=args.process_id,
         initialization_timeout=args.init_timeout,
     )
+
+
+def _lockstep(args):
+    """A context in which, in a multi-process run, every compile ends at a barrier of all processes
+    (serving.multihost), so one that loads a program from the persistent compilation cache does not
+    start it while a peer still compiles (gloo gives up on a peer after 30 s)."""
+    if args.coordinator is None:
+        return contextlib.nullcontext()
+    from serving.multihost import Cluster, lockstep
+
+    return lockstep(Cluster())
 
 
 def _mesh(args):
@@ -380,18 +392,19 @@ def cmd_logits(args) -> int:
     types = spans = None
     if request is not None:
         prompt, types, spans = _encode_request(model, request)
-    result = model.logits(
-        prompt,
-        decode,
-        index_k_mode=args.index_k_mode,
-        replay=replay,
-        patch=patch,
-        capture=bool(args.capture),
-        prefill_chunk=args.prefill_chunk,
-        patch_layers=_read_patch_layers(args.patch_layers, bool(patch)),
-        token_types=types,
-        span_embeds=spans,
-    )
+    with _lockstep(args):
+        result = model.logits(
+            prompt,
+            decode,
+            index_k_mode=args.index_k_mode,
+            replay=replay,
+            patch=patch,
+            capture=bool(args.capture),
+            prefill_chunk=args.prefill_chunk,
+            patch_layers=_read_patch_layers(args.patch_layers, bool(patch)),
+            token_types=types,
+            span_embeds=spans,
+        )
     outputs = {"prefill_logits_full": result["prefill_logits_full"], "decode_logits": result["decode_logits"]}
     if patch:
         for key in ("prefill_block_output", "decode_block_output"):
@@ -424,14 +437,15 @@ def cmd_generate(args) -> int:
         if not image.is_file():
             raise ValueError(f"--image {image} does not exist (image {i + 1})")
     model = _load_sharded(args)
-    result = model.generate(
-        args.prompt,
-        args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        images=images or None,
-        dspark=args.dspark,
-    )
+    with _lockstep(args):
+        result = model.generate(
+            args.prompt,
+            args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            images=images or None,
+            dspark=args.dspark,
+        )
     if not _is_writer():
         return 0
     if args.json:
