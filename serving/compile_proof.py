@@ -45,6 +45,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -449,35 +450,42 @@ def run_compile(
     spec = {"model": model, "mesh": mesh_sizes, **kw}
     port = _free_port() if processes > 1 else None
     procs = []
-    for pid in range(processes):
-        cmd = [sys.executable, "-m", "serving.compile_proof", "--spec", json.dumps(spec)]
-        cmd += ["--local-devices", str(devices // processes)]
-        if processes > 1:
-            cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
-            cmd += ["--process-id", str(pid)]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        procs.append(
-            subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
-            )
-        )
+    logs = []
+    deadline = time.monotonic() + timeout_s
     results = []
     try:
+        for pid in range(processes):
+            cmd = [sys.executable, "-m", "serving.compile_proof", "--spec", json.dumps(spec)]
+            cmd += ["--local-devices", str(devices // processes)]
+            if processes > 1:
+                cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
+                cmd += ["--process-id", str(pid)]
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+            # Files, not pipes: a process blocked on a full pipe would hold its peers at their barrier.
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            logs.append((out, err))
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=REPO))
         for pid, proc in enumerate(procs):
             try:
-                stdout, stderr = proc.communicate(timeout=timeout_s)
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise CompileProofError(f"compile process {pid} ran past {timeout_s:g} s") from None
+            out, err = logs[pid]
+            out.seek(0)
+            err.seek(0)
             if proc.returncode != 0:
-                tail = "\n".join(stderr.strip().splitlines()[-8:])
+                tail = "\n".join(err.read().strip().splitlines()[-8:])
                 raise CompileProofError(f"compile process {pid} failed (exit {proc.returncode}):\n{tail}")
-            results.append(json.loads(stdout.strip().splitlines()[-1]))
+            results.append(json.loads(out.read().strip().splitlines()[-1]))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for out, err in logs:
+            out.close()
+            err.close()
     first = results[0]
     for pid, r in enumerate(results[1:], 1):
         for name, prog in r["programs"].items():

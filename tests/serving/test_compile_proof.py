@@ -110,3 +110,20 @@ def test_cli_refuses_processes_that_do_not_divide_the_devices(capsys):
     argv = ["plan", "--model", "tiny", "--devices", "8", "--device-memory", "1", "--compile"]
     assert main([*argv, "--compile-processes", "3"]) == 2
     assert "--compile-processes 3 does not divide --devices 8" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two processes compile both programs each (about twice the default test's compile)
+def test_plan_compile_over_two_processes_matches_one(model_dir, capsys):
+    """8 devices over 2 processes (jax.distributed on localhost, 4 fake devices each) compile the
+    same SPMD programs as 8 devices in one process: the same per-device memory analysis."""
+    argv = ["plan", "--model", str(model_dir), "--devices", "8", "--device-memory", "2"]
+    argv += ["--mesh", "expert=4,tensor=2", *WORKLOAD, "--compile", "--json"]
+    main([*argv, "--compile-processes", "2"])
+    two = json.loads(capsys.readouterr().out)["compiled"]
+    main(argv)
+    one = json.loads(capsys.readouterr().out)["compiled"]
+    assert two["processes"] == 2 and one["processes"] == 1 and two["devices"] == one["devices"] == 8
+    for program in ("prefill", "decode"):
+        keys = ("arguments_bytes", "outputs_bytes", "aliased_bytes", "temporaries_bytes", "total_bytes")
+        assert {k: two[program][k] for k in keys} == {k: one[program][k] for k in keys}, program
+        assert len(two[program]["compile_seconds_per_process"]) == 2
