@@ -45,6 +45,7 @@ def model_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # 40 s idle, 2-3 min under load: a fresh process compiling prefill and decode
 def test_plan_compile_json_agrees_with_the_ledgers(model_dir, capsys):
     """The compiled programs' arguments are the weights + KV ledgers (+ the step inputs) exactly:
     both lay the same trees out by the same rules; the temporaries follow the activations ledger."""
