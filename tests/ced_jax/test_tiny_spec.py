@@ -48,6 +48,9 @@ def test_shipped_tiny_spec_draft_agrees_with_its_backbone():
     bigram = float((perm[toks[:, :-1]] == toks[:, 1:]).mean())
     print({"shipped": {k: got[k] for k in ("first_agreement", "mean_accepted", "per_position")},
            "random": {k: base[k] for k in ("first_agreement", "mean_accepted")}, "bigram": bigram})  # fmt: skip
+    # The random draft already agrees at the first position about as often as the bigram holds (the
+    # stages end in the backbone's own head, whose input the scaled embedding dominates), and never
+    # later (its noise-token positions carry no Markov knowledge): training is what carries it on.
     assert got["first_agreement"] >= 0.4
-    assert got["mean_accepted"] >= 1.0
-    assert base["first_agreement"] <= 0.05
+    assert got["per_position"][1] >= 0.25 and base["per_position"][1] <= 0.05
+    assert got["mean_accepted"] >= base["mean_accepted"] + 0.2
