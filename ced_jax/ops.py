@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ced_jax.quant import dequant_fp4_weight, exact_div, round_bf16
+from ced_jax.quant import dequant_fp4_weight, exact_div, round_bf16, sum_last
 
 IMPLS = ("reference", "pallas")
 
@@ -61,7 +61,12 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     m = rows.shape[0]
     if m < num_experts:
         weight = dequant_fp4_weight(w["weight"][expert_ids], w["scale"][expert_ids])  # [M, N, K]
-        return jnp.einsum("mk,mnk->mn", rows, weight, precision=jax.lax.Precision.HIGHEST)
+        # Each row as a two-row product (the second row zero): a one-row product sums in another
+        # order than the per-expert tiles of many rows (`ced_jax.quant.matmul_rows`), and a token
+        # must get the same expert outputs in a decode step and in a chunk.
+        pair = jnp.stack([rows, jnp.zeros_like(rows)], axis=1)  # [M, 2, K]
+        out = jnp.einsum("mik,mnk->min", pair, weight, precision=jax.lax.Precision.HIGHEST)
+        return out[:, 0]
     order = jnp.argsort(expert_ids)
     group_sizes = jnp.bincount(expert_ids, length=num_experts).astype(jnp.int32)
     weight = dequant_fp4_weight(w["weight"], w["scale"])  # [E, N, K]
@@ -139,7 +144,7 @@ def sparse_attention(
     out = jnp.zeros(q.shape, jnp.float32)
     for seg, keys, s in zip(segments, keys_per_segment, logits, strict=True):
         p = jnp.exp(s - row_max[..., None])
-        denom = denom + jnp.sum(p, axis=-1)
+        denom = denom + sum_last(p)[..., 0]  # index order, whatever the number of rows
         eq = "bths,bsd->bthd" if seg.ids.ndim == 2 else "bths,btsd->bthd"
         out = out + jnp.einsum(eq, round_bf16(p), keys, precision=jax.lax.Precision.HIGHEST)
     return round_bf16(exact_div(out, denom[..., None]))
