@@ -33,7 +33,15 @@ from ced_jax.layers.common import (
     rms_norm,
     rope_inv_freq,
 )
-from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
+from ced_jax.quant import (
+    exact_div,
+    fp4_fake_quant_e4m3,
+    fp4_fake_quant_ue8m0,
+    fp8_fake_quant,
+    max_axis,
+    round_bf16,
+    sum_axis,
+)
 
 
 def layer_inv_freq(cfg: ModelConfig, layer: int):
@@ -135,9 +143,11 @@ def compress(
     ext_score = jnp.take_along_axis(jnp.concatenate([state_score, score], axis=1), src, axis=1)
     ext_kv = ext_kv.reshape(x.shape[0], n_groups, ratio, -1)
     ext_score = ext_score.reshape(x.shape[0], n_groups, ratio, -1)
-    weights = jnp.exp(ext_score - jnp.max(ext_score, axis=2, keepdims=True))
-    weights = exact_div(weights, jnp.sum(weights, axis=2, keepdims=True))
-    pooled = jnp.sum(ext_kv * weights, axis=2)
+    # Explicit maxima and sums over the group (`ced_jax.quant`): a group's latent must not depend on
+    # how many groups share the call.
+    weights = jnp.exp(ext_score - max_axis(ext_score, 2)[:, :, None])
+    weights = exact_div(weights, sum_axis(weights, 2)[:, :, None])
+    pooled = sum_axis(ext_kv * weights, 2)
     latent = rms_norm(round_bf16(pooled), p["norm"]["weight"], eps)
     groups = jnp.arange(n_groups)[None, :]
     complete = (groups + 1) * ratio <= offset + lens[:, None]
