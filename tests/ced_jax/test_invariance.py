@@ -8,8 +8,10 @@ tiny model (bf16 rounding at every block boundary, so a one-ulp f32 difference a
 a 2^-9 jump in some block) the results are compared bit for bit:
 - a 48-token greedy continuation decoded one token at a time vs the same sequence teacher-forced in
   chunks of 5 (the last chunk padded, lens < T);
-- three different sequences in one batch of 3 (chunks of 5) vs each row alone, one token at a time.
-Every program here is one of three shapes ([1, 1], [1, 5], [3, 5]) to keep compilation short.
+- three different sequences in one batch of 3 (chunks of 5) vs each row alone, one token at a time;
+- a 256-token prompt as one chunk vs in chunks of 5: from about 256 rows on XLA:CPU hands reduce
+  fusions to YNNPACK, which has its own exp (the notebook API's long chunks vs the server's pages).
+Every program here is one of four shapes ([1, 1], [1, 5], [3, 5], [1, 256]) to keep compilation short.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import ced_jax
 CHUNK = 5
 PROMPT_LEN = 20  # a multiple of CHUNK: every prompt goes in through the [B, 5] program
 NEW_TOKENS = 48
-MAX_LEN = 128
+LONG = 256  # tokens of the one-chunk prompt
+MAX_LEN = 256  # one cache shape for every session of the module (the programs are shared)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +100,14 @@ def test_batch_rows_match_each_row_alone(model, alone):
     for row, (_, want_logits, want_blocks) in enumerate(alone):
         _assert_bit_identical(blocks[:, row], want_blocks, f"block outputs of row {row}, batch of 3")
         _assert_bit_identical(logits[row], want_logits, f"logits of row {row}, batch of 3")
+
+
+@pytest.mark.slow  # a fourth program shape ([1, 256]) to compile: minutes on 2 cores
+def test_one_long_chunk_matches_chunks_of_five(model):
+    prompt = [int(x) for x in np.random.default_rng(7).integers(3, 500, size=LONG)]
+    session = model.new_session(1, MAX_LEN)
+    logits, aux = session.step(np.array([prompt], np.int32), capture_blocks=True)
+    want_logits, want_blocks = _feed_chunks(model.new_session(1, MAX_LEN), [prompt])
+    blocks = aux["block_output"][:, 0]
+    _assert_bit_identical(blocks, want_blocks[:, 0], "block outputs, one chunk of 256 vs chunks of 5")
+    _assert_bit_identical(logits[0], want_logits[0], "logits, one chunk of 256 vs chunks of 5")
