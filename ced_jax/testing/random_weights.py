@@ -219,7 +219,10 @@ def tiny_spec_params(*, dspark: bool = True) -> dict[str, np.ndarray]:
     return flat
 
 
-EMBEDDED_PRESETS = {"tiny": (tiny_params, TINY_DSPARK_FILE), "tiny-spec": (tiny_spec_params, TINY_SPEC_DSPARK_FILE)}
+EMBEDDED_PRESETS = {
+    "tiny": (tiny_params, TINY_DSPARK_FILE),
+    "tiny-spec": (tiny_spec_params, TINY_SPEC_DSPARK_FILE),
+}
 
 
 def embedded_params(name: str, *, dspark: bool) -> dict[str, np.ndarray]:

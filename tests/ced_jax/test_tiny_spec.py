@@ -4,7 +4,12 @@ DSpark draft, which agrees with that backbone (issue 15, point 4).
 The weights test is cheap (host numpy only). The agreement test (slow: it compiles the backbone's
 prefill and decode and the draft step) draws fresh held-out prompts with a seed the training never
 used and measures the shipped draft through `dspark.draft_step` on its storage tensors, against the
-random draft the training starts from and against the best any draft could do by the bigram alone.
+random draft the training starts from and against the bigram rate of the continuations.
+
+Measured (16 prompts of seed 4242, 704 draft steps): shipped draft first-position agreement 0.553,
+acceptance at positions 2-4 given the earlier ones 0.47 / 0.56 / 0.57, mean accepted 1.04 of 4; the
+random draft 0.592 at the first position (through the backbone's own head) and 0 after, mean 0.594;
+bigram rate 0.617.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ def test_tiny_spec_is_tiny_but_its_embedding_and_head():
     assert changed == ["embed.weight", "head.weight"]
     embed = tiny["embed.weight"].astype(np.float32)
     perm = np.random.default_rng(rw.TINY_SPEC_PERMUTATION_SEED).permutation(embed.shape[0])
-    np.testing.assert_array_equal(spec["head.weight"].astype(np.float32)[perm], embed * rw.TINY_SPEC_HEAD_SCALE)
+    head = spec["head.weight"].astype(np.float32)
+    np.testing.assert_array_equal(head[perm], embed * rw.TINY_SPEC_HEAD_SCALE)
     assert ced_jax.load("tiny-spec", dspark=False).cfg.name == "tiny-spec"
 
 
@@ -46,8 +52,8 @@ def test_shipped_tiny_spec_draft_agrees_with_its_backbone():
     perm = np.random.default_rng(rw.TINY_SPEC_PERMUTATION_SEED).permutation(cfg.vocab_size)
     toks = held.tokens[:, held.prompt_len :]
     bigram = float((perm[toks[:, :-1]] == toks[:, 1:]).mean())
-    print({"shipped": {k: got[k] for k in ("first_agreement", "mean_accepted", "per_position")},
-           "random": {k: base[k] for k in ("first_agreement", "mean_accepted")}, "bigram": bigram})  # fmt: skip
+    shown = ("first_agreement", "mean_accepted", "per_position")
+    print({"shipped": {k: got[k] for k in shown}, "random": {k: base[k] for k in shown}, "bigram": bigram})
     # The random draft already agrees at the first position about as often as the bigram holds (the
     # stages end in the backbone's own head, whose input the scaled embedding dominates), and never
     # later (its noise-token positions carry no Markov knowledge): training is what carries it on.
