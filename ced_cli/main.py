@@ -1165,7 +1165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-memory",
         type=float,
         metavar="GIB",
-        help="host memory per host that may hold the Engram tables (default: none, tables on device)",
+        help="host memory per host for the Engram tables' page cache (default: not limited: the tables "
+        "are memory-mapped files, read from disk when cold)",
     )
     p.add_argument("--mesh", help="evaluate this mesh (data=D,expert=E,tensor=T) instead of recommending one")
     p.add_argument("--rules", choices=("ep_tp", "tp", "replicated"), default="ep_tp")

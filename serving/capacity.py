@@ -472,7 +472,9 @@ def evaluate(
     overhead = overhead_bytes(hw.device_bytes)
     per_device = weights["per_device"] + acts["per_device"] + kv["per_device"] + overhead
     host_need = weights["host"]
-    host_ok = host_need == 0 or (hw.host_memory_gib is not None and host_need <= hw.host_memory_gib * GIB)
+    # Tables in host memory are memory-mapped files (ced_jax.engram_store): they need no RAM to run,
+    # only page cache to run warm. A host memory given is a budget the tables must fit in.
+    host_ok = host_need == 0 or hw.host_memory_gib is None or host_need <= hw.host_memory_gib * GIB
     return {
         "mesh": dict(mesh),
         "rules": rules,
@@ -530,8 +532,8 @@ def plan(
     dspark: int = SERVE.dspark,
 ) -> dict:
     """Evaluate `mesh` (or every candidate), recommend a mesh and Engram placement, and correct
-    the naive BF16 estimate. Engram tables are tried on device first, then (given host memory)
-    in host memory. dspark: K draft tokens per decode step (`serve --dspark K`; 0 = off)."""
+    the naive BF16 estimate. Engram tables are tried in host memory (memory-mapped, the engine's
+    default placement; within `host_memory_gib` when given) and on device. dspark: K draft tokens per decode step (`serve --dspark K`; 0 = off)."""
     if hw.devices < 1 or hw.device_memory_gib <= 0:
         raise ValueError("--devices must be >= 1 and --device-memory > 0")
     if max_seqs < 1 or context < 1 or prefill_bucket < 1 or page_size < 1:
@@ -539,7 +541,7 @@ def plan(
     _check_dspark(cfg, dspark)
     if mesh is not None and math.prod(mesh.values()) != hw.devices:
         raise ValueError(f"mesh {mesh} has {math.prod(mesh.values())} devices, --devices is {hw.devices}")
-    placements = [False] + ([True] if hw.host_memory_gib is not None else [])
+    placements = [True, False]
     kw = dict(
         rules=rules,
         max_seqs=max_seqs,
@@ -565,27 +567,21 @@ def plan(
         )
     fitting = [c for c in candidates if c["fits"]]
     # Layouts that leave HEADROOM of the device free come first (KV growth beyond the planned
-    # workload, fragmentation); then the most replicas (throughput), tables on device (no host
-    # gathers), the widest expert axis (EP moves activations, TP all-gathers in every layer), and
+    # workload, fragmentation); then the most replicas (throughput), tables in host memory (the
+    # engine's default: no device memory, a host gather per step), the widest expert axis (EP moves activations, TP all-gathers in every layer), and
     # the most free memory.
     floor = HEADROOM * hw.device_bytes
     fitting.sort(
         key=lambda c: (
             c["device_free"] < floor,
             -c["mesh"]["data"],
-            c["engram_tables"] == "host",
+            c["engram_tables"] != "host",
             -c["mesh"]["expert"],
             -c["device_free"],
         )
     )
     best = fitting[0] if fitting else min(candidates, key=lambda c: c["per_device_total"])
     advice = []
-    if not fitting and hw.host_memory_gib is None and cfg.engram_layer_ids:
-        tables = sum(checkpoint_bytes(cfg).get("engram_table", {}).values())
-        advice.append(
-            f"the Engram tables ({tables / GB:.1f} GB) are replicated on every device by the rules; "
-            "pass --host-memory to keep them in host memory"
-        )
     if not fitting and hw.host_memory_gib is not None and best["host_total"] > hw.host_memory_gib * GIB:
         advice.append(f"the Engram tables need {best['host_total'] / GIB:.1f} GiB of host memory")
     return {

@@ -159,9 +159,16 @@ def test_article_example_8x80(flash):
     )
     assert ep8["fits"] and ep8["per_device_total"] > 0.9 * 80 * GIB
     assert best["host_total"] == sum(ENGRAM_TABLES.values())
-    # Without host memory the tables sit on every device and nothing fits.
+    # Without a host memory budget the tables are still memory-mapped on the host (the engine's
+    # default), so the same layout is recommended; on device they would fit nowhere.
     alone = plan(flash, Hardware(8, 80))
-    assert not alone["fits"] and "host-memory" in alone["advice"][0]
+    assert alone["fits"] and alone["recommended"]["engram_tables"] == "host"
+    assert alone["recommended"]["mesh"] == best["mesh"]
+    on_device = [c for c in alone["candidates"] if c["engram_tables"] == "device"]
+    assert on_device and not any(c["fits"] for c in on_device)
+    # A host budget smaller than the tables rules host placement out.
+    small = plan(flash, Hardware(8, 80, 64))
+    assert not small["fits"] and "host memory" in small["advice"][0]
 
 
 def test_plan_checks_its_inputs(flash):
@@ -206,9 +213,12 @@ def test_cli_plan(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"]["mesh"] == {"data": 1, "expert": 4, "tensor": 2}
     assert set(out["recommended"]["ledgers"]) == {"weights", "activations", "kv", "overhead"}
-    assert main(argv) == 1  # does not fit: exit 1, with the reason
+    assert main(argv) == 0  # fits with the tables memory-mapped on the host (the engine's default)
     text = capsys.readouterr().out
-    assert "does NOT fit" in text and "1104 GB" in text
+    assert "1104 GB" in text and "--engram-placement host" in text
+    assert main([*argv, "--host-memory", "64"]) == 1  # a host budget too small: exit 1, with the reason
+    text = capsys.readouterr().out
+    assert "does NOT fit" in text
     assert main([*argv, "--mesh", "expert=3"]) == 2
     assert "has 3 devices" in capsys.readouterr().err
 
