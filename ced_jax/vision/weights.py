@@ -75,7 +75,7 @@ def _from_converted(
 
     # Only the vision item is read (the text weights may be hundreds of GB).
     tree = converted._restore_item(
-        ocp, directory / "vision", "vision", converted.part_specs(cfg, "vision"), None, None, True
+        ocp, directory / "vision", "vision", converted.part_specs(cfg, "vision"), None, None, True, False
     )
     flat = converted.flatten(tree)
     out = {name: np.asarray(flat[name]) for name in specs if name in flat}

@@ -122,7 +122,7 @@ def test_serve_bad_options_exit_2_before_loading(capsys):
         (["--prefill-chunk", "20"], "--prefill-chunk 20 must be a multiple of --page-size 16"),
         (["--max-context", "100"], "--max-context 100 must be a multiple of --page-size 16"),
         (["--max-slots", "0"], "--max-slots must be >= 1"),
-        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "multi-host"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "needs --mesh"),
     ]
     for extra, message in cases:
         assert main(["serve", "tiny", *extra]) == 2
