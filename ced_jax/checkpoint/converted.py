@@ -328,13 +328,9 @@ class _VerifiedZarr3Items(logging.Filter):
         )
 
 
-def load_flat(
-    directory: str | Path, *, parts: Iterable[str] = (), engram: bool = True
-) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """(config, {dotted path: numpy array}) of a native converted checkpoint, all in host memory:
-    the same dict `hf_loader.load_hf_checkpoint` returns for the source (with `parts=("dspark",)`
-    also the DSpark stages' `mtp.*` leaves, as `include=("text", "dspark")` gives them). engram=False:
-    without the separate Engram item's tables (see `restore`)."""
+def _check_model_checkpoint(directory: str | Path, parts: Iterable[str]) -> tuple[str, ...]:
+    """What the ced_jax model needs of a converted checkpoint (native formats, Engram tables when
+    its layers use them, only model-parameter parts), checked before anything is read -> parts."""
     manifest = read_manifest(directory)
     opts = manifest["options"]
     if opts["weights_dtype"] != "native":
@@ -353,6 +349,17 @@ def load_flat(
     unsupported = [p for p in parts if p != "dspark"]
     if unsupported:
         raise ValueError(f"parts: {unsupported} are not model parameters (only 'dspark' is)")
+    return parts
+
+
+def load_flat(
+    directory: str | Path, *, parts: Iterable[str] = (), engram: bool = True
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, {dotted path: numpy array}) of a native converted checkpoint, all in host memory:
+    the same dict `hf_loader.load_hf_checkpoint` returns for the source (with `parts=("dspark",)`
+    also the DSpark stages' `mtp.*` leaves, as `include=("text", "dspark")` gives them). engram=False:
+    without the separate Engram item's tables (see `restore`)."""
+    parts = _check_model_checkpoint(directory, parts)
     r = restore(directory, parts=parts, engram=engram)
     flat = flatten(r.params)
     if r.engram is not None:
@@ -379,24 +386,7 @@ def load_onto_mesh(
     `load_flat` gives them. An `--engram inline` checkpoint has its tables in `params`, so they come
     back on the mesh too. `widen_bf16`: bf16 leaves restored as f32 (exact; what `ced_jax.api` runs on
     CPU), with no bf16 copy on the devices."""
-    manifest = read_manifest(directory)
-    opts = manifest["options"]
-    if opts["weights_dtype"] != "native":
-        raise CheckpointError(
-            f"{directory}: converted with --weights-dtype {opts['weights_dtype']}; the ced_jax model runs "
-            "the native FP8/FP4 formats; convert again with --weights-dtype native"
-        )
-    if opts["engram"] == "skip":
-        cfg = ModelConfig.from_pretrained(directory)
-        if cfg.engram_layer_ids:
-            raise CheckpointError(
-                f"{directory}: converted with --engram skip, but the model's layers "
-                f"{list(cfg.engram_layer_ids)} need their Engram tables; convert with --engram separate"
-            )
-    parts = tuple(parts)
-    unsupported = [p for p in parts if p != "dspark"]
-    if unsupported:
-        raise ValueError(f"parts: {unsupported} are not model parameters (only 'dspark' is)")
+    parts = _check_model_checkpoint(directory, parts)
     r = restore(directory, mesh=mesh, rules=rules, widen_bf16=widen_bf16, parts=parts, engram=engram)
     flat: dict[str, Any] = dict(flatten(r.params))
     if r.engram is not None:
