@@ -466,10 +466,8 @@ class Model:
         draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens.
 
         dspark: speculative decoding with up to this many DSpark drafts per step (0 = off; the model
-        must carry the stages). Greedy rows accept a draft while it equals the target's argmax;
-        sampled output follows the same distribution (rejection sampling). On XLA:CPU the target's
-        K+1-token verification sums in another order than one-token steps, so greedy output can part
-        from plain decoding after a near-tie. The result then has 'dspark': {'steps', 'proposed',
+        must carry the stages). Greedy output is the same as without; sampled output follows the
+        same distribution (rejection sampling). The result then has 'dspark': {'steps', 'proposed',
         'accepted'} (decode steps, drafts verified, drafts accepted).
 
         images: with a text prompt, one image per placeholder `<｜deepseek_image｜>` (`encode_vl`);

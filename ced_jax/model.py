@@ -30,7 +30,7 @@ from ced_jax.layers import moe as moe_lib
 from ced_jax.layers.attention import attention
 from ced_jax.layers.common import f32_linear, rms_norm
 from ced_jax.layers.engram import engram
-from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes
+from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
 from ced_jax.quant import round_bf16
 
 FP8 = ml_dtypes.float8_e4m3fn
@@ -344,7 +344,8 @@ def forward(
     if capture_main_hidden:
         layer_inputs[cfg.num_layers] = x
         # The reference averages the bf16 streams: the f32 mean of bf16 values, rounded to bf16.
-        means = [round_bf16(jnp.mean(layer_inputs[l], axis=-2)) for l in cfg.dspark_target_layer_ids]
+        # (An explicit sum over the streams: one order per row, see ced_jax.quant.)
+        means = [round_bf16(stream_mean(layer_inputs[l])) for l in cfg.dspark_target_layer_ids]
         aux["main_hidden"] = jnp.concatenate(means, axis=-1)
     if capture_chunk_state:
         aux["chunk_state"] = shared.get("chunk_state", {"window": {}, "compressor": {}})

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ced_jax.quant import dequant_fp4_weight, exact_div, round_bf16
+from ced_jax.quant import dequant_fp4_weight, exact_div, max_fenced, round_bf16, sum_last, sum_small
 
 IMPLS = ("reference", "pallas")
 
@@ -61,7 +61,12 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     m = rows.shape[0]
     if m < num_experts:
         weight = dequant_fp4_weight(w["weight"][expert_ids], w["scale"][expert_ids])  # [M, N, K]
-        return jnp.einsum("mk,mnk->mn", rows, weight, precision=jax.lax.Precision.HIGHEST)
+        # Each row as a two-row product (the second row zero): a one-row product sums in another
+        # order than the per-expert tiles of many rows (`ced_jax.quant.matmul_rows`), and a token
+        # must get the same expert outputs in a decode step and in a chunk.
+        pair = jnp.stack([rows, jnp.zeros_like(rows)], axis=1)  # [M, 2, K]
+        out = jnp.einsum("mik,mnk->min", pair, weight, precision=jax.lax.Precision.HIGHEST)
+        return out[:, 0]
     order = jnp.argsort(expert_ids)
     group_sizes = jnp.bincount(expert_ids, length=num_experts).astype(jnp.int32)
     weight = dequant_fp4_weight(w["weight"], w["scale"])  # [E, N, K]
@@ -134,12 +139,13 @@ def sparse_attention(
         s = jnp.einsum(eq, q, keys, precision=jax.lax.Precision.HIGHEST) * scale
         logits.append(jnp.where(valid[:, :, None, :], s, -jnp.inf))
         keys_per_segment.append(keys)
-    row_max = jnp.maximum(jnp.max(jnp.concatenate(logits, -1), axis=-1), -1e30)  # [B, T, H]
+    # A fenced reduce: the exp below must not join it in a YNNPACK fusion (`ced_jax.quant`).
+    row_max = jnp.maximum(max_fenced(jnp.concatenate(logits, -1), -1), -1e30)  # [B, T, H]
     denom = jnp.exp(sink.astype(jnp.float32) - row_max)
     out = jnp.zeros(q.shape, jnp.float32)
     for seg, keys, s in zip(segments, keys_per_segment, logits, strict=True):
         p = jnp.exp(s - row_max[..., None])
-        denom = denom + jnp.sum(p, axis=-1)
+        denom = denom + sum_last(p)[..., 0]  # index order, whatever the number of rows
         eq = "bths,bsd->bthd" if seg.ids.ndim == 2 else "bths,btsd->bthd"
         out = out + jnp.einsum(eq, round_bf16(p), keys, precision=jax.lax.Precision.HIGHEST)
     return round_bf16(exact_div(out, denom[..., None]))
@@ -179,11 +185,11 @@ def index_scores(
     scale folded in), key_pages u8 [P, S, Dk/2 + Dk/32], page_table i32 [B, n], n_visible i32 [B, T]
     (keys 0 .. n_visible-1 of the row are visible to query t) -> f32 [B, T, n * S]:
     bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)) where visible, else -inf.
-    impl="reference" unpacks the row's pages through the table and takes the head sum in XLA's own
-    order (the model's formula, `index_scores_unpacked`); impl="pallas..." runs
+    impl="reference" unpacks the row's pages through the table and sums the heads in order 0..I-1
+    as explicit adds (the model's formula, `index_scores_unpacked`); impl="pallas..." runs
     `pallas_kernels.indexer.index_scores`, which reads each page through the table inside the
-    kernel and sums the heads in order 0..I-1, so the two may differ by one bf16 ulp where the sum
-    straddles a rounding tie. The contract (and the shapes each kernel supports) is
+    kernel and sums the heads in order 0..I-1 in its own arithmetic, so the two may differ by one
+    bf16 ulp where the sum straddles a rounding tie. The contract (and the shapes each kernel supports) is
     `pallas_kernels.indexer.common`."""
     from pallas_kernels import indexer
 
@@ -208,6 +214,6 @@ def index_scores_unpacked(
     `ced_jax.layers.attention.index_scores`) and as `index_scores`' reference path."""
     s = round_bf16(jnp.einsum("bthd,bsd->bths", q, keys, precision=jax.lax.Precision.HIGHEST))
     s = round_bf16(jax.nn.relu(s) * weights[..., None])
-    s = round_bf16(jnp.sum(s, axis=2))
+    s = round_bf16(sum_small(s, 2))  # heads 0..I-1 in order, whatever the number of rows
     visible = jnp.arange(keys.shape[1])[None, None, :] < n_visible[..., None]
     return jnp.where(visible, s, -jnp.inf)

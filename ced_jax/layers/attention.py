@@ -24,8 +24,24 @@ from ced_jax import cache as cache_lib
 from ced_jax import ops
 from ced_jax.cache import PagedCache, StepMetadata, ring_update
 from ced_jax.config import ModelConfig
-from ced_jax.layers.common import apply_rope, bf16_linear, f32_linear, fp8_linear, rms_norm, rope_inv_freq
-from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
+from ced_jax.layers.common import (
+    apply_rope,
+    bf16_linear,
+    f32_linear,
+    fp8_linear,
+    grouped_linear,
+    rms_norm,
+    rope_inv_freq,
+)
+from ced_jax.quant import (
+    exact_div,
+    fp4_fake_quant_e4m3,
+    fp4_fake_quant_ue8m0,
+    fp8_fake_quant,
+    max_axis,
+    round_bf16,
+    sum_axis,
+)
 
 
 def layer_inv_freq(cfg: ModelConfig, layer: int):
@@ -73,6 +89,35 @@ def window_segments(
     ]
 
 
+def window_segment_by_position(
+    cache: PagedCache,
+    layer: int,
+    packed_chunk: jax.Array,
+    meta: StepMetadata,
+    positions: jax.Array,
+    window: int,
+) -> list[ops.KeySegment]:
+    """The keys of `window_segments` as one segment of `window` entries per query in position order:
+    entry j of the query at position p is position p - W + 1 + j, read from the chunk when this call
+    brings it and from the slot's ring otherwise (one transient page per row: the row's ring, then
+    the chunk). A query's window keys, their order and their summation grouping are then the same
+    whether the earlier tokens came in this chunk or in earlier calls, so a chunk of K+1 tokens
+    computes every position exactly as K+1 one-token steps (speculative verification); with
+    `window_segments` the split between the ring and the chunk segments moves with the chunk length.
+    For the reference path; the kernels read the ring and the chunk where they are."""
+    ring = cache.ring(layer)  # [max_slots, W, bytes]
+    period = ring.shape[1]
+    b = positions.shape[0]
+    pages = jnp.concatenate([ring[meta.slots], packed_chunk], axis=1)  # [B, period + T, bytes]
+    start = meta.start[:, None, None]
+    key_pos = positions[:, :, None] - (window - 1) + jnp.arange(window, dtype=jnp.int32)  # [B, T, W]
+    in_chunk = key_pos >= start
+    ids = jnp.where(in_chunk, period + key_pos - start, jnp.mod(key_pos, period)).astype(jnp.int32)
+    held = jnp.where(in_chunk, key_pos - start < meta.lens[:, None, None], key_pos >= start - period)
+    own_page = jnp.arange(b, dtype=jnp.int32)[:, None]
+    return [ops.KeySegment(pages, own_page, ids, (key_pos >= 0) & held)]
+
+
 def compress(
     x: jax.Array, p: dict, state_kv, state_score, start: jax.Array, lens: jax.Array, ratio: int, eps: float
 ):
@@ -98,9 +143,11 @@ def compress(
     ext_score = jnp.take_along_axis(jnp.concatenate([state_score, score], axis=1), src, axis=1)
     ext_kv = ext_kv.reshape(x.shape[0], n_groups, ratio, -1)
     ext_score = ext_score.reshape(x.shape[0], n_groups, ratio, -1)
-    weights = jnp.exp(ext_score - jnp.max(ext_score, axis=2, keepdims=True))
-    weights = exact_div(weights, jnp.sum(weights, axis=2, keepdims=True))
-    pooled = jnp.sum(ext_kv * weights, axis=2)
+    # Explicit maxima and sums over the group (`ced_jax.quant`): a group's latent must not depend on
+    # how many groups share the call.
+    weights = jnp.exp(ext_score - max_axis(ext_score, 2)[:, :, None])
+    weights = exact_div(weights, sum_axis(weights, 2)[:, :, None])
+    pooled = sum_axis(ext_kv * weights, 2)
     latent = rms_norm(round_bf16(pooled), p["norm"]["weight"], eps)
     groups = jnp.arange(n_groups)[None, :]
     complete = (groups + 1) * ratio <= offset + lens[:, None]
@@ -208,7 +255,10 @@ def attention(
     kv = rms_norm(fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"]), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
     packed_kv = cache_lib.pack_fp8_ue8m0(kv)
-    segments = window_segments(cache, layer, packed_kv, meta, positions, cfg.sliding_window)
+    by_position = ops.parse_impl(impl)[0] == "reference"
+    segments = (window_segment_by_position if by_position else window_segments)(
+        cache, layer, packed_kv, meta, positions, cfg.sliding_window
+    )
     cache = cache.write_window(layer, meta, packed_kv)
     # What this chunk put into the slot's per-slot buffers, for `PagedCache.keep_accepted` (speculative
     # verification keeps only a prefix of the chunk); unused values cost nothing under jit.
@@ -274,6 +324,6 @@ def attention(
     groups = cfg.o_groups
     o = o.reshape(*x.shape[:-1], groups, n_heads * head_dim // groups)
     wo_a = p["wo_a"]["weight"].astype(jnp.float32).reshape(groups, cfg.o_lora_rank, -1)
-    o = round_bf16(jnp.einsum("btgd,grd->btgr", o, wo_a, precision=jax.lax.Precision.HIGHEST))
+    o = round_bf16(grouped_linear(o, wo_a))
     out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"]["weight"], p["wo_b"]["scale"])
     return out, own_topk, cache, shared

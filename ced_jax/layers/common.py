@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ced_jax.quant import dequant_fp8_weight, fp8_fake_quant, mean_last, round_bf16
+from ced_jax.quant import dequant_fp8_weight, fp8_fake_quant, matmul_rows, mean_last, round_bf16
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -29,18 +29,30 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:
     """y = act_quant(x) @ dequant(W)^T, rounded to bf16. W: FP8 [N, K] with ue8m0 block scales."""
     w = dequant_fp8_weight(weight, scale, block)
-    y = jnp.einsum("...k,nk->...n", fp8_fake_quant(x, block), w, precision=HIGHEST)
-    return round_bf16(y)
+    return round_bf16(matmul_rows(fp8_fake_quant(x, block), w))
 
 
 def bf16_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """A linear whose weight is bf16 in the reference: f32 accumulation, bf16 output."""
-    return round_bf16(jnp.einsum("...k,nk->...n", x, weight.astype(jnp.float32), precision=HIGHEST))
+    return round_bf16(matmul_rows(x, weight.astype(jnp.float32)))
 
 
 def f32_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """A linear the reference runs in fp32 (router, ratio>1 compressor, head): no rounding."""
-    return jnp.einsum("...k,nk->...n", x, weight.astype(jnp.float32), precision=HIGHEST)
+    return matmul_rows(x, weight.astype(jnp.float32))
+
+
+def grouped_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., G, K] times each group's weight [G, N, K]^T in f32 -> [..., G, N] (not rounded), every
+    row's result independent of the number of rows (see `ced_jax.quant.matmul_rows`)."""
+    lead, (g, k) = x.shape[:-2], x.shape[-2:]
+    rows = math.prod(lead)
+    flat = jnp.moveaxis(x.reshape(rows, g, k), 1, 0)  # [G, rows, K]
+    if rows == 1:
+        flat = jnp.pad(flat, ((0, 0), (0, 1), (0, 0)))
+    batch_g_contract_k = (((2,), (2,)), ((0,), (0,)))
+    y = jax.lax.dot_general(flat, weight, batch_g_contract_k, precision=HIGHEST)  # [G, rows, N]
+    return jnp.moveaxis(y[:, :rows], 0, 1).reshape(*lead, g, weight.shape[1])
 
 
 # ------------------------------------------------------------------------------------- RoPE

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ced_jax.layers.common import fp8_linear
-from ced_jax.quant import e8m0_to_f32, mean_last, round_bf16
+from ced_jax.quant import e8m0_to_f32, mean_last, round_bf16, sum_last
 
 
 def engram_dequant(values: jax.Array, scales: jax.Array, block: int = 32) -> jax.Array:
@@ -55,7 +55,7 @@ def engram(
     rstd = jax.lax.rsqrt(mean_last(jnp.square(x))[..., 0] + eps) * jax.lax.rsqrt(
         mean_last(jnp.square(key))[..., 0] + eps
     )
-    dot = jnp.sum(x * weight * key, axis=-1) * rstd * dim**-0.5
+    dot = sum_last(x * weight * key)[..., 0] * rstd * dim**-0.5
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
     if token_mask is not None:
         gate = jnp.where(token_mask[..., None], gate, 0.0)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ced_jax.layers.common import HIGHEST
-from ced_jax.quant import exact_div, mean_last, round_bf16
+from ced_jax.quant import exact_div, matmul_rows, max_small, mean_last, round_bf16, sum_small
 
 
 def hc_mixes(
@@ -32,25 +31,33 @@ def hc_mixes(
     split; comb is a row softmax followed by Sinkhorn iterations ending on a column normalisation."""
     flat = x.reshape(*x.shape[:-2], -1)
     rsqrt = jax.lax.rsqrt(mean_last(jnp.square(flat)) + norm_eps)
-    mixes = jnp.einsum("...k,nk->...n", flat, fn, precision=HIGHEST) * rsqrt
+    mixes = matmul_rows(flat, fn) * rsqrt
     pre = jax.nn.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * jax.nn.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*mixes.shape[:-1], hc, hc)
-    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = exact_div(comb, jnp.sum(comb, axis=-1, keepdims=True)) + hc_eps
-    comb = exact_div(comb, jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+    comb = jnp.exp(comb - max_small(comb, -1)[..., None])  # no reduce: see ced_jax.quant
+    row_sum = lambda c: sum_small(c, -1)[..., None]
+    col_sum = lambda c: sum_small(c, -2)[..., None, :]
+    comb = exact_div(comb, row_sum(comb)) + hc_eps
+    comb = exact_div(comb, col_sum(comb) + hc_eps)
     for _ in range(iters - 1):
-        comb = exact_div(comb, jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
-        comb = exact_div(comb, jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+        comb = exact_div(comb, row_sum(comb) + hc_eps)
+        comb = exact_div(comb, col_sum(comb) + hc_eps)
     return pre, post, comb
 
 
 def hc_collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
     """sum_k pre_k X_k -> [B, T, D], rounded to bf16."""
-    return round_bf16(jnp.sum(pre[..., None] * x, axis=-2))
+    return round_bf16(sum_small(pre[..., None] * x, -2))
 
 
 def hc_expand(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j comb[j, k] X_j -> [B, T, M, D], rounded to bf16."""
-    mixed = jnp.sum(comb[..., None] * residual[..., :, None, :], axis=-3)
+    mixed = sum_small(comb[..., None] * residual[..., :, None, :], -3)
     return round_bf16(post[..., None] * y[..., None, :] + mixed)
+
+
+def stream_mean(x: jax.Array) -> jax.Array:
+    """f32 mean over the M streams of [..., M, D] (the sum in stream order, divided exactly by M), not
+    rounded: one order per row whatever the row count (`ced_jax.quant.sum_small`)."""
+    return exact_div(sum_small(x, -2), float(x.shape[-2]))

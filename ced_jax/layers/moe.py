@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ced_jax import ops, sharding
 from ced_jax.layers.common import f32_linear, fp8_linear
-from ced_jax.quant import dequant_fp4_weight, exact_div, fp8_fake_quant, round_bf16
+from ced_jax.quant import dequant_fp4_weight, exact_div, fp8_fake_quant, round_bf16, sum_small
 
 
 def router_scores(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
@@ -37,7 +37,7 @@ def route(
     ids = own_ids if forced_ids is None else forced_ids
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if norm_topk and top_k > 1:
-        weights = exact_div(weights, jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = exact_div(weights, sum_small(weights, -1)[..., None] + 1e-20)
     return ids, weights * scaling, own_ids
 
 
@@ -65,7 +65,8 @@ def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: str,
     if f_axis is None and ops.parse_impl(impl)[0] == "reference" and rows.shape[0] >= num_experts:
         # Prefill. Decode (fewer rows than experts) keeps the per-row gather of ops.expert_matmul:
         # the expert loop measured 2x slower inside the whole mid decode step (BENCHMARKS.md).
-        tile = min(EXPERT_ROW_TILE, rows.shape[0] // num_experts)
+        # At least two rows per tile: a one-row product sums in another order (`ops.expert_matmul`).
+        tile = max(2, min(EXPERT_ROW_TILE, rows.shape[0] // num_experts))
         return _expert_rows_by_expert(rows, eids, weights, experts, limit=limit, tile=tile)
     gate = round_bf16(ops.expert_matmul(rows, eids, experts["w1"], impl=impl))
     up = round_bf16(ops.expert_matmul(rows, eids, experts["w3"], impl=impl))

@@ -136,6 +136,43 @@ def test_keep_accepted_equals_a_shorter_chunk(model):
     assert checked > 0
 
 
+@pytest.mark.slow  # compiles plain and speculative decoding of the tiny model (minutes on 2 cores)
+def test_known_drafts_accept_and_stop(model):
+    """Drafts equal to the greedy continuation are accepted in full; a wrong draft stops acceptance
+    at its index and the token emitted there is the target's greedy choice; the emitted stream equals
+    greedy decoding."""
+    prompt = _prompt(7, 20)
+    plain = model.generate(prompt, max_tokens=24, stop_at_eos=False)["token_ids"]
+    k = 4
+    session = model.new_session(1, 256, dspark=True)
+    logits, _ = session.step(np.array([prompt]))
+    first = int(np.argmax(logits[0, -1]))
+    assert first == plain[0]
+    out = [first]
+    # step 1: no drafts yet
+    step = session.speculative_step(out[-1], np.zeros((1, k), np.int32), 0, 0.0, 0)
+    assert int(step.accepted[0]) == 0
+    out.append(int(step.tokens[0, 0]))
+    # step 2: the true continuation as drafts -> all accepted, plus the next greedy token
+    true = np.array([plain[len(out) : len(out) + k]], np.int32)
+    step = session.speculative_step(out[-1], true, k, 0.0, 0)
+    assert int(step.accepted[0]) == k
+    out.extend(int(x) for x in step.tokens[0, : k + 1])
+    # step 3: the true continuation with a wrong token at index 2
+    wrong = np.array([plain[len(out) : len(out) + k]], np.int32)
+    wrong[0, 2] = (wrong[0, 2] + 1) % model.cfg.vocab_size
+    step = session.speculative_step(out[-1], wrong, k, 0.0, 0)
+    assert int(step.accepted[0]) == 2
+    out.extend(int(x) for x in step.tokens[0, :3])
+    # then plain speculative steps with the model's own drafts
+    drafts, n = step.next_drafts[:, :k], k
+    while len(out) < len(plain):
+        step = session.speculative_step(out[-1], drafts, n, 0.0, 0)
+        out.extend(int(x) for x in step.tokens[0, : step.accepted[0] + 1])
+        drafts = step.next_drafts[:, :k]
+    assert out[: len(plain)] == plain
+
+
 def test_rejection_sampling_follows_the_target(model):
     """The first token a speculative step emits follows p (the target's filtered distribution) for a
     draft q far from p, over 4096 seeds: chi-square over p's likely tokens below the 0.999 quantile;
