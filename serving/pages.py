@@ -26,6 +26,12 @@ Eviction removes the least recently released block. Its descendants become unrea
 the chain from the root), so they are dropped from the cache too: unreferenced ones go straight to the
 free list, referenced ones are simply unregistered and are freed when released. Requests release their
 pages last block first, so deeper blocks are older in LRU order and are evicted before their parents.
+
+Lower tiers (`serving/kv_tiers.py`). `on_evict(entry)`, if given, is called for every entry that
+eviction removes (the LRU block and the descendants it cuts off), while `entry.page` still holds the
+block's KV: before the page is handed out again, so the engine can copy the page's bytes down to host
+memory or disk. `register_restored` puts a block whose page was just written back from such a tier
+into the cache again, under the scope tag the tier kept.
 """
 
 from __future__ import annotations
@@ -98,11 +104,13 @@ class PagePool:
         *,
         enable_prefix_cache: bool = True,
         on_drop_snapshot: Callable[[Any], None] | None = None,
+        on_evict: Callable[[CacheEntry], None] | None = None,
     ):
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self._on_drop_snapshot = on_drop_snapshot
+        self._on_evict = on_evict
         self._refcount = np.zeros(num_pages, np.int32)
         # Popped from the end; reversed so that pages are handed out in ascending order at first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
@@ -221,10 +229,29 @@ class PagePool:
         wins and `page` stays private to its holder; a snapshot the caller passed is then dropped
         unless the existing entry has none.
         """
+        return self._register(parent, scope_tag(scope), tokens, page, snapshot, extra)
+
+    def register_restored(
+        self, parent: bytes, tag: bytes, tokens: np.ndarray, page: int, *, extra: bytes = b""
+    ) -> bytes:
+        """Registers a block whose page the caller holds (refcount > 0) and has just written back
+        from a lower tier; `tag` is the block's scope tag (`CacheEntry.scope`, as the tier kept it).
+        Returns its key. Same rules as `register`: an existing entry wins, a broken chain is not
+        cached. The entry has no snapshot."""
+        if len(tag) != 16:
+            raise ValueError(f"tag: expected a 16-byte scope tag, got {len(tag)} bytes")
+        return self._register(parent, tag, tokens, page, None, extra)
+
+    def entry(self, key: bytes) -> CacheEntry | None:
+        """The cache entry of `key`, if the block is in the device cache."""
+        return self._entries.get(key)
+
+    def _register(
+        self, parent: bytes, tag: bytes, tokens: np.ndarray, page: int, snapshot: Any, extra: bytes
+    ) -> bytes:
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) != self.page_size:
             raise ValueError("only full blocks can be registered")
-        tag = scope_tag(scope)
         key = block_key(parent, tag, tokens, extra)
         if not self.enable_prefix_cache:
             self._drop_snapshot(snapshot)
@@ -273,15 +300,17 @@ class PagePool:
     def _evict_one(self) -> None:
         page = next(iter(self._lru))
         self.evictions += 1
-        self._drop_entry(self._page_entry[page])
+        self._drop_entry(self._page_entry[page], evicted=True)
 
-    def _drop_entry(self, entry: CacheEntry) -> None:
-        """Removes `entry` and all its descendants from the cache."""
+    def _drop_entry(self, entry: CacheEntry, *, evicted: bool = False) -> None:
+        """Removes `entry` and all its descendants from the cache (`on_evict` first if `evicted`)."""
         stack = [entry]
         if entry.parent != ROOT_KEY and entry.parent in self._entries:
             self._entries[entry.parent].children.discard(entry.key)
         while stack:
             e = stack.pop()
+            if evicted and self._on_evict is not None:
+                self._on_evict(e)
             del self._entries[e.key]
             del self._page_entry[e.page]
             self._drop_snapshot(e.snapshot)

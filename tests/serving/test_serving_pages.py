@@ -176,3 +176,78 @@ def test_randomized_no_leaks_and_consistent_refcounts():
     pool.clear_cache()
     assert pool.num_free == pool.num_pages and len(dropped) == made_snapshots
     pool.check_invariants()
+
+
+def test_on_evict_sees_every_evicted_block_before_its_page_is_reused():
+    seen = []
+
+    def on_evict(entry):
+        # the page still belongs to the entry: not free, not handed out yet
+        assert entry.page not in pool._free and pool._page_entry.get(entry.page) is entry
+        seen.append((entry.key, entry.page, entry.tokens.tolist(), pool.refcount(entry.page)))
+
+    pool = PagePool(6, PS, on_evict=on_evict)
+    a = pool.allocate(3)
+    keys = []
+    key = ROOT_KEY
+    for i in range(3):
+        key = pool.register(key, np.arange(i * PS, (i + 1) * PS), a[i])
+        keys.append(key)
+    pool.release(a)  # LRU: a[2] oldest, then a[1], a[0]
+    pool.allocate(3)  # the free pages: no eviction
+    assert seen == []
+    pool.allocate(1)  # evicts the deepest block
+    assert seen == [(keys[2], a[2], list(range(8, 12)), 0)]
+    # A held chain whose parent is evicted: the held descendant is reported too (its page keeps its
+    # bytes while its holder runs), and is freed, not cached, on release.
+    pool2 = PagePool(4, PS, on_evict=lambda e: seen2.append((e.key, pool2.refcount(e.page))))
+    seen2 = []
+    b = pool2.allocate(2)
+    k0 = pool2.register(ROOT_KEY, np.arange(PS), b[0])
+    k1 = pool2.register(k0, np.arange(PS, 2 * PS), b[1])
+    pool2.release(b[:1])  # the first block alone becomes cached, the second stays held
+    pool2.allocate(2)
+    pool2.allocate(1)  # evicts b[0], cutting off b[1]
+    assert seen2 == [(k0, 0), (k1, 1)]
+    assert len(pool2.match(np.arange(2 * PS))) == 0
+    pool2.release(b[1:])
+    assert pool2.num_cached == 0
+    pool2.check_invariants()
+    # clear_cache and the disabled cache drop without reporting evictions
+    pool3 = PagePool(4, PS, on_evict=lambda e: pytest.fail("clear_cache is not an eviction"))
+    c = pool3.allocate(1)
+    pool3.register(ROOT_KEY, np.arange(PS), c[0])
+    pool3.release(c)
+    pool3.clear_cache()
+    pool3.check_invariants()
+
+
+def test_register_restored_makes_a_lower_tier_block_matchable_in_its_scope():
+    pool = PagePool(8, PS)
+    tokens = np.arange(3 * PS)
+    a = pool.allocate(2)
+    _register_all(pool, tokens[: 2 * PS], a, scope="alice")
+    tag = scope_tag("alice")
+    parent = pool.match(tokens, scope="alice").entries[-1].key
+    # the third block comes back from a tier: the caller allocates a page, writes it, registers it
+    p = pool.allocate(1)
+    key = pool.register_restored(parent, tag, tokens[2 * PS :], p[0])
+    assert pool.entry(key) is not None and pool.entry(key).snapshot is None
+    assert pool.match(tokens, scope="alice").pages == a + p
+    assert len(pool.match(tokens, scope="bob")) == 0
+    # the key is the one `register` would have produced for the same block
+    q = pool.allocate(1)
+    assert pool.register(parent, tokens[2 * PS :], q[0], scope="alice") == key
+    pool.release(q)
+    assert pool.num_free == 8 - 3  # q was a duplicate: freed, not cached
+    # a broken chain is not cached; bad input names the field
+    r = pool.allocate(1)
+    orphan = pool.register_restored(b"\x05" * 16, tag, tokens[:PS], r[0])
+    assert pool.entry(orphan) is None
+    with pytest.raises(ValueError, match="tag"):
+        pool.register_restored(ROOT_KEY, b"short", tokens[:PS], r[0])
+    with pytest.raises(ValueError, match="referenced"):
+        pool.register_restored(ROOT_KEY, tag, np.arange(100, 100 + PS), pool._free[-1])
+    pool.release(r)
+    pool.release(a + p)
+    pool.check_invariants()
