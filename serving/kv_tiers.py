@@ -1,0 +1,668 @@
+"""Host-memory and disk tiers below the device KV pages (issue 13, points 3 and 4).
+
+A page that the prefix cache (`serving/pages.py`) evicts from the device is not dropped: its bytes
+(one blob per page, `ced_jax.page_io.PageLayout`: exactly the device bytes, 890 B/token for
+v41-flash) are demoted to host memory and, under host pressure, to disk; a later request whose prompt
+continues the device-cached chain into those blocks gets them back without recomputing them. Blocks
+are keyed by the prefix cache's own hash-chain key (`pages.block_key`), and every stored block keeps
+what rebuilds its chain link: parent key, scope tag, tokens and `extra`.
+
+- `HostTier(max_bytes)`: an in-memory LRU of blobs (budget: blob bytes).
+- `DiskTier(directory, max_bytes, model_fingerprint)`: one file per block, LRU within `max_bytes`
+  (budget: file bytes, header included). Writes are atomic (temp file in the same directory, fsync,
+  rename, fsync of the directory), so a crash leaves either the whole file or none; a leftover temp
+  file is deleted at the next start-up. Each file carries a header with a checksum over everything
+  but the magic (format below); a file that fails it (truncated, flipped bits) is deleted and reported
+  as a miss, never returned. Start-up scans the directory (warm restart): files of another format
+  version or model fingerprint (`PageLayout.fingerprint`) are deleted, the rest form the index in
+  their last-use order (file mtimes, which the tier sets from a strictly increasing clock). An
+  exclusive `flock` on `LOCK` keeps a second process off the directory.
+- `TieredKV(host, disk)`: `demote` puts a block on host; host pressure pushes its LRU blocks to disk
+  (written on a background thread; until written they stay readable); disk pressure evicts. The disk
+  is inclusive: a block promoted back to host keeps its file, so demoting it again costs no write.
+  `lookup` promotes a disk hit to host; `prefetch` promotes on the background thread ahead of need.
+
+File format (little-endian): magic `CEDKVBLK` | blake2b-256 of the rest | version u32 |
+fingerprint 16 | key 16 | parent 16 | scope tag 16 | n_tokens u32 | extra_len u32 | payload_len u64 |
+tokens i32[n_tokens] | extra | payload. The key must equal `block_key(parent, scope, tokens, extra)`
+and the file's name (`<key hex>.kvb`).
+
+Intended integration (scheduler and engine; not wired here):
+1. Start-up: `layout = PageLayout.for_config(cfg, page_size)`; `fp = layout.fingerprint(weights_id)`
+   (weights_id names the checkpoint: tiny and tiny-spec share a config); `tiers = TieredKV(
+   HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fp) if kv_disk_dir else None)`.
+2. Demotion: `PagePool(..., on_evict=evicted.append)`. Eviction only happens inside
+   `pool.allocate`; after it returns and before the next engine call that writes the pages it
+   handed out, dispatch `contents = read_pages(state, [e.page for e in evicted])` on the current
+   state (jit, with n bucketed), then `for e, blob in zip(evicted, layout.pack(contents)):
+   tiers.demote(e.key, e.parent, e.tokens, blob, scope=e.scope, extra=e.extra)` and clear `evicted`.
+   (The state is immutable, so a read dispatched before the writing step sees the old bytes.)
+3. Enqueue: `m = pool.match(prompt, ...)`; `parent = m.entries[-1].key if len(m) else ROOT_KEY`;
+   `tiers.prefetch([b.key for b in tiers.chain(parent, scope_tag(scope), prompt, start_block=len(m),
+   max_blocks=..., block_extras=...)])` so that disk blocks are on host by admission.
+4. Admission: the same `match` and `chain`; allocate pages for the chained blocks along with the
+   rest; `blob, tier = tiers.lookup(b.key)` for each in order (stop at the first None: it was evicted
+   meanwhile); `state = write_pages(state, pages, layout.unpack(blobs))`;
+   `pool.register_restored(b.parent, b.scope, b.tokens, page, extra=b.extra)`; the restored blocks
+   count as cached prompt tokens, and the SWA rings are rebuilt by replaying the last window.
+5. Shutdown: `tiers.close()` writes what is pending to disk; the next start with the same directory
+   and fingerprint finds it (step 3 reaches disk blocks from the root, as the device cache is empty).
+Metrics: `tiers.stats` (counters, promotion latency samples) and `tiers.gauges()` (pages and bytes
+per tier); exporting them is the caller's.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from serving.pages import block_key, scope_tag
+
+MAGIC = b"CEDKVBLK"
+FORMAT_VERSION = 1
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+LOCK_NAME = "LOCK"
+_DIGEST = 32
+_FIXED = struct.Struct("<I16s16s16s16sIIQ")  # version, fingerprint, key, parent, scope, n_tok, extra, payload
+_PREFIX = len(MAGIC) + _DIGEST
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMeta:
+    """What links a stored block into the prefix chain (a `pages.CacheEntry` without its page)."""
+
+    key: bytes
+    parent: bytes
+    scope: bytes  # scope tag (16 bytes)
+    tokens: np.ndarray  # i32 [page_size]
+    extra: bytes = b""
+
+
+def make_meta(
+    key: bytes, parent: bytes, tokens: Sequence[int] | np.ndarray, scope: bytes, extra: bytes = b""
+) -> BlockMeta:
+    """A `BlockMeta`, checking that `key` is the chain key of the block (`pages.block_key`)."""
+    tokens = np.asarray(tokens, dtype=np.int32).copy()
+    for name, value in (("key", key), ("parent_key", parent), ("scope", scope)):
+        if not isinstance(value, bytes) or len(value) != 16:
+            raise ValueError(f"{name}: expected 16 bytes, got {value!r:.40}")
+    if tokens.ndim != 1 or not len(tokens):
+        raise ValueError(f"tokens: expected a non-empty 1-D block, got shape {tokens.shape}")
+    if block_key(parent, scope, tokens, extra) != key:
+        raise ValueError("key: not block_key(parent_key, scope, tokens, extra)")
+    tokens.flags.writeable = False
+    return BlockMeta(key, parent, scope, tokens, extra)
+
+
+# ------------------------------------------------------------------------------------ host tier
+
+
+class HostTier:
+    """An LRU of blobs in host memory within `max_bytes` of blob bytes. Not thread-safe by itself
+    (`TieredKV` serialises access)."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes: must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, tuple[BlockMeta, bytes]] = OrderedDict()  # oldest first
+        self.bytes = 0
+
+    @property
+    def pages(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[bytes]:
+        """Keys, least recently used first."""
+        return list(self._entries)
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        item = self._entries.get(key)
+        return None if item is None else item[0]
+
+    def get(self, key: bytes) -> bytes | None:
+        """The blob (and the entry becomes the most recently used), or None."""
+        item = self._entries.get(key)
+        if item is None:
+            return None
+        self._entries.move_to_end(key)
+        return item[1]
+
+    def put(self, meta: BlockMeta, blob: bytes) -> list[tuple[BlockMeta, bytes]]:
+        """Stores the block as the most recently used; returns what no longer fits, oldest first
+        (the block itself if it alone exceeds the budget)."""
+        if meta.key in self._entries:
+            self._entries.move_to_end(meta.key)
+            return []
+        if len(blob) > self.max_bytes:
+            return [(meta, blob)]
+        self._entries[meta.key] = (meta, blob)
+        self.bytes += len(blob)
+        out = []
+        while self.bytes > self.max_bytes:
+            _, (m, b) = self._entries.popitem(last=False)
+            self.bytes -= len(b)
+            out.append((m, b))
+        return out
+
+
+# ------------------------------------------------------------------------------------ disk tier
+
+
+class CorruptBlock(Exception):
+    """A block file that fails its checks (the message says which)."""
+
+
+class ForeignBlock(CorruptBlock):
+    """A well-formed block file of another format version or model fingerprint."""
+
+
+def _encode(fingerprint: bytes, meta: BlockMeta, payload: bytes) -> list[bytes]:
+    tokens = meta.tokens.astype("<i4").tobytes()
+    fixed = _FIXED.pack(
+        FORMAT_VERSION, fingerprint, meta.key, meta.parent, meta.scope, len(meta.tokens), len(meta.extra),
+        len(payload),
+    )  # fmt: skip
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    for part in (fixed, tokens, meta.extra, payload):
+        h.update(part)
+    return [MAGIC + h.digest() + fixed + tokens + meta.extra, payload]
+
+
+def _parse_header(head: bytes, fingerprint: bytes) -> tuple[BlockMeta, int, int]:
+    """(meta, header bytes, payload bytes) of a file starting with `head` (at least the header)."""
+    if len(head) < _PREFIX + _FIXED.size or head[: len(MAGIC)] != MAGIC:
+        raise CorruptBlock("bad magic or short header")
+    version, fp, key, parent, scope, n_tok, n_extra, n_payload = _FIXED.unpack_from(head, _PREFIX)
+    if version != FORMAT_VERSION:
+        raise ForeignBlock(f"format version {version}, expected {FORMAT_VERSION}")
+    if fp != fingerprint:
+        raise ForeignBlock("written by another model or page layout (fingerprint)")
+    start = _PREFIX + _FIXED.size
+    header = start + 4 * n_tok + n_extra
+    if n_tok == 0 or len(head) < header:
+        raise CorruptBlock("short header")
+    tokens = np.frombuffer(head, "<i4", n_tok, start).astype(np.int32)
+    extra = bytes(head[start + 4 * n_tok : header])
+    try:
+        meta = make_meta(key, parent, tokens, scope, extra)
+    except ValueError as e:
+        raise CorruptBlock(str(e)) from None
+    return meta, header, n_payload
+
+
+def _read_header(f) -> bytes:
+    """The header bytes of an open block file (short if the file is)."""
+    head = f.read(_PREFIX + _FIXED.size)
+    if len(head) < _PREFIX + _FIXED.size:
+        return head
+    n_tok, n_extra = _FIXED.unpack_from(head, _PREFIX)[5:7]
+    return head + f.read(4 * n_tok + n_extra)
+
+
+def _write_temp(path: str, parts: Sequence[bytes]) -> None:
+    """Writes and fsyncs a new file (the disk tier's only write; a module function so that the
+    crash tests can stop a writer half-way)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiskTier:
+    """One file per block in `directory`, LRU within `max_bytes` of file bytes (module docstring).
+    Thread-safe: index changes hold a lock, file reads do not."""
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int, model_fingerprint: bytes):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes: must be >= 0, got {max_bytes}")
+        if not isinstance(model_fingerprint, bytes) or len(model_fingerprint) != 16:
+            raise ValueError("model_fingerprint: expected 16 bytes (PageLayout.fingerprint())")
+        self.directory = os.fspath(directory)
+        self.max_bytes = max_bytes
+        self.fingerprint = model_fingerprint
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, tuple[BlockMeta, int]] = OrderedDict()  # key -> (meta, size)
+        self.bytes = 0
+        self._clock = 0  # last mtime (ns) given to a file: strictly increasing
+        self._temp_seq = 0
+        # what the start-up scan removed, and what reads rejected since
+        self.stale_temp_removed = 0
+        self.refused_removed = 0  # other format version or fingerprint
+        self.corrupt_removed = 0
+        self.evictions = 0
+        self.write_errors = 0
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(f"kv disk dir {self.directory} is in use by another process") from None
+        self._scan()
+
+    # ---- start-up
+    def _scan(self) -> None:
+        found = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.endswith(TEMP_SUFFIX):
+                self._unlink(path)
+                self.stale_temp_removed += 1
+                continue
+            if not name.endswith(SUFFIX):
+                continue  # not ours (LOCK, or anything a person put there)
+            try:
+                st = os.stat(path)
+                with open(path, "rb") as f:
+                    head = _read_header(f)
+                meta, header, payload = _parse_header(head, self.fingerprint)
+                if name != meta.key.hex() + SUFFIX:
+                    raise CorruptBlock("file name is not its key")
+                if st.st_size != header + payload:
+                    raise CorruptBlock(f"size {st.st_size}, header says {header + payload}")
+            except ForeignBlock:
+                self.refused_removed += 1
+                self._unlink(path)
+                continue
+            except CorruptBlock:
+                self.corrupt_removed += 1
+                self._unlink(path)
+                continue
+            found.append((st.st_mtime_ns, name, meta, st.st_size))
+        found.sort(key=lambda f: (f[0], f[1]))
+        for mtime, _, meta, size in found:
+            self._index[meta.key] = (meta, size)
+            self.bytes += size
+            self._clock = max(self._clock, mtime)
+        with self._lock:
+            self._evict_to(self.max_bytes)
+
+    # ---- queries
+    @property
+    def pages(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[bytes]:
+        """Keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        item = self._index.get(key)
+        return None if item is None else item[0]
+
+    def path(self, key: bytes) -> str:
+        return os.path.join(self.directory, key.hex() + SUFFIX)
+
+    # ---- reads and writes
+    def get(self, key: bytes) -> bytes | None:
+        """The block's payload, verified, and the block becomes the most recently used; None if it
+        is not stored or fails its checks (then it is deleted)."""
+        if key not in self._index:
+            return None
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(key)
+            return None
+        try:
+            meta, header, n_payload = _parse_header(data, self.fingerprint)
+            if meta.key != key:
+                raise CorruptBlock("key differs from the file name")
+            if len(data) != header + n_payload:
+                raise CorruptBlock(f"{len(data)} bytes, header says {header + n_payload}")
+            digest = hashlib.blake2b(memoryview(data)[_PREFIX:], digest_size=_DIGEST).digest()
+            if digest != data[len(MAGIC) : _PREFIX]:
+                raise CorruptBlock("checksum mismatch")
+        except CorruptBlock:
+            with self._lock:
+                self.corrupt_removed += 1
+                self._forget(key)
+                self._unlink(path)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                self._touch(path)
+        return data[header:]
+
+    def put(self, meta: BlockMeta, payload: bytes) -> bool:
+        """Stores the block as the most recently used (atomically; evicting LRU files to stay within
+        budget). False if it cannot be stored (larger than the budget, or an OS error)."""
+        with self._lock:
+            if meta.key in self._index:
+                self._index.move_to_end(meta.key)
+                self._touch(self.path(meta.key))
+                return True
+            self._temp_seq += 1
+            temp = os.path.join(
+                self.directory, f"{meta.key.hex()}.{os.getpid()}.{self._temp_seq}{TEMP_SUFFIX}"
+            )
+        parts = _encode(self.fingerprint, meta, payload)
+        size = sum(len(p) for p in parts)
+        if size > self.max_bytes:
+            return False
+        try:
+            _write_temp(temp, parts)
+        except OSError:
+            self.write_errors += 1
+            self._unlink(temp)
+            return False
+        with self._lock:
+            if meta.key in self._index:  # another writer got there first
+                self._unlink(temp)
+                return True
+            self._evict_to(self.max_bytes - size)
+            try:
+                os.replace(temp, self.path(meta.key))
+                self._fsync_dir()
+            except OSError:
+                self.write_errors += 1
+                self._unlink(temp)
+                return False
+            self._index[meta.key] = (meta, size)
+            self.bytes += size
+            self._touch(self.path(meta.key))
+        return True
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    # ---- internals (callers hold self._lock where the index changes)
+    def _evict_to(self, budget: int) -> None:
+        while self._index and self.bytes > budget:
+            key, _ = next(iter(self._index.items()))
+            self.evictions += 1
+            self._forget(key)
+            self._unlink(self.path(key))
+
+    def _forget(self, key: bytes) -> None:
+        item = self._index.pop(key, None)
+        if item is not None:
+            self.bytes -= item[1]
+
+    def _touch(self, path: str) -> None:
+        self._clock = max(self._clock + 1, time.time_ns())
+        try:
+            os.utime(path, ns=(self._clock, self._clock))
+        except OSError:
+            pass  # the order on disk is a hint for the next start-up only
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+# ------------------------------------------------------------------------------------- tiers
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Counters since start (gauges: `TieredKV.gauges()`)."""
+
+    demotions: int = 0  # blocks handed to `demote`
+    host_to_disk: int = 0  # blocks host pressure pushed down (written, or already on disk)
+    dropped: int = 0  # blocks no tier could keep (host pressure without a disk, or disk refused)
+    hits_host: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    promotions: int = 0  # disk -> host, by lookup or prefetch
+    prefetched: int = 0  # of which by prefetch
+    promotion_latency_s: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=1024)
+    )  # disk read + verify + insert, per promoted block (latest 1024)
+
+
+class TieredKV:
+    """Host memory over an optional disk, below the device pages (module docstring). Thread-safe;
+    disk writes and prefetches run on one background thread, in submission order."""
+
+    def __init__(self, host: HostTier, disk: DiskTier | None = None):
+        self.host = host
+        self.disk = disk
+        self.stats = TierStats()
+        self._lock = threading.RLock()
+        self._pending: dict[bytes, tuple[BlockMeta, bytes]] = {}  # pushed off host, not yet on disk
+        self._inflight: dict[bytes, concurrent.futures.Future] = {}  # key -> its prefetch
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers")
+        self._futures: set[concurrent.futures.Future] = set()
+        self._futures_lock = threading.Lock()
+
+    # ---- gauges
+    def gauges(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "host_pages": self.host.pages,
+                "host_bytes": self.host.bytes,
+                "pending_pages": len(self._pending),
+                "pending_bytes": sum(len(b) for _, b in self._pending.values()),
+                "disk_pages": self.disk.pages if self.disk else 0,
+                "disk_bytes": self.disk.bytes if self.disk else 0,
+                "disk_evictions": self.disk.evictions if self.disk else 0,
+                "disk_corrupt_removed": self.disk.corrupt_removed if self.disk else 0,
+                "disk_write_errors": self.disk.write_errors if self.disk else 0,
+            }
+
+    # ---- demotion
+    def demote(
+        self,
+        key: bytes,
+        parent_key: bytes,
+        tokens: Sequence[int] | np.ndarray,
+        blob: bytes,
+        *,
+        scope: bytes | None = None,
+        extra: bytes = b"",
+    ) -> None:
+        """Keeps a block the device cache evicted: on host, pushing host LRU blocks to disk.
+        `scope` is the block's scope tag (`CacheEntry.scope`; default: the shared scope's)."""
+        meta = make_meta(key, parent_key, tokens, scope_tag("") if scope is None else scope, extra)
+        blob = bytes(blob)
+        with self._lock:
+            self.stats.demotions += 1
+            self._to_host(meta, blob)
+
+    def _to_host(self, meta: BlockMeta, blob: bytes) -> None:
+        for m, b in self.host.put(meta, blob):
+            self._push_down(m, b)
+
+    def _push_down(self, meta: BlockMeta, blob: bytes) -> None:
+        if self.disk is None:
+            self.stats.dropped += 1
+            return
+        self.stats.host_to_disk += 1
+        if meta.key in self.disk:
+            self._submit(self.disk.put, meta, blob)  # refreshes its LRU position; no write
+            return
+        self._pending[meta.key] = (meta, blob)
+        self._submit(self._write, meta, blob)
+
+    def _write(self, meta: BlockMeta, blob: bytes) -> None:
+        ok = False
+        try:
+            ok = self.disk.put(meta, blob)
+        finally:
+            with self._lock:
+                if self._pending.get(meta.key, (None,))[0] is meta:
+                    del self._pending[meta.key]
+                if not ok:
+                    self.stats.dropped += 1
+
+    # ---- lookups
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self.host or key in self._pending or (self.disk is not None and key in self.disk)
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        with self._lock:
+            m = self.host.meta(key)
+            if m is None and key in self._pending:
+                m = self._pending[key][0]
+            if m is None and self.disk is not None:
+                m = self.disk.meta(key)
+            return m
+
+    def lookup(self, key: bytes) -> tuple[bytes, str] | None:
+        """(blob, "host" | "disk") for a stored block, or None. A disk hit is promoted to host."""
+        future = self._inflight.get(key)
+        if future is not None:
+            future.result()  # a prefetch is reading it: wait for it rather than read twice
+        with self._lock:
+            blob = self.host.get(key)
+            if blob is None and key in self._pending:
+                meta, blob = self._pending[key]
+                self._to_host(meta, blob)  # back on host; the disk write goes on
+            if blob is not None:
+                self.stats.hits_host += 1
+                return blob, "host"
+        blob = self._promote(key) if self.disk is not None else None
+        with self._lock:
+            if blob is not None:
+                self.stats.hits_disk += 1
+                return blob, "disk"
+            self.stats.misses += 1
+        return None
+
+    def _promote(self, key: bytes, *, prefetch: bool = False) -> bytes | None:
+        """Reads a disk block into host memory (if it fits there) and returns it; None if it is not
+        on disk or failed its checks."""
+        t0 = time.perf_counter()
+        meta = self.disk.meta(key)
+        blob = self.disk.get(key)
+        if blob is None or meta is None:
+            return None
+        with self._lock:
+            self._to_host(meta, blob)
+            self.stats.promotions += 1
+            self.stats.prefetched += prefetch
+            self.stats.promotion_latency_s.append(time.perf_counter() - t0)
+        return blob
+
+    def chain(
+        self,
+        parent: bytes,
+        tag: bytes,
+        token_ids: Sequence[int] | np.ndarray,
+        page_size: int,
+        *,
+        start_block: int = 0,
+        max_blocks: int | None = None,
+        block_extras: Sequence[bytes] | None = None,
+    ) -> list[BlockMeta]:
+        """The stored blocks that continue the chain at `parent` (the key of block start_block - 1,
+        ROOT_KEY for none) with blocks start_block, start_block + 1, ... of `token_ids`, in scope
+        `tag`, up to the first one no tier holds (tokens and extra compared, as `PagePool.match`).
+        block_extras[i]: block i's `block_key` extra (indexed from block 0)."""
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        n = len(tokens) // page_size
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        out, key = [], parent
+        for i in range(start_block, n):
+            block = tokens[i * page_size : (i + 1) * page_size]
+            extra = block_extras[i] if block_extras is not None else b""
+            key = block_key(key, tag, block, extra)
+            meta = self.meta(key)
+            if meta is None or not np.array_equal(meta.tokens, block) or meta.extra != extra:
+                break
+            out.append(meta)
+        return out
+
+    def prefetch(self, keys: Iterable[bytes]) -> concurrent.futures.Future:
+        """Starts reading the disk blocks among `keys` into host memory on the background thread;
+        the future gives how many were promoted."""
+        with self._lock:
+            todo = [
+                k
+                for k in dict.fromkeys(keys)
+                if self.disk is not None
+                and k in self.disk
+                and k not in self.host
+                and k not in self._pending
+                and k not in self._inflight
+            ]
+            future = self._submit(self._prefetch_all, todo)
+            for k in todo:
+                self._inflight[k] = future
+        return future
+
+    def _prefetch_all(self, keys: list[bytes]) -> int:
+        done = 0
+        try:
+            for k in keys:
+                with self._lock:
+                    if k in self.host:
+                        continue
+                done += self._promote(k, prefetch=True) is not None
+        finally:
+            with self._lock:
+                for k in keys:
+                    self._inflight.pop(k, None)
+        return done
+
+    # ---- lifecycle
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        future = self._worker.submit(fn, *args)
+        with self._futures_lock:
+            self._futures.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: concurrent.futures.Future) -> None:
+        with self._futures_lock:
+            self._futures.discard(future)
+
+    def flush(self) -> None:
+        """Waits for the background writes and prefetches submitted so far."""
+        while True:
+            with self._futures_lock:
+                pending = list(self._futures)
+            if not pending:
+                return
+            concurrent.futures.wait(pending)
+
+    def close(self) -> None:
+        """Finishes the pending disk writes and releases the disk directory."""
+        self.flush()
+        self._worker.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
