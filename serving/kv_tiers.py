@@ -37,16 +37,18 @@ Intended integration (scheduler and engine; not wired here):
    state (jit, with n bucketed), then `for e, blob in zip(evicted, layout.pack(contents)):
    tiers.demote(e.key, e.parent, e.tokens, blob, scope=e.scope, extra=e.extra)` and clear `evicted`.
    (The state is immutable, so a read dispatched before the writing step sees the old bytes.)
-3. Enqueue: `m = pool.match(prompt, ...)`; `parent = m.entries[-1].key if len(m) else ROOT_KEY`;
-   `tiers.prefetch([b.key for b in tiers.chain(parent, scope_tag(scope), prompt, start_block=len(m),
-   max_blocks=..., block_extras=...)])` so that disk blocks are on host by admission.
+3. Enqueue: `m = pool.match(prompt, max_blocks=(n - 1) // page_size, ...)`; `parent =
+   m.entries[-1].key if len(m) else ROOT_KEY`; `tiers.prefetch([b.key for b in tiers.chain(parent,
+   scope_tag(scope), prompt, page_size, start_block=len(m), max_blocks=(n - 1) // page_size,
+   block_extras=...)])` so that disk blocks are on host by admission.
 4. Admission: the same `match` and `chain`; allocate pages for the chained blocks along with the
    rest; `blob, tier = tiers.lookup(b.key)` for each in order (stop at the first None: it was evicted
    meanwhile); `state = write_pages(state, pages, layout.unpack(blobs))`;
    `pool.register_restored(b.parent, b.scope, b.tokens, page, extra=b.extra)`; the restored blocks
    count as cached prompt tokens, and the SWA rings are rebuilt by replaying the last window.
-5. Shutdown: `tiers.close()` writes what is pending to disk; the next start with the same directory
-   and fingerprint finds it (step 3 reaches disk blocks from the root, as the device cache is empty).
+5. Shutdown: `tiers.spill()` (optional: host blocks to disk too) then `tiers.close()`, which
+   finishes the pending writes; the next start with the same directory and fingerprint finds them
+   (step 3 reaches disk blocks from the root, as the device cache is empty).
 Metrics: `tiers.stats` (counters, promotion latency samples) and `tiers.gauges()` (pages and bytes
 per tier); exporting them is the caller's.
 """
@@ -440,7 +442,8 @@ class TierStats:
     """Counters since start (gauges: `TieredKV.gauges()`)."""
 
     demotions: int = 0  # blocks handed to `demote`
-    host_to_disk: int = 0  # blocks host pressure pushed down (written, or already on disk)
+    host_evictions: int = 0  # blocks host pressure pushed out (to disk, or dropped without one)
+    host_to_disk: int = 0  # of which handed to the disk (written, or already there)
     dropped: int = 0  # blocks no tier could keep (host pressure without a disk, or disk refused)
     hits_host: int = 0
     hits_disk: int = 0
@@ -454,7 +457,7 @@ class TierStats:
 
 class TieredKV:
     """Host memory over an optional disk, below the device pages (module docstring). Thread-safe;
-    disk writes and prefetches run on one background thread, in submission order."""
+    disk writes run on a background thread in submission order, prefetches on another."""
 
     def __init__(self, host: HostTier, disk: DiskTier | None = None):
         self.host = host
@@ -463,7 +466,9 @@ class TieredKV:
         self._lock = threading.RLock()
         self._pending: dict[bytes, tuple[BlockMeta, bytes]] = {}  # pushed off host, not yet on disk
         self._inflight: dict[bytes, concurrent.futures.Future] = {}  # key -> its prefetch
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers")
+        # one thread writes to disk, one reads ahead (so a prefetch never waits behind writes)
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write")
+        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
         self._futures: set[concurrent.futures.Future] = set()
         self._futures_lock = threading.Lock()
 
@@ -506,15 +511,16 @@ class TieredKV:
             self._push_down(m, b)
 
     def _push_down(self, meta: BlockMeta, blob: bytes) -> None:
+        self.stats.host_evictions += 1
         if self.disk is None:
             self.stats.dropped += 1
             return
         self.stats.host_to_disk += 1
         if meta.key in self.disk:
-            self._submit(self.disk.put, meta, blob)  # refreshes its LRU position; no write
+            self._submit(self._writer, self.disk.put, meta, blob)  # refreshes its LRU position
             return
         self._pending[meta.key] = (meta, blob)
-        self._submit(self._write, meta, blob)
+        self._submit(self._writer, self._write, meta, blob)
 
     def _write(self, meta: BlockMeta, blob: bytes) -> None:
         ok = False
@@ -543,9 +549,6 @@ class TieredKV:
 
     def lookup(self, key: bytes) -> tuple[bytes, str] | None:
         """(blob, "host" | "disk") for a stored block, or None. A disk hit is promoted to host."""
-        future = self._inflight.get(key)
-        if future is not None:
-            future.result()  # a prefetch is reading it: wait for it rather than read twice
         with self._lock:
             blob = self.host.get(key)
             if blob is None and key in self._pending:
@@ -571,6 +574,9 @@ class TieredKV:
         if blob is None or meta is None:
             return None
         with self._lock:
+            if key in self.host:  # a prefetch and a lookup both read it: count it once
+                self.host.get(key)
+                return blob
             self._to_host(meta, blob)
             self.stats.promotions += 1
             self.stats.prefetched += prefetch
@@ -620,7 +626,7 @@ class TieredKV:
                 and k not in self._pending
                 and k not in self._inflight
             ]
-            future = self._submit(self._prefetch_all, todo)
+            future = self._submit(self._reader, self._prefetch_all, todo)
             for k in todo:
                 self._inflight[k] = future
         return future
@@ -640,8 +646,8 @@ class TieredKV:
         return done
 
     # ---- lifecycle
-    def _submit(self, fn, *args) -> concurrent.futures.Future:
-        future = self._worker.submit(fn, *args)
+    def _submit(self, worker, fn, *args) -> concurrent.futures.Future:
+        future = worker.submit(fn, *args)
         with self._futures_lock:
             self._futures.add(future)
         future.add_done_callback(self._done)
@@ -660,9 +666,23 @@ class TieredKV:
                 return
             concurrent.futures.wait(pending)
 
-    def close(self) -> None:
-        """Finishes the pending disk writes and releases the disk directory."""
+    def spill(self) -> None:
+        """Writes every host block that is not on disk yet to disk (oldest first, so the disk's LRU
+        order follows the host's) and waits: before a restart that should find them (warm restart).
+        The blocks stay on host."""
+        if self.disk is None:
+            return
+        with self._lock:
+            items = [(self.host.meta(k), self.host._entries[k][1]) for k in self.host.keys()]
+        for meta, blob in items:
+            self._submit(self._writer, self.disk.put, meta, blob)
         self.flush()
-        self._worker.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Finishes the pending disk writes and releases the disk directory (host blocks are not
+        written: `spill` first to keep them)."""
+        self.flush()
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
