@@ -223,7 +223,7 @@ def test_tiers_demote_push_down_promote_and_count(tmp_path):
     blocks = _chain(6)
     keys = [m.key for m, _ in blocks]
     payload = {m.key: p for m, p in blocks}
-    tiers = TieredKV(HostTier(2 * B), DiskTier(tmp_path, 3 * FILE, FP))
+    tiers = TieredKV(HostTier(2 * B), DiskTier(tmp_path, 3 * FILE, FP), writer_threads=1)  # exact order
     for m, p in blocks[:3]:
         tiers.demote(m.key, m.parent, m.tokens, p)
     tiers.flush()
@@ -271,23 +271,26 @@ def test_tiers_demote_push_down_promote_and_count(tmp_path):
 
 def test_blocks_waiting_for_their_disk_write_stay_readable(tmp_path):
     (a, pa), (b, pb) = _chain(2)
-    tiers = TieredKV(HostTier(B), DiskTier(tmp_path, 10 * FILE, FP))
+    tiers = TieredKV(HostTier(B), DiskTier(tmp_path, 10 * FILE, FP), writer_threads=1, max_pending_bytes=B)
     gate = threading.Event()
     tiers._submit(tiers._writer, gate.wait)  # hold the writer thread
     tiers.demote(a.key, a.parent, a.tokens, pa)
     tiers.demote(b.key, b.parent, b.tokens, pb)  # pushes a down: queued behind the gate
     assert tiers.gauges()["pending_pages"] == 1 and not os.path.exists(tiers.disk.path(a.key))
-    assert tiers.contains(a.key) and tiers.lookup(a.key) == (pa, "host")
+    assert tiers.contains(a.key) and tiers.lookup(a.key) == (pa, "host")  # pushes b down: no room
+    assert tiers.stats.backlog_drops == 1 and not tiers.contains(b.key)
+    assert tiers.gauges()["pending_bytes"] == B
     gate.set()
     tiers.flush()
-    assert tiers.disk.keys() == [a.key, b.key] and tiers.gauges()["pending_pages"] == 0
+    assert tiers.disk.keys() == [a.key] and tiers.gauges()["pending_pages"] == 0
+    assert tiers.gauges()["pending_bytes"] == 0 and tiers.host.keys() == [a.key]
     tiers.close()
 
 
 def test_prefetch_moves_disk_blocks_to_host(tmp_path):
     blocks = _chain(6)
     keys = [m.key for m, _ in blocks]
-    tiers = TieredKV(HostTier(3 * B), DiskTier(tmp_path, 10 * FILE, FP))
+    tiers = TieredKV(HostTier(3 * B), DiskTier(tmp_path, 10 * FILE, FP), writer_threads=1)
     for m, p in blocks:
         tiers.demote(m.key, m.parent, m.tokens, p)
     tiers.flush()
@@ -419,7 +422,7 @@ def test_tiny_pages_device_to_disk_to_device_bit_identical(tmp_path):
     sizes = {os.path.getsize(os.path.join(tmp_path, f)) for f in _files(tmp_path, ".kvb")}
     assert sizes == {layout.page_bytes + FILE - B}
     tiers = TieredKV(HostTier(layout.page_bytes), DiskTier(tmp_path, 10 * (layout.page_bytes + 1024), fp))
-    assert tiers.disk.keys() == [m.key for m, _ in blocks[:2]]  # the host's block was not kept
+    assert set(tiers.disk.keys()) == {m.key for m, _ in blocks[:2]}  # the host's block was not kept
     tiers.demote(blocks[2][0].key, blocks[2][0].parent, blocks[2][0].tokens, blobs[2])
     tiers.spill()  # now it is
     tiers.close()
