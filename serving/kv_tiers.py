@@ -137,6 +137,10 @@ class HostTier:
         item = self._entries.get(key)
         return None if item is None else item[0]
 
+    def items(self) -> list[tuple[BlockMeta, bytes]]:
+        """(meta, blob) of every block, least recently used first (no entry is touched)."""
+        return list(self._entries.values())
+
     def get(self, key: bytes) -> bytes | None:
         """The blob (and the entry becomes the most recently used), or None."""
         item = self._entries.get(key)
@@ -706,7 +710,7 @@ class TieredKV:
         if self.disk is None:
             return
         with self._lock:
-            items = [(self.host.meta(k), self.host._entries[k][1]) for k in self.host.keys()]
+            items = self.host.items()
         for meta, blob in items:
             self._submit(self._writer, self.disk.put, meta, blob)
         self.flush()
