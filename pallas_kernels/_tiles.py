@@ -66,3 +66,49 @@ def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] . b [K, N] -> f32 [M, N], operands in bf16 (see `dot_nt`)."""
     return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------- the reference's order on XLA:CPU
+# In interpret mode a kernel body runs as XLA:CPU operations, where the order an f32 sum is taken in
+# depends on the operation's form: a dot with bf16 operands runs through another CPU kernel than the
+# reference path's f32 (HIGHEST) dot of the same exact products, a reduce sums in another order than
+# the reference's product with ones (`ced_jax.quant.sum_last`), and two half-width dots (FP4 even /
+# odd columns) add in another order than one dot over the whole contraction. Each of these moves an
+# f32 result by an ulp, and at a bf16 rounding tie the kernel's output by one bf16 ulp, which the
+# model can amplify into a different top-k entry, expert or token. So the kernels take
+# `reference_order=True` in interpret mode and then form their sums exactly as the reference does
+# (the helpers below); on hardware (Mosaic, Triton) they keep bf16 operands, the matrix unit's native
+# input, and a plain reduce: the same products, their own accumulation order.
+
+
+def dot_nt_f32(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`dot_nt` with f32 operands at HIGHEST precision: the reference path's own product (same exact
+    products, and on XLA:CPU the same summation order)."""
+    return jax.lax.dot_general(
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        (((1,), (1,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def dot_nn_f32(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`dot_nn` with f32 operands at HIGHEST precision (see `dot_nt_f32`)."""
+    return jax.lax.dot_general(
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        (((1,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def row_sum(x: jax.Array, *, reference_order: bool) -> jax.Array:
+    """f32 [R, N] -> f32 [R, 1], the sum over N. reference_order: as an f32 product against two
+    columns of ones, the form of the reference's sum (`ced_jax.quant.sum_last`; exact products, so
+    only the accumulation order is the product's); otherwise a reduce."""
+    if not reference_order:
+        return x.sum(axis=1, keepdims=True)
+    ones = jnp.ones((2, x.shape[-1]), jnp.float32)
+    return dot_nt_f32(x, ones)[:, :1]

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import formats
-from pallas_kernels._tiles import dot_nt, expand_scales_mxu, fp4_halves
+from pallas_kernels._tiles import dot_nt, dot_nt_f32, expand_scales_mxu, fp4_halves, interleave
 from pallas_kernels.grouped_matmul.common import TileConfig, group_offsets, round_up, validate_inputs
 
 
@@ -63,7 +63,9 @@ def visit_list(offsets: jax.Array, tm: int, m_tiles: int) -> tuple[jax.Array, ja
     return expert.astype(jnp.int32), tile.astype(jnp.int32), in_group.astype(jnp.int32)
 
 
-def _kernel(offs_ref, gid_ref, tid_ref, valid_ref, lhs_e_ref, lhs_o_ref, w_ref, s_ref, out_ref, *, tm):
+def _kernel(
+    offs_ref, gid_ref, tid_ref, valid_ref, lhs_e_ref, lhs_o_ref, w_ref, s_ref, out_ref, *, tm, reference_order
+):
     v = pl.program_id(1)
     tile = tid_ref[v]
     g = gid_ref[v]
@@ -76,7 +78,11 @@ def _kernel(offs_ref, gid_ref, tid_ref, valid_ref, lhs_e_ref, lhs_o_ref, w_ref, 
     def _():
         even, odd = fp4_halves(w_ref[...])  # [tn, K/2] each
         scale = expand_scales_mxu(formats.decode_ue8m0(s_ref[...].astype(jnp.int32)), 16)
-        prod = dot_nt(lhs_e_ref[...], even * scale) + dot_nt(lhs_o_ref[...], odd * scale)
+        if reference_order:  # interpret mode: the reference's f32 product over all of K (`_tiles`)
+            lhs = interleave(lhs_e_ref[...], lhs_o_ref[...])
+            prod = dot_nt_f32(lhs, interleave(even * scale, odd * scale))
+        else:
+            prod = dot_nt(lhs_e_ref[...], even * scale) + dot_nt(lhs_o_ref[...], odd * scale)
         rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
         mask = (rows >= offs_ref[g]) & (rows < offs_ref[g + 1])
         out_ref[...] += jnp.where(mask, prod, 0.0)
@@ -109,7 +115,7 @@ def gmm(lhs, w_packed, w_scale, group_sizes, *, interpret=False, config: TileCon
         out_specs=pl.BlockSpec((tm, tn), lambda j, v, offs, gid, tid, ok: (tid[v], j)),
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, tm=tm),
+        functools.partial(_kernel, tm=tm, reference_order=bool(interpret)),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((m_pad, n), jnp.float32),
         compiler_params=pltpu.CompilerParams(

@@ -21,12 +21,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import formats
-from pallas_kernels._tiles import dot_nt, expand_scales_mxu, fp4_halves
+from pallas_kernels._tiles import dot_nt, dot_nt_f32, expand_scales_mxu, fp4_halves, interleave
 from pallas_kernels.indexer.common import TileConfig, pages_needed, select_topk, validate_inputs
 
 
 def _kernel(
-    table_ref, needed_ref, qe_ref, qo_ref, w_ref, nvis_ref, keys_ref, out_ref, *, n_heads, dk, per_page
+    table_ref,
+    needed_ref,
+    qe_ref,
+    qo_ref,
+    w_ref,
+    nvis_ref,
+    keys_ref,
+    out_ref,
+    *,
+    n_heads,
+    dk,
+    per_page,
+    reference_order,
 ):
     b = pl.program_id(0)
     page = pl.program_id(2)
@@ -43,7 +55,10 @@ def _kernel(
         ke, ko = even * spread, odd * spread
 
         def head(h, acc):
-            s = formats.round_bf16(dot_nt(qe_ref[h], ke) + dot_nt(qo_ref[h], ko))  # [rows, S]
+            if reference_order:  # interpret mode: the reference's f32 product over all of Dk (`_tiles`)
+                s = formats.round_bf16(dot_nt_f32(interleave(qe_ref[h], qo_ref[h]), interleave(ke, ko)))
+            else:
+                s = formats.round_bf16(dot_nt(qe_ref[h], ke) + dot_nt(qo_ref[h], ko))  # [rows, S]
             return acc + formats.round_bf16(jnp.maximum(s, 0.0) * w_ref[h])
 
         total = jax.lax.fori_loop(0, n_heads, head, jnp.zeros(out_ref.shape, jnp.float32))
@@ -89,7 +104,9 @@ def index_scores(
         out_specs=pl.BlockSpec((None, None, tq, per_page), lambda bi, ti, si, tab, need: (bi, si, ti, 0)),
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, n_heads=n_heads, dk=dk, per_page=per_page),
+        functools.partial(
+            _kernel, n_heads=n_heads, dk=dk, per_page=per_page, reference_order=bool(interpret)
+        ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((b, n, t_pad, per_page), jnp.float32),
         compiler_params=pltpu.CompilerParams(

@@ -32,7 +32,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import formats
-from pallas_kernels._tiles import dot_nn, dot_nt, expand_scales_mxu, fp4_halves
+from pallas_kernels._tiles import (
+    dot_nn,
+    dot_nn_f32,
+    dot_nt,
+    dot_nt_f32,
+    expand_scales_mxu,
+    fp4_halves,
+    interleave,
+    row_sum,
+)
 from pallas_kernels.sparse_attention.common import (
     NEG_FLOOR,
     TileConfig,
@@ -46,7 +55,7 @@ def _finite(x):
     return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
-def _kernel(*refs, fmts, n_entries, rows_per_step, dim, scale):
+def _kernel(*refs, fmts, n_entries, rows_per_step, dim, scale, reference_order):
     n_seg = len(fmts)
     has_fp8, has_fp4 = "fp8" in fmts, "fp4" in fmts
     it = iter(refs)
@@ -101,6 +110,10 @@ def _kernel(*refs, fmts, n_entries, rows_per_step, dim, scale):
 
     copies(rows_cur, slot, start=False)
 
+    # Interpret mode sums as the reference does (`_tiles`, "the reference's order on XLA:CPU"):
+    # f32 products, FP4 entries as whole rows, the denominator as a product with ones.
+    dot_qk, dot_pv = (dot_nt_f32, dot_nn_f32) if reference_order else (dot_nt, dot_nn)
+
     def one_query(r, carry):
         logits, keys = [], []
         for s, fmt in enumerate(fmts):
@@ -110,14 +123,17 @@ def _kernel(*refs, fmts, n_entries, rows_per_step, dim, scale):
                 vals = buf[slot, r, :, pl.ds(0, dim)].astype(jnp.int32)
                 scales = formats.decode_ue8m0(buf[slot, r, :, pl.ds(dim, dim // 32)].astype(jnp.int32))
                 k = formats.decode_e4m3(vals) * expand_scales_mxu(scales, 32)  # [N, D]
-                logit = dot_nt(q_ref[r], k)
+                logit = dot_qk(q_ref[r], k)
                 keys.append((_finite(k),))
             else:
                 even, odd = fp4_halves(buf[slot, r, :, pl.ds(0, dim // 2)])
                 scales = formats.decode_e4m3(buf[slot, r, :, pl.ds(dim // 2, dim // 16)].astype(jnp.int32))
                 spread = expand_scales_mxu(scales, 8)  # [N, D/2]
                 ke, ko = even * spread, odd * spread
-                logit = dot_nt(qe_ref[r], ke) + dot_nt(qo_ref[r], ko)
+                if reference_order:  # one product over the whole head dim, in index order
+                    logit = dot_qk(interleave(qe_ref[r], qo_ref[r]), interleave(ke, ko))
+                else:
+                    logit = dot_qk(qe_ref[r], ke) + dot_qk(qo_ref[r], ko)
                 keys.append((_finite(ke), _finite(ko)))
             logits.append(jnp.where(valid, logit * scale, -jnp.inf))  # [H, N]
         row_max = logits[0].max(axis=1, keepdims=True)
@@ -128,13 +144,18 @@ def _kernel(*refs, fmts, n_entries, rows_per_step, dim, scale):
         acc = acc_e = acc_o = None
         for logit, key in zip(logits, keys, strict=True):
             p = jnp.exp(logit - row_max)
-            denom = denom + p.sum(axis=1, keepdims=True)
+            denom = denom + row_sum(p, reference_order=reference_order)
             pb = formats.round_bf16(p)
             if len(key) == 1:
-                part = dot_nn(pb, key[0])
+                part = dot_pv(pb, key[0])
                 acc = part if acc is None else acc + part
+            elif reference_order:  # one product over the whole head dim, split afterwards
+                both = dot_pv(pb, interleave(*key))
+                pe, po = both[:, 0::2], both[:, 1::2]
+                acc_e = pe if acc_e is None else acc_e + pe
+                acc_o = po if acc_o is None else acc_o + po
             else:
-                pe, po = dot_nn(pb, key[0]), dot_nn(pb, key[1])
+                pe, po = dot_pv(pb, key[0]), dot_pv(pb, key[1])
                 acc_e = pe if acc_e is None else acc_e + pe
                 acc_o = po if acc_o is None else acc_o + po
         if has_fp8:
@@ -192,7 +213,13 @@ def _rows_attention(q_rows, flat, fmts, sink, scale, interpret, cfg: TileConfig)
 
     outs = pl.pallas_call(
         functools.partial(
-            _kernel, fmts=tuple(fmts), n_entries=tuple(n_entries), rows_per_step=tq, dim=d, scale=float(scale)
+            _kernel,
+            fmts=tuple(fmts),
+            n_entries=tuple(n_entries),
+            rows_per_step=tq,
+            dim=d,
+            scale=float(scale),
+            reference_order=bool(interpret),
         ),
         grid=(steps,),
         in_specs=cur
