@@ -188,9 +188,10 @@ def index_scores(
     impl="reference" unpacks the row's pages through the table and sums the heads in order 0..I-1
     as explicit adds (the model's formula, `index_scores_unpacked`); impl="pallas..." runs
     `pallas_kernels.indexer.index_scores`, which reads each page through the table inside the
-    kernel and sums the heads in order 0..I-1 in its own arithmetic, so the two may differ by one
-    bf16 ulp where the sum straddles a rounding tie. The contract (and the shapes each kernel supports) is
-    `pallas_kernels.indexer.common`."""
+    kernel and sums the heads in order 0..I-1: in interpret mode with the reference's products (the
+    TPU kernel then equals this path bit for bit), on hardware with its own accumulation inside each
+    head's dot, so the two may differ by one bf16 ulp where a score straddles a rounding tie. The
+    contract (and the shapes each kernel supports) is `pallas_kernels.indexer.common`."""
     from pallas_kernels import indexer
 
     kind, backend, interpret = parse_impl(impl)

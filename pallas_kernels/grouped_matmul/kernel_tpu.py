@@ -12,7 +12,9 @@ Inside a visit, the expert's packed weight tile u8 [tn, K/2] is dequantised in V
 the even K indices, high nibbles the odd ones. Rather than interleaving them along lanes, the
 wrapper splits lhs into its even and odd columns and the kernel does two matmuls. Scales are spread
 along lanes with a 0/1 matmul (`_tiles.expand_scales_mxu`). Operands reach the MXU in bf16, exact
-for FP8-dequantised activations and FP4 weights, with f32 accumulation.
+for FP8-dequantised activations and FP4 weights, with f32 accumulation. In interpret mode the halves
+are put back together and multiplied as one f32 product over all of K, the reference's (`_tiles`,
+"the reference's order on XLA:CPU").
 """
 
 from __future__ import annotations

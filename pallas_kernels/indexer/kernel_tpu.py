@@ -6,7 +6,9 @@ scalar-prefetched page table, and pages past the keys any of the sequence's quer
 mapped onto the last needed page (no new DMA) and skipped. The
 key page is dequantised in VMEM (nibbles split into even / odd halves, matched by q's even / odd
 columns; scales spread with a 0/1 matmul, see `_tiles`), then each head's bf16 dot is rounded,
-relu'd, weighted, rounded and added in head order (the contract's summation order).
+relu'd, weighted, rounded and added in head order (the contract's summation order). In interpret
+mode each head's dot is one f32 product over the whole index head dim, the reference's (`_tiles`,
+"the reference's order on XLA:CPU"), so the scores equal the reference path's bit for bit.
 
 The page table is scalar prefetch, so it must fit in SMEM: B * pages_per_seq words.
 """

@@ -20,6 +20,11 @@ come from bytes never written (a buffer row of an invalid id, masked out of the 
 valid entry that is itself corrupt. Logits are formed from the decoded keys as they are, so a corrupt
 valid entry makes its query's output NaN, as in the reference; P.V uses the keys with non-finite
 values zeroed, so the garbage rows of invalid ids meet their zero probability as 0 * 0, not 0 * NaN.
+
+In interpret mode the sums are the reference's (`_tiles`, "the reference's order on XLA:CPU"): f32
+products, FP4 entries put back into whole rows for q.k and P.V, the denominator as a product with
+ones; the output then equals `ced_jax.ops.sparse_attention`'s bit for bit on the same segments. On
+hardware the operands stay bf16 (exact) and the denominator a reduce.
 """
 
 from __future__ import annotations
