@@ -404,6 +404,7 @@ def cmd_logits(args) -> int:
             patch_layers=_read_patch_layers(args.patch_layers, bool(patch)),
             token_types=types,
             span_embeds=spans,
+            prefill_mode=args.prefill_mode,
         )
     outputs = {"prefill_logits_full": result["prefill_logits_full"], "decode_logits": result["decode_logits"]}
     if patch:
@@ -445,6 +446,7 @@ def cmd_generate(args) -> int:
             seed=args.seed,
             images=images or None,
             dspark=args.dspark,
+            prefill_mode=args.prefill_mode,
         )
     if not _is_writer():
         return 0
@@ -453,6 +455,19 @@ def cmd_generate(args) -> int:
     else:
         print(result.get("text", result["token_ids"]))
     return 0
+
+
+def _add_prefill_mode_option(p, default: str, *, per_request: bool = False) -> None:
+    p.add_argument(
+        "--prefill-mode",
+        choices=("exact", "ced"),
+        default=default,
+        help="exact: every layer over every prompt token (the reference's numbers); ced: the causal "
+        "encoder-decoder prefill (spec 4.2), the encoder layers over the whole prompt and the decoder "
+        "layers only over its last sliding window (about half the prefill work on long prompts, not "
+        f"bit-identical). Default {default}"
+        + (" (per request: GenerateRequest.prefill_mode, the HTTP body's prefill_mode)" if per_request else ""),
+    )
 
 
 def _add_mesh_options(p: argparse.ArgumentParser) -> None:
@@ -610,6 +625,7 @@ def cmd_serve(args) -> int:
         max_prompt_bytes=args.max_prompt_bytes,
         max_tokenize_bytes=args.max_tokenize_bytes,
         enable_prefix_cache=not args.no_prefix_cache,
+        prefill_mode=args.prefill_mode,
         **_dspark_options(args),
         api_keys=api_keys,
         share_prefix_cache=args.shared_prefix_cache,
@@ -936,6 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated layer ids whose block inputs --patch overrides (default: every layer)",
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
+    _add_prefill_mode_option(p, "exact")
     _add_impl_options(p)
     p.add_argument("--out", required=True)
     _add_mesh_options(p)
@@ -960,6 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding with up to K DSpark drafts per step (0 = off; the checkpoint needs its "
         "mtp.* stages); --json then reports steps / proposed / accepted drafts",
     )
+    _add_prefill_mode_option(p, "exact")
     _add_impl_options(p)
     p.add_argument("--json", action="store_true", help="print ids and text as JSON")
     _add_mesh_options(p)
@@ -994,6 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
         "to cold runs on XLA:CPU, several trade that for less padding",
     )
     g = p.add_argument_group("scheduling")
+    _add_prefill_mode_option(g, serve.prefill_mode, per_request=True)
     g.add_argument(
         "--prefill-token-budget",
         type=int,

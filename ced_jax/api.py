@@ -283,6 +283,7 @@ class Model:
         token_types=None,
         span_embeds=None,
         images: Sequence | None = None,
+        prefill_mode: str = "exact",
     ) -> dict:
         """Prefill `prompt_ids` from position 0, then feed `decode_ids` one at a time (teacher forcing).
 
@@ -295,8 +296,16 @@ class Model:
 
         Images (spec 6.3): token_types [T] (-1 text, 0..3 image span) with span_embeds [T, D] (the
         span rows, ignored at text positions), or `images` (one image per span of token_types, in
-        order: bytes, a path or a `PreparedImage`) run through `self.vision`. Decode ids are text."""
+        order: bytes, a path or a `PreparedImage`) run through `self.vision`. Decode ids are text.
+
+        prefill_mode: "exact" (every layer over every prompt token, the reference's numbers) or "ced"
+        (`prefill_split`: the encoder layers over the whole prompt, the decoder layers only over its
+        last window; prefill_logits_full rows before that window are NaN, and capture, replay and
+        patch are refused: they need every layer at every position)."""
         prompt = _check_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size, allow_empty=False)
+        check_prefill_mode(prefill_mode)
+        if prefill_mode == "ced" and (capture or replay or patch):
+            raise ValueError("prefill_mode 'ced': capture, replay and patch need prefill_mode 'exact'")
         dec = _check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
         types, spans = self._prompt_image_inputs(len(prompt), token_types, span_embeds, images)
         replay, patch = replay or {}, patch or {}
@@ -313,8 +322,18 @@ class Model:
         chunk = prefill_chunk or t
         out: dict[str, list] = {}
         capture_blocks = bool(patch)
-        for s in range(0, t, chunk):
-            e = min(t, s + chunk)
+        split = prefill_split(self.cfg, t, prefill_mode)
+        if split:
+            out["prefill_logits_full"] = [np.full((split, self.cfg.vocab_size), np.nan, np.float32)]
+        for s, e in _pieces(0, split, chunk):  # CED's encoder pass
+            session.step(
+                np.asarray(prompt[s:e])[None],
+                index_k_mode=index_k_mode,
+                token_types=None if types is None else types[None, s:e],
+                span_embeds=None if spans is None else spans[None, s:e],
+                encoder_only=True,
+            )
+        for s, e in _pieces(split, t, chunk):
             forced = _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e), patch_layers)
             logits, aux = session.step(
                 np.asarray(prompt[s:e])[None],
@@ -323,6 +342,7 @@ class Model:
                 index_k_mode=index_k_mode,
                 token_types=None if types is None else types[None, s:e],
                 span_embeds=None if spans is None else spans[None, s:e],
+                decoder_from=np.array([split], np.int32) if split else None,
             )
             out.setdefault("prefill_logits_full", []).append(logits[0])
             _collect(out, aux, "prefill", capture_blocks, batch_index=0)
@@ -461,6 +481,7 @@ class Model:
         images: Sequence | None = None,
         token_types=None,
         dspark: int = 0,
+        prefill_mode: str = "exact",
     ) -> dict:
         """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise a categorical
         draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens.
@@ -471,7 +492,10 @@ class Model:
         'accepted'} (decode steps, drafts verified, drafts accepted).
 
         images: with a text prompt, one image per placeholder `<｜deepseek_image｜>` (`encode_vl`);
-        with a list of ids, `token_types` places them (as in `logits`)."""
+        with a list of ids, `token_types` places them (as in `logits`).
+
+        prefill_mode: "exact" or "ced" (`prefill_split`; as in `logits`)."""
+        check_prefill_mode(prefill_mode)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if temperature < 0:
@@ -501,8 +525,11 @@ class Model:
             1, max(256, 1 << (len(ids) + max_tokens + dspark - 1).bit_length()), dspark=dspark > 0
         )
         chunk = self.prefill_chunk
-        for s in range(0, len(ids), chunk):
-            piece = ids[s : s + chunk]
+        split = prefill_split(self.cfg, len(ids), prefill_mode)
+        pieces = [(s, e, True) for s, e in _pieces(0, split, chunk)]  # CED's encoder pass
+        pieces += [(s, e, False) for s, e in _pieces(split, len(ids), chunk)]
+        for s, e, encoder_only in pieces:
+            piece = ids[s:e]
             # Chunks are padded to power-of-two lengths (the padding is not written), so prompts of
             # new lengths reuse the compiled programs.
             padded = np.full(min(chunk, max(16, 1 << (len(piece) - 1).bit_length())), self.cfg.pad_token_id)
@@ -510,11 +537,14 @@ class Model:
             image_inputs = {}
             if types is not None:
                 piece_types = np.full(len(padded), -1, np.int32)
-                piece_types[: len(piece)] = types[s : s + chunk]
+                piece_types[: len(piece)] = types[s:e]
                 piece_spans = np.zeros((len(padded), self.cfg.hidden_size), np.float32)
-                piece_spans[: len(piece)] = spans[s : s + chunk]
+                piece_spans[: len(piece)] = spans[s:e]
                 image_inputs = dict(token_types=piece_types[None], span_embeds=piece_spans[None])
-            logits, _ = session.step(padded[None], np.array([len(piece)], np.int32), **image_inputs)
+            logits, _ = session.step(
+                padded[None], np.array([len(piece)], np.int32), **image_inputs, encoder_only=encoder_only,
+                decoder_from=np.array([split], np.int32) if split and not encoder_only else None,
+            )  # fmt: skip
         out = [_sample(logits[0, len(piece) - 1], temperature, seed, len(ids))]
         done = lambda: len(out) >= max_tokens or (stop_at_eos and out[-1] == self.cfg.eos_token_id)
         stats = {"steps": 0, "proposed": 0, "accepted": 0}
@@ -611,17 +641,52 @@ class Session:
         index_k_mode: str = "intended",
         token_types: np.ndarray | None = None,
         span_embeds: np.ndarray | None = None,
+        decoder_from: np.ndarray | None = None,
+        encoder_only: bool = False,
     ):
         """Feed tokens [B, T] (lens[b] valid), with optional image spans (token_types [B, T],
-        span_embeds [B, T, D]). Returns (logits np [B, T, V], aux as numpy)."""
+        span_embeds [B, T, D]). Returns (logits np [B, T, V], aux as numpy).
+
+        CED prefill (`ModelConfig.ced_boundary`): encoder_only runs only the encoder pass (logits
+        None); decoder_from i32 [B]: the rows' decoder layers see no SWA key before it (the start of
+        the prompt's last window, where their bounded replay begins)."""
         tokens, lens = self._check(tokens, lens)
+        floor = None if decoder_from is None else self.engine.decoder_floor(self.batch, decoder_from)
         logits, aux = self.engine.step(
             tokens, self.positions, lens, self.slots, self.page_tables, forced=forced,
             capture_blocks=capture_blocks, index_k_mode=index_k_mode,
-            token_types=token_types, span_embeds=span_embeds,
+            token_types=token_types, span_embeds=span_embeds, window_floor=floor,
+            stop_at_layer=self.model.cfg.ced_boundary if encoder_only else None,
         )  # fmt: skip
         self.positions = self.positions + lens
-        return np.asarray(logits), jax.tree.map(np.asarray, aux)
+        return (None if logits is None else np.asarray(logits)), jax.tree.map(np.asarray, aux)
+
+
+PREFILL_MODES = ("exact", "ced")
+
+
+def check_prefill_mode(mode: str) -> None:
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"prefill_mode must be one of {list(PREFILL_MODES)}, got {mode!r}")
+
+
+def prefill_split(cfg: ModelConfig, prompt_len: int, mode: str) -> int:
+    """Where a prompt's decoder pass starts: 0 for "exact" (every layer over every token); for "ced"
+    (spec 4.2, CED prefill) prompt_len - sliding_window, the start of the prompt's last window: the
+    tokens before it run only the encoder pass (the layers below `cfg.ced_boundary` plus that layer's
+    compressed-KV projection), the rest every layer, the decoder layers' SWA truncated to the window
+    (decoder SWA bounded replay). A prompt no longer than the window is the same in both modes.
+    Raises for "ced" on a model without the CED layout."""
+    check_prefill_mode(mode)
+    if mode == "exact":
+        return 0
+    cfg.ced_boundary  # noqa: B018 (raises ConfigError without the layout)
+    return max(0, prompt_len - cfg.sliding_window)
+
+
+def _pieces(begin: int, end: int, chunk: int):
+    """[begin, end) cut into chunks of at most `chunk` tokens."""
+    return [(s, min(end, s + chunk)) for s in range(begin, end, chunk)]
 
 
 def session_page_size(cfg: ModelConfig) -> int:

@@ -211,12 +211,22 @@ class StepMetadata:
     lens        i32 [B]   valid tokens of the row (the rest of the chunk is padding)
     slots       i32 [B]   the slot (SWA ring, partial group) of each row; distinct within a call
     page_tables i32 [B, pages_per_slot]  physical page of each logical page of the row
+    window_floor i32 [B, L] or None  per layer, the first position whose SWA key the row's window may
+                hold: keys of earlier positions are absent (never computed for this sequence, so
+                the ring slots hold anything) and masked out. Used where a layer's ring is rebuilt
+                from a later position: CED prefill's decoder layers (bounded replay from the prompt's
+                last window) and a prefix hit's replay. None: every position of the ring is valid.
+    write_from  i32 [B] or None  compressed entries (pages) are written only for groups starting at
+                or after this position: a replay over cached positions recomputes rings and partial
+                groups and leaves the cached pages as they are. None: every complete group is written.
     """
 
     start: jax.Array
     lens: jax.Array
     slots: jax.Array
     page_tables: jax.Array
+    window_floor: jax.Array | None = None
+    write_from: jax.Array | None = None
 
     def positions(self, tokens: int) -> jax.Array:
         """i32 [B, T]: the position of every token of a chunk of T tokens."""
@@ -224,7 +234,9 @@ class StepMetadata:
 
 
 jax.tree_util.register_dataclass(
-    StepMetadata, data_fields=["start", "lens", "slots", "page_tables"], meta_fields=[]
+    StepMetadata,
+    data_fields=["start", "lens", "slots", "page_tables", "window_floor", "write_from"],
+    meta_fields=[],
 )
 
 

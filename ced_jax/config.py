@@ -183,6 +183,21 @@ class ModelConfig:
         return 0 <= self.candidate_source_layer_id < layer and layer in self.index_source_layer_ids
 
     @property
+    def ced_boundary(self) -> int:
+        """The first decoder layer of the causal encoder-decoder split (spec 4.2): layer L/2, which must
+        be the last KV source (the decoder layers read only its compressed entries, and its compressor
+        input is a function of the encoder's output). CED prefill runs the layers below it, plus its
+        compressed-KV projection, over the whole prompt and the layers from it only over the prompt's
+        last window. Raises ConfigError for a config without that layout."""
+        boundary = self.num_layers // 2
+        if boundary not in self.kv_source_layer_ids or max(self.kv_source_layer_ids) != boundary:
+            raise ConfigError(
+                f"CED prefill needs layer {boundary} (num_layers / 2) to be the last KV source, "
+                f"got kv_source_layer_ids {list(self.kv_source_layer_ids)}"
+            )
+        return boundary
+
+    @property
     def has_candidates(self) -> bool:
         return self.candidate_source_layer_id >= 0
 

@@ -141,6 +141,7 @@ def step(
     cfg,
     capture_blocks,
     index_k_mode,
+    stop_at_layer=None,
     impl,
     mesh,
     rules,
@@ -149,7 +150,8 @@ def step(
     """`forward` over a chunk of every row: (logits [B, T, V], new state, aux). token_types i32 [B, T]
     and span_embeds f32 [B, T, D]: image spans (`forward`), None for both = text only (its own
     executable: jit traces None as an empty argument). dspark: also insert the chunk's context into
-    the DSpark stages' rings."""
+    the DSpark stages' rings. stop_at_layer: `forward`'s (CED prefill's encoder pass: logits None, no
+    DSpark context)."""
     logits, state, aux = forward(
         params,
         cfg,
@@ -161,12 +163,13 @@ def step(
         token_types=token_types,
         span_embeds=span_embeds,
         capture_blocks=capture_blocks,
-        capture_main_hidden=dspark,
+        capture_main_hidden=dspark and stop_at_layer is None,
         index_k_mode=index_k_mode,
         impl=impl,
         layout=sharding.make_layout(mesh, rules),
+        stop_at_layer=stop_at_layer,
     )
-    if dspark:
+    if dspark and stop_at_layer is None:
         state = _insert_context(params, cfg, state, meta, aux.pop("main_hidden"))
     return _replicated(logits, mesh), _pin(state, mesh, rules), _replicated(aux, mesh)
 
@@ -215,6 +218,34 @@ def decode(
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
+def ced_boundary(cfg: ModelConfig) -> int | None:
+    """The model's first decoder layer (`ModelConfig.ced_boundary`), None when it has no CED layout
+    (then every prompt runs every layer)."""
+    try:
+        return cfg.ced_boundary
+    except ValueError:
+        return None
+
+
+def floor_per_layer(cfg: ModelConfig, window_floor, decoder_from):
+    """i32 [R, L] `StepMetadata.window_floor` of rows whose rings hold nothing before window_floor [R]
+    and whose decoder layers (from `ced_boundary`) nothing before decoder_from [R] either."""
+    boundary = ced_boundary(cfg)
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)[None, :]
+    decoder = jnp.maximum(window_floor, decoder_from)[:, None]
+    if boundary is None:
+        return jnp.broadcast_to(window_floor[:, None], (window_floor.shape[0], cfg.num_layers))
+    return jnp.where(layers >= boundary, decoder, window_floor[:, None])
+
+
+def _take_tokens(a, offset, width):
+    """a [R, C, ...] -> a[r, offset[r] : offset[r] + width] for every row (clipped at the end)."""
+    if a is None:
+        return None
+    idx = jnp.clip(offset[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, a.shape[1] - 1)
+    return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
 def prefill_batch(
     params,
     state,
@@ -224,6 +255,9 @@ def prefill_batch(
     n,
     slots,
     page_tables,
+    window_floor,
+    decoder_from,
+    write_from,
     temperature,
     top_p,
     top_k,
@@ -241,47 +275,86 @@ def prefill_batch(
 ):
     """Prefill R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of page_size,
     n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page aligned)
-    through page_tables[r]. One `forward` on [R, page_size] per loop iteration, page k of every row;
-    a row whose chunk has no page k brings 0 tokens and writes nothing. Returns (new state, the
-    sample after each row's chunk (rows with n 0: garbage), the slot state of every row after each
-    page [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size <= n[r])).
-    token_types i32 [R, C] (-1 for text) and span_embeds f32 [R, C, D]: image spans, sliced per page
-    like the tokens; None for both = the text program (a separate executable)."""
+    through page_tables[r]. A page of every row per loop iteration (`forward` on [R, page_size]); a
+    row whose chunk has no tokens on that page brings 0 tokens and writes nothing.
+
+    CED prefill (spec 4.2) per row: decoder_from [R] is the position from which the row runs every
+    layer; its tokens before it (the prompt but its last window) run only the encoder pass (the
+    blocks below `cfg.ced_boundary` and that layer's compressed-KV projection, `forward`'s
+    stop_at_layer), in a first loop over their pages; then a second loop runs every layer over the
+    rest, its decoder layers' SWA seeing no key before decoder_from (decoder SWA bounded replay).
+    decoder_from <= start: the exact prefill (only the second loop does work for that row).
+    window_floor [R]: no layer's ring holds a key before it (`StepMetadata.window_floor`; the start of
+    a replay that rebuilds the rings, else 0). write_from [R]: pages are written only for groups from
+    it on (a replay over cached positions; else 0).
+
+    Returns (new state, the sample after each row's chunk (rows with n 0, or a chunk whose tokens all
+    ran only the encoder pass: garbage), the slot state of every row after each page of the second
+    loop [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size <= n[r] and
+    the row ran page k through every layer)). token_types i32 [R, C] (-1 for text) and span_embeds f32
+    [R, C, D]: image spans, sliced per page like the tokens; None for both = the text program (a
+    separate executable)."""
     layout = sharding.make_layout(mesh, rules)
     ps = state.page_size
     num_rows, width = tokens.shape
     pages = width // ps
     snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), state.slot_state(slots))
+    floors = floor_per_layer(cfg, window_floor, decoder_from)
+    boundary = ced_boundary(cfg)
+    # Tokens of each row that run the encoder pass only: [0, encoder_n) of its chunk.
+    encoder_n = jnp.clip(decoder_from - start, 0, n) if boundary is not None else jnp.zeros_like(n)
+
+    def piece(offset, lens):
+        """The metadata and inputs of the chunk tokens [offset, offset + lens) of every row."""
+        meta = StepMetadata(
+            start=jnp.where(lens > 0, start + offset, start), lens=lens, slots=slots,
+            page_tables=page_tables, window_floor=floors, write_from=write_from,
+        )  # fmt: skip
+        take = lambda a: _take_tokens(a, offset, ps)
+        return meta, take(tokens), jax.tree.map(take, rows), take(token_types), take(span_embeds)
+
+    def encoder_body(carry):
+        k, state = carry
+        offset = jnp.broadcast_to(k * ps, start.shape).astype(jnp.int32)
+        meta, page_tokens, page_rows, page_types, page_spans = piece(
+            offset, jnp.clip(encoder_n - k * ps, 0, ps)
+        )
+        _, state, _ = forward(
+            params, cfg, page_tokens, state, meta, page_rows, token_types=page_types,
+            span_embeds=page_spans, impl=impl, layout=layout, stop_at_layer=boundary,
+        )  # fmt: skip
+        return k + 1, state
+
+    if boundary is not None:
+        _, state = jax.lax.while_loop(
+            lambda c: c[0] * ps < jnp.max(encoder_n), encoder_body, (jnp.int32(0), state)
+        )
 
     def body(carry):
         k, state, last, snaps = carry
-        off = k * ps
-        lens = jnp.clip(n - off, 0, ps)
-        page_tokens = jax.lax.dynamic_slice_in_dim(tokens, off, ps, axis=1)
-        page = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, off, ps, axis=1)
-        page_rows = jax.tree.map(page, rows)  # ids, or gathered rows {"weight", "scale"}
-        page_types, page_spans = page(token_types), page(span_embeds)
-        # A row done with its chunk stays at its start (positions within its sequence; it writes
-        # nothing with 0 tokens).
-        meta = StepMetadata(
-            start=jnp.where(lens > 0, start + off, start), lens=lens, slots=slots, page_tables=page_tables
-        )
+        # Row r's tokens on page k that run every layer: [offset, offset + lens) of its chunk.
+        offset = jnp.maximum(k * ps, encoder_n)
+        lens = jnp.clip(jnp.minimum((k + 1) * ps, n) - offset, 0, ps)
+        meta, page_tokens, page_rows, page_types, page_spans = piece(offset, lens)
         logits, state, aux = forward(
             params, cfg, page_tokens, state, meta, page_rows, token_types=page_types,
             span_embeds=page_spans, capture_main_hidden=dspark, impl=impl, layout=layout,
         )  # fmt: skip
         if dspark:
             state = _insert_context(params, cfg, state, meta, aux["main_hidden"])
-        i = n - 1 - off  # each row's last token, if it is on this page
-        here = (i >= 0) & (i < ps)
+        i = n - 1 - offset  # each row's last token, if it is on this page
+        here = (lens > 0) & (i >= 0) & (i < lens)
         picked = jnp.take_along_axis(logits, jnp.clip(i, 0, ps - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(here[:, None], picked, last)
         snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, state.slot_state(slots))
         return k + 1, state, last, snaps
 
     last = jnp.zeros((num_rows, cfg.vocab_size), jnp.float32)
+    # The first page any row runs through every layer (rows of a CED prompt skip their encoder-only pages).
+    busy = n > encoder_n
+    first = jnp.min(jnp.where(busy, encoder_n // ps, pages)).astype(jnp.int32)
     _, state, last, snaps = jax.lax.while_loop(
-        lambda c: c[0] * ps < jnp.max(n), body, (jnp.int32(0), state, last, snaps)
+        lambda c: c[0] * ps < jnp.max(jnp.where(busy, n, 0)), body, (first, state, last, snaps)
     )
     out = sample(last, start + n, temperature, top_p, top_k, seed, token_bitmask, num_logprobs=max_logprobs)
     return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
@@ -359,7 +432,7 @@ class Programs:
         self.dspark = dspark
         self.step = jax.jit(
             partial(step, **static, dspark=dspark),
-            static_argnames=("capture_blocks", "index_k_mode"),
+            static_argnames=("capture_blocks", "index_k_mode", "stop_at_layer"),
             donate_argnames=("state",),
         )
         self.decode = jax.jit(
@@ -482,14 +555,24 @@ class Engine:
         types = types.astype(np.int32)
         return types, spans, types >= 0
 
-    def metadata(self, start, lens, slots, page_tables) -> StepMetadata:
+    def metadata(self, start, lens, slots, page_tables, window_floor=None) -> StepMetadata:
+        """window_floor: i32 [B, L] (`StepMetadata.window_floor`) or None."""
         put = self.put
         return StepMetadata(
             start=put(np.asarray(start, np.int32)),
             lens=put(np.asarray(lens, np.int32)),
             slots=put(np.asarray(slots, np.int32)),
             page_tables=put(np.asarray(page_tables, np.int32)),
+            window_floor=None if window_floor is None else put(np.asarray(window_floor, np.int32)),
         )
+
+    def decoder_floor(self, rows: int, decoder_from) -> np.ndarray:
+        """i32 [rows, L] window floors of rows whose decoder layers run from decoder_from [rows] on
+        (CED prefill; `floor_per_layer` with no floor below the decoder)."""
+        boundary = self.cfg.ced_boundary
+        floor = np.zeros((rows, self.cfg.num_layers), np.int32)
+        floor[:, boundary:] = np.asarray(decoder_from, np.int32)[:, None]
+        return floor
 
     def _mesh_context(self):
         import contextlib
@@ -510,10 +593,14 @@ class Engine:
         index_k_mode: str = "intended",
         token_types: np.ndarray | None = None,
         span_embeds: np.ndarray | None = None,
+        window_floor: np.ndarray | None = None,
+        stop_at_layer: int | None = None,
     ):
         """Run a chunk tokens [B, T] of rows `slots` (lens valid tokens each): (logits, aux) on device.
         token_types i32 [B, T] / span_embeds f32 [B, T, D]: image spans (see `forward`); None for
-        both runs the text program."""
+        both runs the text program. window_floor i32 [B, L] (`StepMetadata.window_floor`) and
+        stop_at_layer (`forward`'s; logits None): CED prefill's two passes (`decoder_floor`,
+        `ModelConfig.ced_boundary`)."""
         tokens = np.asarray(tokens, np.int32)
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(np.asarray(slots), tokens, lens, dead)
@@ -522,13 +609,14 @@ class Engine:
                 self.model.params,
                 self.put(tokens),
                 self.state,
-                self.metadata(start, lens, slots, page_tables),
+                self.metadata(start, lens, slots, page_tables, window_floor),
                 self.put_rows(rows),
                 None if forced is None else jax.tree.map(self.put, forced),
                 None if types is None else self.put(types),
                 None if spans is None else self.put(spans),
                 capture_blocks=capture_blocks,
                 index_k_mode=index_k_mode,
+                stop_at_layer=stop_at_layer,
             )
         return logits, aux
 
@@ -618,6 +706,9 @@ class Engine:
         token_bitmask=None,
         token_types=None,
         span_embeds=None,
+        decoder_from=None,
+        window_floor=None,
+        write_from=None,
     ):
         """Chunks of R slots at once, a page of every row per iteration (`prefill_batch` program):
         padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns
@@ -626,10 +717,16 @@ class Engine:
         for the samples, None = unconstrained. token_types i32 [R, C] (-1 everywhere in text rows and
         padding) and span_embeds f32 [R, C, D] (rows of image-span positions, others ignored): image
         spans, whose Engram history slots are DEAD; None for both = the text program. A text chunk
-        gives the same logits and state through either program (tests/ced_jax/test_vision_engine.py)."""
+        gives the same logits and state through either program (tests/ced_jax/test_vision_engine.py).
+        decoder_from / window_floor / write_from i32 [R] (None: zeros): the program's (CED prefill's
+        decoder bounded replay; a replay that rebuilds the rings and leaves the cached pages)."""
         slots = np.asarray(slots, np.int32)
         tokens = np.asarray(padded_tokens, np.int32)
         n = np.asarray(n, np.int32)
+        zeros = np.zeros(len(slots), np.int32)
+        per_row = lambda a: zeros if a is None else np.asarray(a, np.int32)
+        if decoder_from is not None and np.any(np.asarray(decoder_from) > np.asarray(start)):
+            self.cfg.ced_boundary  # noqa: B018 (raises for a model without the CED layout)
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(slots, tokens, n, dead)
         put = self.put
@@ -643,6 +740,9 @@ class Engine:
                 put(n),
                 put(slots),
                 put(np.asarray(page_tables, np.int32)),
+                put(per_row(window_floor)),
+                put(per_row(decoder_from)),
+                put(per_row(write_from)),
                 put(np.asarray(temperature, np.float32)),
                 put(np.asarray(top_p, np.float32)),
                 put(np.asarray(top_k, np.int32)),

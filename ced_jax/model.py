@@ -27,7 +27,7 @@ from ced_jax import sharding
 from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.layers import moe as moe_lib
-from ced_jax.layers.attention import attention
+from ced_jax.layers.attention import attention, write_compressed_kv
 from ced_jax.layers.common import f32_linear, rms_norm
 from ced_jax.layers.engram import engram
 from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
@@ -240,6 +240,7 @@ def forward(
     index_k_mode: str = "intended",
     impl: str = "reference",
     layout: sharding.Layout | None = None,
+    stop_at_layer: int | None = None,
 ):
     """Run one step: a chunk of tokens for every row of the batch, rows described by `meta`.
 
@@ -266,7 +267,13 @@ def forward(
     bf16 values) and with capture_chunk_state 'chunk_state' (what the chunk wrote into the per-slot
     buffers, for `PagedCache.keep_accepted`). layout: the mesh and rules the
     parameters are laid out by (`sharding.make_layout`; None on one device), for the layers that
-    lay out their own work (the MoE's expert-parallel dispatch)."""
+    lay out their own work (the MoE's expert-parallel dispatch).
+
+    stop_at_layer: run only the blocks below this layer, then of this layer only its compressed-KV
+    projection (`ced_jax.layers.attention.write_compressed_kv`, if it is a KV source): the state is
+    what later tokens need from the chunk when the layers from stop_at_layer on are not run for it
+    (CED prefill's encoder pass, `cfg.ced_boundary`); logits are then None and aux holds the
+    decisions of the blocks that ran. None: every layer and the head."""
     if index_k_mode not in ("intended", "reference"):
         raise ValueError(f"index_k_mode must be 'intended' or 'reference', got {index_k_mode!r}")
     forced = forced or {}
@@ -288,7 +295,10 @@ def forward(
     x = jnp.broadcast_to(h[:, :, None, :], (b, t, M, h.shape[-1]))
     pre = jnp.zeros((b, t, M), jnp.float32).at[..., 0].set(1.0)
     own_topk, own_experts, block_outputs, layer_inputs = {}, [], [], {}
-    for i in range(cfg.num_layers):
+    num_blocks = cfg.num_layers if stop_at_layer is None else stop_at_layer
+    if not 0 <= num_blocks <= cfg.num_layers:
+        raise ValueError(f"stop_at_layer must be in 0..{cfg.num_layers}, got {stop_at_layer}")
+    for i in range(num_blocks):
         p = params["layers"][str(i)]
         if i in cfg.engram_layer_ids:
             k = cfg.engram_layer_ids.index(i)
@@ -334,6 +344,26 @@ def forward(
         own_experts.append(ids)
         x = hc_expand(y, residual, ffn_post, ffn_comb)
         pre = ffn_pre
+    if num_blocks < cfg.num_layers:
+        p = params["layers"][str(num_blocks)]
+        if num_blocks in cfg.kv_source_layer_ids:
+            if num_blocks in cfg.engram_layer_ids:
+                k = cfg.engram_layer_ids.index(num_blocks)
+                x = engram(
+                    x,
+                    jax.tree.map(lambda a, k=k: a[:, :, k], engram_rows),
+                    p["engram"],
+                    eps=cfg.rms_norm_eps,
+                    token_mask=None if image_mask is None else ~image_mask,
+                )
+            a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
+            cache, shared = write_compressed_kv(
+                p["attn"], cfg, num_blocks, a_in, meta, cache, shared, index_k_mode=index_k_mode
+            )
+        aux = {"topk": own_topk, "experts": jnp.stack(own_experts) if own_experts else None}
+        if capture_chunk_state:
+            aux["chunk_state"] = shared.get("chunk_state", {"window": {}, "compressor": {}})
+        return None, cache, aux
     if capture_blocks:
         block_outputs.append(x)
     final = rms_norm(hc_collapse(x, pre), params["norm"]["weight"], cfg.rms_norm_eps)

@@ -48,10 +48,12 @@ def build_request(
     user: str = "",
     constraint: ced_pb2.OutputConstraint | None = None,
     images: Sequence[bytes | str] = (),
+    prefill_mode: str | None = None,
 ) -> ced_pb2.GenerateRequest:
     """A GenerateRequest; a str prompt is sent as text, a sequence of ints as token ids. `constraint`:
     constrained decoding (JSON Schema, JSON object, regex or DSML tool calls; see ced.proto). `images`:
-    each an encoded image (bytes) or a Files API file id (str), for the text prompt's placeholders."""
+    each an encoded image (bytes) or a Files API file id (str), for the text prompt's placeholders.
+    `prefill_mode`: "exact" or "ced" (None: the server's --prefill-mode)."""
     sampling = ced_pb2.SamplingParams(top_k=top_k)
     if temperature is not None:
         sampling.temperature = temperature
@@ -69,6 +71,7 @@ def build_request(
         ignore_eos=ignore_eos,
         user=user,
         constraint=constraint,
+        prefill_mode={None: 0, "exact": ced_pb2.PREFILL_MODE_EXACT, "ced": ced_pb2.PREFILL_MODE_CED}[prefill_mode],
     )
     for image in images:
         if isinstance(image, str):
@@ -203,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ID",
         help="an image uploaded to the server's Files API (repeatable; after the --image files)",
     )
+    p.add_argument(
+        "--prefill-mode", choices=("exact", "ced"), help="how the prompt is prefilled (default: the server's)"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", help="constrain the output to JSON matching this JSON Schema (JSON text)")
     g.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
@@ -238,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         user=a.user,
         constraint=constraint,
         images=images,
+        prefill_mode=a.prefill_mode,
     )
     try:
         finish, usage = None, None

@@ -263,7 +263,18 @@ def compile_in_process(
             else:
                 r, c = rows, prefill_bucket
                 eng = _engram_inputs(cfg, r, c, engram_on_host, whole)
-                inputs = (i32(r, c), eng, i32(r), i32(r), i32(r), i32(r, shapes.pages_per_slot))
+                # tokens, engram, start, n, slots, page tables, window floor, decoder_from, write_from
+                inputs = (
+                    i32(r, c),
+                    eng,
+                    i32(r),
+                    i32(r),
+                    i32(r),
+                    i32(r, shapes.pages_per_slot),
+                    i32(r),
+                    i32(r),
+                    i32(r),
+                )
                 sampling = _sampling_inputs(cfg, r, whole)
                 fn = progs.prefill_batch
                 args = (params, state, *inputs, *sampling)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from serving.engine_api import EngineSpec, check_shapes
+from serving.engine_api import PREFILL_MODES, EngineSpec, check_shapes
 from serving.files import MIB, FilesConfig
 from serving.http.accounting import PricingConfig
 from serving.http.limits import AdmissionLimits
@@ -92,6 +92,12 @@ class ServeConfig:
     # fewer than `dspark` runs a narrower program (every width 1..dspark is compiled at start-up).
     dspark: int = 0
     dspark_confidence: float | None = None
+    # How prompts are prefilled when a request does not say (`--prefill-mode`): "exact" runs every
+    # layer over every prompt token (the reference's numbers; prefix hits bit-identical to cold runs);
+    # "ced" runs the encoder layers over the whole prompt and the decoder layers only over its last
+    # window (spec 4.2; about twice the prefill throughput on long prompts, not bit-exact). A model
+    # without the CED layout serves "exact" only.
+    prefill_mode: str = "exact"
 
     # Tenants (serving/tenants.py).
     api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
@@ -194,6 +200,11 @@ class ServeConfig:
                 raise ValueError(f"dspark_confidence (--dspark-confidence) must be in (0, 1], got {t!r}")
             if self.dspark == 0:
                 raise ValueError("dspark_confidence (--dspark-confidence) needs dspark (--dspark) > 0")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(
+                f"prefill_mode (--prefill-mode) must be one of {list(PREFILL_MODES)}, "
+                f"got {self.prefill_mode!r}"
+            )
         for name in PORT_FIELDS:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -234,5 +245,7 @@ class ServeConfig:
                 f"dspark_confidence (--dspark-confidence) needs every draft width 1..{self.dspark} compiled, "
                 f"the engine has {spec.dspark_widths}"
             )
+        if self.prefill_mode == "ced" and not spec.ced_window:
+            raise ValueError("prefill_mode (--prefill-mode) 'ced': the model has no CED layout (exact only)")
         if self.max_logprobs > spec.max_logprobs:
             raise ValueError(f"max_logprobs {self.max_logprobs} exceeds the engine's {spec.max_logprobs}")

@@ -158,6 +158,9 @@ class EngineSpec:
     # length of the next_drafts a speculative step returns (the model's draft block size).
     dspark_widths: tuple[int, ...] = ()
     dspark_max_drafts: int = 0
+    # CED prefill: the window of prompt tokens a "ced" request runs through the decoder layers (the
+    # model's sliding window); 0 = the model has no CED layout (requests are exact only).
+    ced_window: int = 0
 
     def __post_init__(self):
         check_shapes(
@@ -196,6 +199,12 @@ class EngineSpec:
         raise ValueError(f"chunk of {length} tokens exceeds the largest prefill bucket {self.max_chunk}")
 
 
+# How a prompt is prefilled (ServeConfig.prefill_mode, GenerationRequest.prefill_mode): "exact" runs
+# every layer over every prompt token; "ced" (spec 4.2) runs the decoder layers only over the prompt's
+# last `EngineSpec.ced_window` tokens (`PrefillChunk.decoder_from`).
+PREFILL_MODES = ("exact", "ced")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefillChunk:
     """One prefill call: `token_ids` at positions [start_pos, start_pos + len) of `slot`."""
@@ -215,6 +224,10 @@ class PrefillChunk:
     # (-1 text, 0..3 span) and the embedding rows of span positions (others are ignored).
     token_types: np.ndarray | None = None  # i32[T]
     span_embeds: np.ndarray | None = None  # f32[T, hidden_size]
+    # CED prefill ("ced" requests): the prompt's decoder layers run from this position on (prompt
+    # length - EngineSpec.ced_window); the chunk's tokens before it run only the encoder layers. 0:
+    # exact prefill.
+    decoder_from: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

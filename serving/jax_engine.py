@@ -69,7 +69,7 @@ import jax
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax.engine import Engine, StateShapes
+from ced_jax.engine import Engine, StateShapes, ced_boundary
 from serving.config import ServeConfig
 from serving.constraints import ConstraintTokenizer
 from serving.engine_api import (
@@ -109,6 +109,7 @@ class _PrefillRows:
     top_k: np.ndarray  # i32 [R]
     seed: np.ndarray  # u32 [R]
     token_bitmask: np.ndarray  # i32 [R, W]; all ones = unconstrained
+    decoder_from: np.ndarray  # i32 [R]; CED prefill's decoder start, 0 = exact
     # Image spans (both or neither): set when a chunk of the batch has one, so text-only batches run
     # the text program; text rows of an image batch are all -1 with zero rows.
     token_types: np.ndarray | None = None  # i32 [R, prefill_chunk]
@@ -137,6 +138,7 @@ class _PrefillRows:
             top_k=np.zeros(size, np.int32),
             seed=np.zeros(size, np.uint32),
             token_bitmask=np.full((size, mask_words(engine.cfg.vocab_size)), -1, np.int32),
+            decoder_from=np.zeros(size, np.int32),
         )
 
     @classmethod
@@ -150,6 +152,7 @@ class _PrefillRows:
             rows.tokens[r, : len(c.token_ids)] = c.token_ids
             rows.n[r] = len(c.token_ids)
             rows.start[r] = c.start_pos
+            rows.decoder_from[r] = c.decoder_from
             rows.page_tables[r] = c.page_table
             sp = c.sampling
             rows.temperature[r], rows.top_p[r] = sp.temperature, sp.top_p
@@ -322,6 +325,7 @@ class JaxEngine:
             image_token_id=cfg.image_token_id,
             dspark_widths=self.dspark_widths,
             dspark_max_drafts=cfg.dspark_block_size if self.dspark_widths else 0,
+            ced_window=cfg.sliding_window if ced_boundary(cfg) is not None else 0,
             config_summary={
                 "layers": str(cfg.num_layers),
                 "hidden_size": str(cfg.hidden_size),
@@ -518,6 +522,14 @@ class JaxEngine:
         for b in chunk.snapshot_at:
             if b % self.page_size or not start < b <= start + n - n % self.page_size:
                 raise ValueError(f"snapshot position {b} is not a full page boundary of the chunk")
+        if chunk.decoder_from:
+            if not spec.ced_window:
+                raise ValueError("decoder_from: this model has no CED layout")
+            if chunk.snapshot_at and min(chunk.snapshot_at) < chunk.decoder_from + spec.ced_window:
+                raise ValueError(
+                    f"snapshot position {min(chunk.snapshot_at)}: a CED prompt's state is not a prefix's "
+                    f"before its decoder window ends ({chunk.decoder_from + spec.ced_window})"
+                )
 
     def _prefill_rows(self, rows: _PrefillRows):
         """The prefill program over `rows` (one compiled program per row count)."""
@@ -526,6 +538,7 @@ class JaxEngine:
                 rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
                 rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
                 token_bitmask=rows.token_bitmask, token_types=rows.token_types, span_embeds=rows.span_embeds,
+                decoder_from=rows.decoder_from,
             )  # fmt: skip
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:

@@ -92,7 +92,15 @@ import numpy as np
 
 from serving.config import ServeConfig
 from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
-from serving.engine_api import DecodeBatch, Engine, PrefillChunk, SampledToken, SamplingParams, mask_words
+from serving.engine_api import (
+    PREFILL_MODES,
+    DecodeBatch,
+    Engine,
+    PrefillChunk,
+    SampledToken,
+    SamplingParams,
+    mask_words,
+)
 from serving.metrics import Metrics
 from serving.pages import ROOT_KEY, PagePool
 from serving.text import Released, StreamText, Tokenizer
@@ -139,6 +147,9 @@ class GenerationRequest:
     # Image spans of the prompt (serving.vision.RequestImage, ascending, disjoint): the prompt holds
     # the image token id at every span position; the spans' rows go to the model with the tokens.
     images: tuple[RequestImage, ...] = ()
+    # How the prompt is prefilled ("exact" or "ced", engine_api.PREFILL_MODES); None = the server's
+    # ServeConfig.prefill_mode.
+    prefill_mode: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +359,13 @@ class Scheduler:
             raise InvalidRequest("stop_token_ids", f"token ids must be in [0, {spec.vocab_size})")
         if req.images:
             self._validate_images(req, ids)
+        if req.prefill_mode is not None:
+            if req.prefill_mode not in PREFILL_MODES:
+                raise InvalidRequest(
+                    "prefill_mode", f"must be one of {list(PREFILL_MODES)}, got {req.prefill_mode!r}"
+                )
+            if req.prefill_mode == "ced" and not spec.ced_window:
+                raise InvalidRequest("prefill_mode", "'ced': this model has no CED layout (exact only)")
         max_tokens = cfg.default_max_tokens if req.max_tokens is None else req.max_tokens
         # The sequence (prompt + output) must fit in max_context; beyond it finish with LENGTH.
         return min(max_tokens, spec.max_context - n)
@@ -622,9 +640,15 @@ class Scheduler:
         n = len(seq.prompt)
         start = seq.prefilled
         full_end = (n // ps) * ps  # prompt blocks that will be registered end by here
+        mode = seq.req.prefill_mode or self.config.prefill_mode
+        decoder_from = max(0, n - spec.ced_window) if mode == "ced" else 0
         snapshot_at = ()
         if spec.restore_mode == "snapshot" and self.config.enable_prefix_cache:
-            snapshot_at = tuple(range((start // ps + 1) * ps, min(end, full_end) + 1, ps))
+            # A CED prompt's decoder rings hold only its last window: a state before that window has
+            # ended is not the state of the prefix, so it is not offered to other requests.
+            whole = -(-(decoder_from + spec.ced_window) // ps) * ps if decoder_from else 0
+            first = max((start // ps + 1) * ps, whole)
+            snapshot_at = tuple(range(first, min(end, full_end) + 1, ps))
         h = spec.history_tokens
         types, span_embeds = _chunk_images(seq.images, start, end, spec.hidden_size)
         return PrefillChunk(
@@ -640,6 +664,7 @@ class Scheduler:
             token_bitmask=self._bitmask[seq.slot].copy() if end == n and seq.matcher is not None else None,
             token_types=types,
             span_embeds=span_embeds,
+            decoder_from=decoder_from,
         )
 
     def _prefill_finish(self, plan, pending) -> None:

@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = ced_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 _MAX_TEMPERATURE = 100.0
+_PREFILL_MODES = {ced_pb2.PREFILL_MODE_EXACT: "exact", ced_pb2.PREFILL_MODE_CED: "ced"}
 _ADMISSION_CODES = {
     "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "duplicate_id": grpc.StatusCode.ALREADY_EXISTS,
@@ -90,6 +91,15 @@ _FINISH = {
     FinishReason.LENGTH: ced_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: ced_pb2.FINISH_REASON_ABORT,
 }
+
+
+def _prefill_mode(value: int) -> str | None:
+    """GenerateRequest.prefill_mode as the scheduler's mode (None: the server's default)."""
+    if value == ced_pb2.PREFILL_MODE_UNSPECIFIED:
+        return None
+    if value not in _PREFILL_MODES:
+        raise InvalidRequest("prefill_mode", f"unknown value {value}")
+    return _PREFILL_MODES[value]
 
 
 def sampling_from_proto(msg: ced_pb2.SamplingParams, has: bool) -> SamplingParams:
@@ -236,6 +246,7 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             identity=identity,
             constraint=constraint_from_proto(request),
             images=images,
+            prefill_mode=_prefill_mode(request.prefill_mode),
         )
 
     async def _expand_images(self, request, identity: str, leases: list[FileLease]):

@@ -39,3 +39,9 @@ def pytest_addoption(parser):
         default=str(GOLDEN_TINY_V),
         help="directory of a vision/DSpark golden fixture in the format of shared/golden/tiny-v",
     )
+    parser.addoption(
+        "--text-golden",
+        default=str(GOLDEN_TINY_A),
+        help="directory of a text checkpoint in the format of shared/golden/tiny-a (the CED prefill "
+        "measurements run on it: a hidden fixture with other shapes works the same way)",
+    )

@@ -58,6 +58,14 @@ def ring_positions(start: jax.Array, period: int) -> jax.Array:
     return prev - jnp.mod(prev - jnp.arange(period)[None, :], period)
 
 
+def window_floor(meta: StepMetadata, layer: int) -> jax.Array:
+    """i32 [B]: the first position whose SWA key `layer`'s ring holds for each row (0 without a floor;
+    never below 0, so unwritten positions -1, -2, ... of a fresh ring stay masked)."""
+    if meta.window_floor is None:
+        return jnp.zeros_like(meta.start)
+    return jnp.maximum(meta.window_floor[:, layer], 0)
+
+
 def window_segments(
     cache: PagedCache,
     layer: int,
@@ -73,12 +81,14 @@ def window_segments(
     b, t = positions.shape
     ring_pos = ring_positions(meta.start, period)  # [B, W]
     q = positions[:, :, None]
-    ring_valid = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > q - window)
+    floor = window_floor(meta, layer)[:, None, None]
+    ring_valid = (ring_pos[:, None, :] >= floor) & (ring_pos[:, None, :] > q - window)
     chunk_pos = positions[:, None, :]
     chunk_valid = (
         (jnp.arange(t)[None, None, :] < meta.lens[:, None, None])
         & (chunk_pos <= q)
         & (chunk_pos > q - window)
+        & (chunk_pos >= floor)
     )
     ring_ids = jnp.broadcast_to(jnp.arange(period, dtype=jnp.int32), (b, period))
     chunk_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -115,7 +125,9 @@ def window_segment_by_position(
     ids = jnp.where(in_chunk, period + key_pos - start, jnp.mod(key_pos, period)).astype(jnp.int32)
     held = jnp.where(in_chunk, key_pos - start < meta.lens[:, None, None], key_pos >= start - period)
     own_page = jnp.arange(b, dtype=jnp.int32)[:, None]
-    return [ops.KeySegment(pages, own_page, ids, (key_pos >= 0) & held)]
+    return [
+        ops.KeySegment(pages, own_page, ids, (key_pos >= window_floor(meta, layer)[:, None, None]) & held)
+    ]
 
 
 def compress(
@@ -223,6 +235,55 @@ def select_topk(scores: jax.Array, positions: jax.Array, ratio: int, top_k: int)
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
+def write_compressed_kv(
+    p: dict,
+    cfg: ModelConfig,
+    layer: int,
+    x: jax.Array,
+    meta: StepMetadata,
+    cache: PagedCache,
+    shared: dict,
+    *,
+    index_k_mode: str,
+):
+    """A KV-source layer's compressor: pool the chunk's complete groups (partial groups carried in
+    the slot's state) into main entries and index keys and write them into the pages. x: the layer's
+    attn_norm output [B, T, D]. This is all later tokens read from the layer, so CED prefill's encoder
+    pass runs only this part of the first decoder layer (`ced_jax.model.forward`, stop_at_layer).
+    Returns (new cache, new shared); `shared` as in `attention` (the chunk's partial-group values go
+    to shared['chunk_state'], and for the reference index-K mode the pointer moves)."""
+    eps = cfg.rms_norm_eps
+    inv_freq = layer_inv_freq(cfg, layer)
+    ratio = cfg.compress_ratios[layer]
+    shared = dict(shared)
+    chunk_state = shared.setdefault("chunk_state", {"window": {}, "compressor": {}})
+    state_kv, state_score = cache.compressor_state(layer, meta)
+    latent, entry, complete, chunk_kv, chunk_score = compress(
+        x, p["compressor"], state_kv, state_score, meta.start, meta.lens, ratio, eps
+    )
+    if ratio > 1:
+        skv = ring_update(state_kv, chunk_kv, meta.start, meta.lens)
+        ssc = ring_update(state_score, chunk_score, meta.start, meta.lens)
+        cache = cache.write_compressor_state(layer, meta, skv, ssc)
+        chunk_state["compressor"][str(layer)] = (chunk_kv, chunk_score)
+    entry_pos = entry * ratio
+    published = jnp.any(complete, axis=1)  # [B]: did this owner produce an entry in this call
+    if meta.write_from is not None:
+        # A replay over cached positions: those entries are in the pages already.
+        complete = complete & (entry_pos >= meta.write_from[:, None])
+    # Index keys come from the latent before it is rotated and quantised for the main cache.
+    keys = index_keys(latent, p["indexer"], entry_pos, inv_freq, eps)
+    cache = cache.write_entries("index_k", layer, meta, keys, entry, complete)
+    cache = cache.write_entries("kv", layer, meta, main_entries(latent, entry_pos, inv_freq), entry, complete)
+    if index_k_mode == "reference":
+        # The released code moves its global index-K pointer only when an owner publishes.
+        ptr = shared["index_k_ptr"]
+        own = cache.entries("index_k", layer, meta)
+        own = jnp.pad(own, ((0, 0), (0, ptr.shape[1] - own.shape[1]), (0, 0)))
+        shared["index_k_ptr"] = jnp.where(published[:, None, None], own, ptr)
+    return cache, shared
+
+
 def attention(
     p: dict,
     cfg: ModelConfig,
@@ -269,30 +330,9 @@ def attention(
     if ratio > 0:
         src = cfg.kv_source_of(layer)
         if layer in cfg.kv_source_layer_ids:
-            comp = p["compressor"]
-            state_kv, state_score = cache.compressor_state(layer, meta)
-            latent, entry, complete, chunk_kv, chunk_score = compress(
-                x, comp, state_kv, state_score, meta.start, meta.lens, ratio, eps
+            cache, shared = write_compressed_kv(
+                p, cfg, layer, x, meta, cache, shared, index_k_mode=index_k_mode
             )
-            if ratio > 1:
-                skv = ring_update(state_kv, chunk_kv, meta.start, meta.lens)
-                ssc = ring_update(state_score, chunk_score, meta.start, meta.lens)
-                cache = cache.write_compressor_state(layer, meta, skv, ssc)
-                chunk_state["compressor"][str(layer)] = (chunk_kv, chunk_score)
-            entry_pos = entry * ratio
-            # Index keys come from the latent before it is rotated and quantised for the main cache.
-            keys = index_keys(latent, p["indexer"], entry_pos, inv_freq, eps)
-            cache = cache.write_entries("index_k", layer, meta, keys, entry, complete)
-            cache = cache.write_entries(
-                "kv", layer, meta, main_entries(latent, entry_pos, inv_freq), entry, complete
-            )
-            published = jnp.any(complete, axis=1)  # [B]: did this owner produce an entry in this call
-            if index_k_mode == "reference":
-                # The released code moves its global index-K pointer only when an owner publishes.
-                ptr = shared["index_k_ptr"]
-                own = cache.entries("index_k", layer, meta)
-                own = jnp.pad(own, ((0, 0), (0, ptr.shape[1] - own.shape[1]), (0, 0)))
-                shared["index_k_ptr"] = jnp.where(published[:, None, None], own, ptr)
         if layer in cfg.index_source_layer_ids:
             if index_k_mode == "reference":
                 keys = shared["index_k_ptr"]

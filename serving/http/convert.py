@@ -31,7 +31,7 @@ import deepseek_recipe as d
 
 from serving.chat import ChatFormatError, PromptEncoder, render_conversation, resolve_thinking
 from serving.constraints import ConstraintError, OutputConstraint
-from serving.engine_api import SamplingParams
+from serving.engine_api import PREFILL_MODES, SamplingParams
 from serving.http.errors import ApiError, from_conversion_error
 from serving.http.images import ImageResolver, extract_images, index_of
 from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
@@ -69,6 +69,7 @@ class Prepared:
     constraint: OutputConstraint | None = None  # enforced by the engine (serving/constraints.py)
     images: tuple = ()  # the image spans for GenerationRequest.images (serving/vision.py RequestImage)
     leases: tuple = ()  # Files API leases held while the request runs (serving/files.py); see release()
+    prefill_mode: str | None = None  # the body's `prefill_mode` extension ("exact" / "ced"); None: server's
 
     def release(self) -> None:
         """Gives back the request's file leases (idempotent); the app calls it when the request ends."""
@@ -101,6 +102,18 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
     if not isinstance(v, kinds):
         raise ApiError(400, f"{name}: expected {what}, got {type(v).__name__}", param=name)
     return v
+
+
+def _prefill_mode(body: dict) -> str | None:
+    """The `prefill_mode` extension field ("exact" or "ced"; absent = the server's --prefill-mode),
+    taken out of the body so the API converters never see it."""
+    mode = _field(body, "prefill_mode", (str,), "a string")
+    body.pop("prefill_mode", None)
+    if mode is not None and mode not in PREFILL_MODES:
+        raise ApiError(
+            400, f"prefill_mode: must be one of {list(PREFILL_MODES)}, got {mode!r}", param="prefill_mode"
+        )
+    return mode
 
 
 class Converter:
@@ -231,6 +244,7 @@ class Converter:
                 param="previous_response_id",
             )
         thinking, effort = self._normalize_thinking(api, body, model)
+        prefill_mode = _prefill_mode(body)
         refs = extract_images(api, body)  # rewrites image parts in `body` before conversion
         if refs:
             if self.images is None:
@@ -303,6 +317,7 @@ class Converter:
             echo=echo,
             namespace_map=ns_map,
             constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body),
+            prefill_mode=prefill_mode,
             images=spans,
         )
 
@@ -391,6 +406,7 @@ class Converter:
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt: is required (a string)", param="prompt")
         suffix = _field(body, "suffix", (str,), "a string") or ""
+        prefill_mode = _prefill_mode(body)
         thinking_obj = body.get("thinking")
         wants_thinking = model.thinking_override is True
         if thinking_obj is not None:
@@ -489,6 +505,7 @@ class Converter:
             identity_hint=body.get("user") if isinstance(body.get("user"), str) else "",
             stop=stops,
             fim_echo=prompt if echo else "",
+            prefill_mode=prefill_mode,
         )
 
 

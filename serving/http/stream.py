@@ -84,6 +84,7 @@ def submit(scheduler: Scheduler, p: Prepared, request_id: str, identity: str):
         logprobs=p.logprobs,
         identity=identity,
         constraint=p.constraint,
+        prefill_mode=p.prefill_mode,
         **images,
     )
     try:

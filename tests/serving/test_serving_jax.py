@@ -398,6 +398,27 @@ def test_prefix_cache_hit_gives_the_cold_logits(server, model):
     server.assert_idle()
 
 
+def test_ced_prefill_request_is_the_library_ced_prefill(server, model):
+    """A request with prefill_mode CED (the encoder layers over the whole prompt, the decoder layers
+    over its last sliding window) gives the tokens of `Model.generate(..., prefill_mode="ced")` (the
+    library runs the two passes in whole chunks, the server page by page in its prefill loop: equal
+    because `forward` is chunk-invariant), and EXACT those of the exact prefill; a value outside the
+    enum is INVALID_ARGUMENT naming the field."""
+    prompt = _prompt(100)  # sliding window 8: 92 prompt tokens run only the encoder layers
+    kw = dict(max_tokens=8, temperature=0.0, ignore_eos=True, timeout=120)
+    ced = client.generate(server.addr, prompt, prefill_mode="ced", **kw)
+    exact = client.generate(server.addr, prompt, prefill_mode="exact", **kw)
+    assert ced.token_ids == model.generate(prompt, 8, stop_at_eos=False, prefill_mode="ced")["token_ids"]
+    assert exact.token_ids == model.generate(prompt, 8, stop_at_eos=False)["token_ids"]
+    stub = ced_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(server.addr))
+    req = client.build_request(prompt, max_tokens=2)
+    req.prefill_mode = 7
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefill_mode" in err.value.details()
+    server.assert_idle()
+
+
 def test_sampling_alone_equals_sampling_among_31_others(server):
     prompt = _prompt(30)
     params = dict(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=1234, ignore_eos=True)
