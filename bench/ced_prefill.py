@@ -91,7 +91,8 @@ def speed(model, length: int, repeats: int, seed: int, page: int) -> dict:
     context = -(-(length + 1) // page) * page
     shapes = StateShapes(max_slots=1, page_size=page, num_pages=context // page, max_context=context)
     engine = Engine(model, shapes)
-    ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, length).astype(np.int32)[None]
+    ids = np.full((1, context), cfg.pad_token_id, np.int32)  # a chunk is whole pages
+    ids[0, :length] = np.random.default_rng(seed).integers(3, cfg.vocab_size, length)
     table = np.arange(context // page, dtype=np.int32)[None]
     one = lambda v, dt: np.array([v], dt)
 

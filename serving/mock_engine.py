@@ -164,6 +164,7 @@ class MockEngine:
         dspark_widths: Sequence[int] = (),
         dspark_max_drafts: int | None = None,
         draft_miss_every: int = 0,
+        ced_window: int = 0,
     ):
         self._spec = EngineSpec(
             max_slots=max_slots,
@@ -182,6 +183,7 @@ class MockEngine:
             if dspark_max_drafts is None
             else dspark_max_drafts,
             config_summary={"kind": "mock", "window": str(rule.window)},
+            ced_window=ced_window,  # claims a CED layout (the mock's arithmetic ignores decoder_from)
         )
         self.rule = rule
         self.snapshot_chunk_end_only = snapshot_chunk_end_only

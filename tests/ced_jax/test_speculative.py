@@ -236,3 +236,17 @@ def test_engine_refuses_without_stages(model):
             [0], [1], np.zeros((1, 2), np.int32), [0], [0], [True], np.zeros((1, 8), np.int32),
             [0.0], [1.0], [0], [0], max_logprobs=0,
         )  # fmt: skip
+
+
+@pytest.mark.slow  # compiles CED prefill, plain and speculative decoding of tiny-spec (minutes on 2 cores)
+def test_speculative_greedy_after_a_ced_prefill_is_plain_greedy():
+    """DSpark with CED prefill (issue 15.5): the draft stages' context comes from the prompt's last
+    window only (the decoder layers run only there), and greedy speculative decoding still emits the
+    plain greedy tokens of the same CED prefill; drafts are accepted (tiny-spec's draft agrees with
+    its backbone), so the speculative path is exercised."""
+    spec = ced_jax.load("tiny-spec")
+    prompt = _prompt(11, 5 * spec.cfg.sliding_window)
+    plain = spec.generate(prompt, max_tokens=40, stop_at_eos=False, prefill_mode="ced")
+    fast = spec.generate(prompt, max_tokens=40, stop_at_eos=False, prefill_mode="ced", dspark=4)
+    assert fast["token_ids"] == plain["token_ids"]
+    assert fast["dspark"]["accepted"] > 0
