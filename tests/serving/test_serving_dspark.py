@@ -347,15 +347,16 @@ def _tiny_server(model, k):
     return ServerThread(engine, ModelTokenizer(model), cfg)
 
 
-def _generate_all(addr, prompts, max_tokens):
+def _generate_all(addr, prompts, max_tokens, prefill_mode=None):
     from concurrent.futures import ThreadPoolExecutor
 
     from serving import client
 
     def one(prompt):
         return client.generate(
-            addr, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600
-        )
+            addr, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=600,
+            prefill_mode=prefill_mode,
+        )  # fmt: skip
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
@@ -379,8 +380,8 @@ def _scrape(server) -> dict[str, float]:
 @pytest.mark.timeout(900)
 def test_grpc_tiny_speculative_greedy_equals_plain_decoding(tiny):
     """Many slots (more requests than slots), long greedy outputs: `dspark=4` gives the tokens of
-    `dspark=0` token for token; then a prefix-cache hit followed by speculative steps; no compiles
-    after warm-up; the DSpark metrics move."""
+    `dspark=0` token for token; then a prefix-cache hit followed by speculative steps, and CED
+    prefills; no compiles after warm-up; the DSpark metrics move."""
     rng = np.random.default_rng(15)
     prompts = [[0, *rng.integers(3, 512, n - 1).tolist()] for n in (5, 17, 33, 40, 9, 64, 23, 50, 12, 30)]
     max_tokens = 120
@@ -401,6 +402,9 @@ def test_grpc_tiny_speculative_greedy_equals_plain_decoding(tiny):
         again = _generate_all(servers[4].addr, [prompts[5]], max_tokens)[0]
         assert again.usage.cached_prompt_tokens >= 48
         assert list(again.token_ids) == list(out[0][5].token_ids)
+        # CED prefill (the stages' context from the prompt's last window only): still plain greedy.
+        ced = {k: _generate_all(s.addr, [prompts[5], prompts[7]], 60, "ced") for k, s in servers.items()}
+        assert [c.token_ids for c in ced[4]] == [c.token_ids for c in ced[0]]
         m = _scrape(servers[4])
         assert m["ced_compiles_after_warmup"] == 0.0
         assert m["ced_dspark_steps_total"] > 0
