@@ -223,6 +223,21 @@ def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig):
     )
 
 
+def _engram_site(p: dict, cfg: ModelConfig, layer: int, x, engram_rows, image_mask):
+    """The streams after layer `layer`'s Engram (unchanged for a layer without one); image-span
+    tokens keep their gate shut."""
+    if layer not in cfg.engram_layer_ids:
+        return x
+    k = cfg.engram_layer_ids.index(layer)
+    return engram(
+        x,
+        jax.tree.map(lambda a: a[:, :, k], engram_rows),
+        p["engram"],
+        eps=cfg.rms_norm_eps,
+        token_mask=None if image_mask is None else ~image_mask,
+    )
+
+
 def forward(
     params: dict,
     cfg: ModelConfig,
@@ -300,15 +315,7 @@ def forward(
         raise ValueError(f"stop_at_layer must be in 0..{cfg.num_layers}, got {stop_at_layer}")
     for i in range(num_blocks):
         p = params["layers"][str(i)]
-        if i in cfg.engram_layer_ids:
-            k = cfg.engram_layer_ids.index(i)
-            x = engram(
-                x,
-                jax.tree.map(lambda a, k=k: a[:, :, k], engram_rows),
-                p["engram"],
-                eps=cfg.rms_norm_eps,
-                token_mask=None if image_mask is None else ~image_mask,
-            )
+        x = _engram_site(p, cfg, i, x, engram_rows, image_mask)
         if capture_blocks and i > 0:
             block_outputs.append(x)
         if capture_main_hidden and i in cfg.dspark_target_layer_ids:
@@ -347,15 +354,7 @@ def forward(
     if num_blocks < cfg.num_layers:
         p = params["layers"][str(num_blocks)]
         if num_blocks in cfg.kv_source_layer_ids:
-            if num_blocks in cfg.engram_layer_ids:
-                k = cfg.engram_layer_ids.index(num_blocks)
-                x = engram(
-                    x,
-                    jax.tree.map(lambda a, k=k: a[:, :, k], engram_rows),
-                    p["engram"],
-                    eps=cfg.rms_norm_eps,
-                    token_mask=None if image_mask is None else ~image_mask,
-                )
+            x = _engram_site(p, cfg, num_blocks, x, engram_rows, image_mask)
             a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
             cache, shared = write_compressed_kv(
                 p["attn"], cfg, num_blocks, a_in, meta, cache, shared, index_k_mode=index_k_mode
