@@ -70,6 +70,7 @@ class Prepared:
     images: tuple = ()  # the image spans for GenerationRequest.images (serving/vision.py RequestImage)
     leases: tuple = ()  # Files API leases held while the request runs (serving/files.py); see release()
     prefill_mode: str | None = None  # the body's `prefill_mode` extension ("exact" / "ced"); None: server's
+    ignore_eos: bool = False  # the body's `ignore_eos` extension (as vLLM's): generate through EOS to max_tokens
 
     def release(self) -> None:
         """Gives back the request's file leases (idempotent); the app calls it when the request ends."""
@@ -114,6 +115,15 @@ def _prefill_mode(body: dict) -> str | None:
             400, f"prefill_mode: must be one of {list(PREFILL_MODES)}, got {mode!r}", param="prefill_mode"
         )
     return mode
+
+
+def _ignore_eos(body: dict) -> bool:
+    """The `ignore_eos` extension field (vLLM's name: keep generating past the end-of-sentence token
+    until max_tokens or a stop; benchmarks and load tests use it), taken out of the body so the API
+    converters never see it."""
+    value = _field(body, "ignore_eos", (bool,), "a boolean")
+    body.pop("ignore_eos", None)
+    return bool(value)
 
 
 class Converter:
@@ -245,6 +255,7 @@ class Converter:
             )
         thinking, effort = self._normalize_thinking(api, body, model)
         prefill_mode = _prefill_mode(body)
+        ignore_eos = _ignore_eos(body)
         refs = extract_images(api, body)  # rewrites image parts in `body` before conversion
         if refs:
             if self.images is None:
@@ -318,6 +329,7 @@ class Converter:
             namespace_map=ns_map,
             constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body),
             prefill_mode=prefill_mode,
+            ignore_eos=ignore_eos,
             images=spans,
         )
 
@@ -407,6 +419,7 @@ class Converter:
             raise ApiError(400, "prompt: is required (a string)", param="prompt")
         suffix = _field(body, "suffix", (str,), "a string") or ""
         prefill_mode = _prefill_mode(body)
+        ignore_eos = _ignore_eos(body)
         thinking_obj = body.get("thinking")
         wants_thinking = model.thinking_override is True
         if thinking_obj is not None:
@@ -506,6 +519,7 @@ class Converter:
             stop=stops,
             fim_echo=prompt if echo else "",
             prefill_mode=prefill_mode,
+            ignore_eos=ignore_eos,
         )
 
 

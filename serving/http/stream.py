@@ -85,6 +85,7 @@ def submit(scheduler: Scheduler, p: Prepared, request_id: str, identity: str):
         identity=identity,
         constraint=p.constraint,
         prefill_mode=p.prefill_mode,
+        ignore_eos=p.ignore_eos,
         **images,
     )
     try:

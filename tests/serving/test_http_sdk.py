@@ -180,9 +180,24 @@ def test_stop_string_ends_the_answer_and_frees_the_slot(server, oai, hf):
     server.assert_idle()
 
 
+def test_ignore_eos_generates_to_max_tokens(server, oai):
+    """The `ignore_eos` body extension (vLLM's) runs every request to max_tokens; a non-boolean is a
+    400 naming the field."""
+    kw = dict(model="deepseek-flash", messages=[{"role": "user", "content": "Hi"}], max_tokens=24)
+    for seed in range(3):  # sampled: without the flag some of these may end early
+        r = oai.chat.completions.create(seed=seed, extra_body={**NO_THINKING, "ignore_eos": True}, **kw)
+        assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(extra_body={**NO_THINKING, "ignore_eos": "yes"}, **kw)
+    assert "ignore_eos" in str(e.value)
+    server.assert_idle()
+
+
 def test_client_leaving_a_non_streaming_request_aborts_it(server):
+    # ignore_eos: a sampled answer may end at EOS within the client's 1 s (CI saw that), which would
+    # test nothing; with it the request runs 500 tokens unless aborted.
     body = {"model": "deepseek-flash", "messages": [{"role": "user", "content": "long"}], "max_tokens": 500,
-            "thinking": {"type": "disabled"}}  # fmt: skip
+            "thinking": {"type": "disabled"}, "ignore_eos": True}  # fmt: skip
     with pytest.raises(httpx.TimeoutException):
         auth = {"authorization": f"Bearer {KEY}"}
         httpx.post(server.base + "/v1/chat/completions", json=body, headers=auth, timeout=1.0)
