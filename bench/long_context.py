@@ -1,0 +1,143 @@
+"""Long context: prefill tokens/s and decode step time against context length (issue 13, point 5).
+
+    python bench/long_context.py [MODEL] [--lengths 4096 32768 131072] [--chunk 4096] [--steps 16]
+
+MODEL is a preset ('tiny', the default) or a checkpoint directory. For each length N, an engine of
+one slot whose pages hold N tokens plus the decoded ones (the server's programs,
+`ced_jax.engine.Engine`: `prefill_batch` a page of `--page-size` tokens per loop iteration,
+`decode` one token) prefills N random token ids in chunks of `--chunk` tokens (as the server does;
+one untimed one-page call first compiles the program), then decodes `--steps` tokens greedily after
+one untimed step: reports prefill tokens/s, the median decode step time, and each step time's ratio to
+the shortest length's. The indexer selects a fixed number of compressed blocks per query, so what
+grows with the context in a decode step is the index-key scoring (one dot product per compressed
+entry) and the page-table walk; the rest of the step is the same at every length.
+
+Also, shape-only (nothing allocated): the engine state of one `--shape-model` (v41-flash) sequence of
+`--shape-context` (1M) tokens, `jax.eval_shape` of the buffers the server allocates, by buffer.
+The machine is shared: the load average at the start and the end is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+
+from ced_jax import cache as cache_lib  # noqa: E402
+from ced_jax.api import load  # noqa: E402
+from ced_jax.config import preset  # noqa: E402
+from ced_jax.engine import Engine, StateShapes  # noqa: E402
+from serving.capacity import engine_state, kv_bytes_per_token  # noqa: E402
+
+
+def one(v, dtype) -> np.ndarray:
+    return np.array([v], dtype)
+
+
+def measure(model, length: int, chunk: int, page: int, steps: int, seed: int) -> dict:
+    cfg = model.cfg
+    context = -(-(length + steps + 2) // page) * page
+    shapes = StateShapes(max_slots=1, page_size=page, num_pages=context // page, max_context=context)
+    engine = Engine(model, shapes)
+    ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, length).astype(np.int32)
+    table = np.arange(context // page, dtype=np.int32)[None]
+    sampling = (one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32))
+
+    def prefill(start: int, n: int):
+        padded = np.full((1, chunk), cfg.pad_token_id, np.int32)
+        padded[0, :n] = ids[start : start + n]
+        out, _ = engine.prefill_batch(
+            one(0, np.int32), padded, one(n, np.int32), one(start, np.int32), table, *sampling, max_logprobs=0
+        )
+        return out
+
+    engine.reset_history(0)
+    jax.block_until_ready(prefill(0, min(page, length)))  # compile
+    engine.reset_history(0)
+    t0 = time.perf_counter()
+    for start in range(0, length, chunk):
+        out = prefill(start, min(chunk, length - start))
+        jax.block_until_ready(out)
+    prefill_s = time.perf_counter() - t0
+    token = int(jax.device_get(out)[0][0])
+
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        res = engine.decode(one(0, np.int32), one(token, np.int32), one(length + i, np.int32), one(1, np.int32), table,
+                            *sampling, max_logprobs=0)  # fmt: skip
+        times.append(time.perf_counter() - t0)
+        token = int(res[0][0])
+    decode = times[1:]  # the first compiles
+    return {
+        "context_tokens": length,
+        "page_size": page,
+        "chunk": chunk,
+        "prefill_seconds": prefill_s,
+        "prefill_tokens_per_s": length / prefill_s,
+        "decode_step_ms_median": 1e3 * float(np.median(decode)),
+        "decode_step_ms": [round(1e3 * t, 3) for t in decode],
+        "state_bytes": cache_lib.buffer_bytes(engine.state),
+    }
+
+
+def shape_only(model_name: str, context: int, page: int) -> dict:
+    cfg = preset(model_name)
+    state = engine_state(cfg, max_slots=1, page_size=page, max_context=-(-context // page) * page)
+    buffers = {
+        "compressed_kv_and_index_keys": cache_lib.buffer_bytes((state.kv, state.index_k)),
+        "swa_rings": cache_lib.buffer_bytes(state.window),
+        "compressor_states": cache_lib.buffer_bytes((state.state_kv, state.state_score)),
+    }
+    return {
+        "model": model_name,
+        "context_tokens": context,
+        "page_size": page,
+        "pages": context // page,
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, page),
+        "buffers_bytes": buffers,
+        "total_bytes": cache_lib.buffer_bytes(state),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="tiny")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill tokens per call (whole pages)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per length")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape-model", default="v41-flash")
+    ap.add_argument("--shape-context", type=int, default=1 << 20)
+    args = ap.parse_args(argv)
+    if args.chunk % args.page_size:
+        ap.error(f"--chunk {args.chunk} is not a multiple of --page-size {args.page_size}")
+    report = {"model": args.model, "load_start": os.getloadavg(), "lengths": {}}
+    report["shape_only"] = shape_only(args.shape_model, args.shape_context, args.page_size)
+    print(json.dumps(report["shape_only"]), file=sys.stderr, flush=True)
+    model = load(args.model)
+    for length in args.lengths:
+        entry = measure(model, length, args.chunk, args.page_size, args.steps, args.seed)
+        report["lengths"][str(length)] = entry
+        print(json.dumps(entry), file=sys.stderr, flush=True)
+    base = report["lengths"][str(min(args.lengths))]["decode_step_ms_median"]
+    for entry in report["lengths"].values():
+        entry["decode_step_ratio_to_shortest"] = entry["decode_step_ms_median"] / base
+    report["load_end"] = os.getloadavg()
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
