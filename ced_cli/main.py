@@ -626,6 +626,7 @@ def cmd_serve(args) -> int:
         max_tokenize_bytes=args.max_tokenize_bytes,
         enable_prefix_cache=not args.no_prefix_cache,
         prefill_mode=args.prefill_mode,
+        decode_segment_tokens=args.decode_segment_tokens,
         **_dspark_options(args),
         api_keys=api_keys,
         share_prefix_cache=args.shared_prefix_cache,
@@ -1018,6 +1019,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="prompt tokens prefilled per step beside the running decodes, summed over requests "
         "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams",
+    )
+    g.add_argument(
+        "--decode-segment-tokens",
+        type=int,
+        default=serve.decode_segment_tokens,
+        metavar="N",
+        help="a request that has generated N tokens since it got its slot yields the slot when others "
+        "wait, and queues again to go on where it stopped (same tokens; its context comes back from "
+        "the prefix cache); 0: off (default: %(default)s)",
     )
     g.add_argument(
         "--dspark",

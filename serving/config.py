@@ -98,6 +98,12 @@ class ServeConfig:
     # window (spec 4.2; about twice the prefill throughput on long prompts, not bit-exact). A model
     # without the CED layout serves "exact" only.
     prefill_mode: str = "exact"
+    # Output-side flow control: a decoding request that has generated this many tokens since it got
+    # its slot yields the slot when other requests are waiting (its prompt and output so far are
+    # registered in the prefix cache and it queues again at the back; its stream goes on where it
+    # stopped, with the same tokens). So a request with a very large max_tokens cannot hold a slot
+    # while others wait. 0 = off (a request keeps its slot until it finishes).
+    decode_segment_tokens: int = 4096
 
     # Tenants (serving/tenants.py).
     api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
@@ -200,6 +206,11 @@ class ServeConfig:
                 raise ValueError(f"dspark_confidence (--dspark-confidence) must be in (0, 1], got {t!r}")
             if self.dspark == 0:
                 raise ValueError("dspark_confidence (--dspark-confidence) needs dspark (--dspark) > 0")
+        if not isinstance(self.decode_segment_tokens, int) or self.decode_segment_tokens < 0:
+            raise ValueError(
+                "decode_segment_tokens (--decode-segment-tokens) must be an integer >= 0 (0: off), "
+                f"got {self.decode_segment_tokens!r}"
+            )
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(
                 f"prefill_mode (--prefill-mode) must be one of {list(PREFILL_MODES)}, "

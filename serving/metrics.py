@@ -72,6 +72,11 @@ class Metrics:
             "ced_requests_rejected", "Requests refused at admission.", ["reason"], registry=r
         )
         self.prompt_tokens = Counter("ced_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.segment_yields = Counter(
+            "ced_decode_segment_yields",
+            "Times a decoding request gave up its slot to waiting requests (decode_segment_tokens).",
+            registry=r,
+        )
         self.generation_tokens = Counter("ced_generation_tokens", "Sampled tokens.", registry=r)
         self.vit_runs = Counter("ced_vit_runs", "Images run through the ViT and aligner.", registry=r)
         self.image_feature_cache_hits = Counter(

@@ -6,8 +6,8 @@ Request lifecycle (one request = one `_Seq`):
    Field validation (`validate`) happens before that, so a bad request never takes a place.
 2. Waiting: FIFO. At the start of every scheduler step the head of the queue is admitted when a slot is
    free, `max_running` allows, and pages for its whole worst case (prompt + max_tokens) can be
-   reserved. Reserving up front means a running request never runs out of pages, so there is no
-   preemption. The prefix cache supplies the prompt's leading full blocks (never the block holding the
+   reserved. Reserving up front means a running request never runs out of pages, so nothing is ever
+   preempted for memory. The prefix cache supplies the prompt's leading full blocks (never the block holding the
    last prompt token: the first generated token needs that token's logits). In "snapshot" mode only
    blocks up to the deepest engine snapshot are reused.
 3. Prefill: one `engine.prefill_async` per step over the chunks of up to max(`prefill_rows`)
@@ -28,6 +28,18 @@ Request lifecycle (one request = one `_Seq`):
    a token are int64 hashing of the n-gram ending at it, done on the host (`ced_jax.engram_hash`,
    as the spec places it). Dispatching decode N+1 before N's tokens are back would need that
    hashing on the device.
+   Flow control (`ServeConfig.decode_segment_tokens` N > 0): after admission, when requests are still
+   waiting, each decoding request that has generated N tokens since it got its slot (most first)
+   yields its slot, one at a time until the waiting requests are admitted: the full blocks of its
+   prompt + output so far are registered in the prefix cache, its slot and pages are released, and
+   it queues again at the back with prompt + output as its prompt. Readmitted, it prefills what the
+   prefix cache does not hold (in the engine's restore mode, like any prompt) and samples its next
+   token from that prompt's last position: the token a decode step would have sampled there (the
+   sampler's key is (seed, position), and the forward is chunk-invariant), so its stream goes on
+   with the same tokens. Its stream state (text, grammar, counts, the CED decoder window of its
+   original prompt) stays; usage reports the original prompt and the first admission's cached
+   tokens. So a request with a huge max_tokens cannot monopolise a slot while others wait; alone,
+   it never yields.
 5. Finish (stop token, stop string, max_tokens/context, abort, cancel, deadline): the slot and every
    page reference are released in the same step, before the next engine call; the final event carries
    the finish reason and usage.
@@ -205,7 +217,12 @@ class _Seq:
         self.cache_scope = cache_scope  # prefix-cache scope: the identity, or "" when the cache is shared
         self.sink = sink
         self.arrival = arrival
-        self.prompt = np.asarray(req.prompt_token_ids, np.int32)
+        self.prompt = np.asarray(req.prompt_token_ids, np.int32)  # + the output, after a yield
+        self.prompt_len = len(self.prompt)  # the request's own prompt (usage)
+        self.output_ids: list[int] = []  # every sampled token (after a yield, the prompt goes on with them)
+        self.admissions = 0
+        self.segment_from = 0  # `generated` when it last got a slot (decode_segment_tokens)
+        self.decoder_from = 0  # CED: where its decoder layers start (fixed at the first admission)
         self.images = req.images
         self.max_tokens = max_tokens
         self.text = text
@@ -530,6 +547,7 @@ class Scheduler:
         now = self.clock()
         self._expire(now)
         self._admit(now)
+        self._yield_segments(now)
         worked = bool(inbox or aborts)
         # Dispatch the decode first: the device runs it while the host plans and dispatches the
         # prefill (Engram hashing, padding, page tables); then the decode's tokens are handled while
@@ -573,7 +591,8 @@ class Scheduler:
             hit_pages = [e.page for e in entries]
             # KV is written for every position but the last sampled token's; with DSpark the engine
             # may write up to K positions past a row's last token (module docstring).
-            total = min(-(-(n + seq.max_tokens - 1 + self._dspark) // ps), self.spec.pages_per_slot)
+            left = seq.max_tokens - seq.generated
+            total = min(-(-(n + left - 1 + self._dspark) // ps), self.spec.pages_per_slot)
             self.pool.acquire(hit_pages)
             need = total - len(hit_pages)
             if self.pool.num_available < need:
@@ -586,8 +605,10 @@ class Scheduler:
             self._slots[slot] = seq
             self.page_tables[slot] = 0
             self.page_tables[slot, : len(seq.pages)] = seq.pages
-            seq.cached_tokens = seq.prefilled = len(entries) * ps
+            seq.prefilled = len(entries) * ps
             seq.registered = len(entries)
+            seq.segment_from = seq.generated
+            seq.admissions += 1
             seq.parent_key = entries[-1].key if entries else ROOT_KEY
             seq.restore = entries[-1].snapshot if entries and self.spec.restore_mode == "snapshot" else None
             sp = seq.req.sampling
@@ -597,10 +618,55 @@ class Scheduler:
             self._seed[slot] = sp.seed
             self._fill_mask(seq)  # the first token's
             self._prefilling.append(seq)
+            if seq.admissions > 1:  # a yielded request back for its next segment
+                continue
+            seq.cached_tokens = seq.prefilled
+            mode = seq.req.prefill_mode or self.config.prefill_mode
+            seq.decoder_from = max(0, n - self.spec.ced_window) if mode == "ced" else 0
             if self.metrics is not None:
                 self.metrics.queue_time.observe(now - seq.arrival)
                 self.metrics.observe_prefix(seq.cached_tokens, n)
                 self.metrics.prompt_tokens.inc(n)
+
+    def _yield_segments(self, now: float) -> None:
+        """Flow control (module docstring, 2): while requests wait that admission could not place,
+        decoding requests past their segment yield their slots, most generated first, each followed
+        by an admission round; stops once only requests that yielded here are waiting."""
+        segment = self.config.decode_segment_tokens
+        if not segment or not self._waiting:
+            return
+        running = [s for s in self._slots if s is not None and s.decoding]
+        due = [s for s in running if s.generated - s.segment_from >= segment]
+        due.sort(key=lambda s: s.generated - s.segment_from, reverse=True)
+        yielded: list[_Seq] = []
+        for seq in due:
+            if all(w in yielded for w in self._waiting):
+                return
+            self._yield_slot(seq)
+            yielded.append(seq)
+            self._admit(now)
+
+    def _yield_slot(self, seq: _Seq) -> None:
+        """Registers the request's full blocks of prompt + output (the last sampled token's KV is not
+        written yet), releases its slot and pages, and queues it with prompt + output as its prompt."""
+        ps = self.spec.page_size
+        ids = np.concatenate([seq.prompt[: seq.prompt_len], np.asarray(seq.output_ids, np.int32)])
+        for i in range(seq.registered, seq.pos // ps):  # positions < pos hold KV
+            seq.parent_key = self.pool.register(
+                seq.parent_key,
+                ids[i * ps : (i + 1) * ps],
+                seq.pages[i],
+                scope=seq.cache_scope,
+                extra=_block_extra(seq.images, i * ps, ps),
+            )
+        self._release(seq)
+        seq.prompt = ids
+        seq.prefilled = seq.registered = 0
+        seq.parent_key = ROOT_KEY
+        seq.restore = None
+        self._waiting.append(seq)
+        if self.metrics is not None:
+            self.metrics.segment_yields.inc()
 
     def _plan_prefill(self) -> list[tuple[_Seq, int]]:
         """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
@@ -640,8 +706,7 @@ class Scheduler:
         n = len(seq.prompt)
         start = seq.prefilled
         full_end = (n // ps) * ps  # prompt blocks that will be registered end by here
-        mode = seq.req.prefill_mode or self.config.prefill_mode
-        decoder_from = max(0, n - spec.ced_window) if mode == "ced" else 0
+        decoder_from = seq.decoder_from
         snapshot_at = ()
         if spec.restore_mode == "snapshot" and self.config.enable_prefix_cache:
             # A CED prompt's decoder rings hold only its last window: a state before that window has
@@ -805,6 +870,7 @@ class Scheduler:
     def _on_token(self, seq: _Seq, tok: SampledToken) -> None:
         now = self.clock()
         seq.generated += 1
+        seq.output_ids.append(tok.token_id)
         seq.pos += 1
         seq.last_token = tok.token_id
         self._tokens[seq.slot] = tok.token_id
@@ -889,7 +955,7 @@ class Scheduler:
                 rel = Released(
                     rel.token_ids + tail.token_ids, rel.text + tail.text, rel.payloads + tail.payloads
                 )
-        usage = Usage(len(seq.prompt), seq.cached_tokens, seq.generated, seq.accepted_drafts)
+        usage = Usage(seq.prompt_len, seq.cached_tokens, seq.generated, seq.accepted_drafts)
         if error is None:
             self._emit(seq, rel, reason=reason, usage=usage)
         else:

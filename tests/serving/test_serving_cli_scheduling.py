@@ -1,5 +1,6 @@
-"""`ced-jax serve`'s scheduling flags (--prefill-rows, --prefill-token-budget): bad values exit 2 with one
-line naming the flag, before any model is loaded; good ones reach the ServeConfig."""
+"""`ced-jax serve`'s scheduling flags (--prefill-rows, --prefill-token-budget, --decode-segment-tokens):
+bad values exit 2 with one line naming the flag, before any model is loaded; good ones reach the
+ServeConfig."""
 
 import pytest
 
@@ -30,6 +31,7 @@ def nothing_loads(monkeypatch):
         (["--prefill-token-budget", "15"], ("--prefill-token-budget", ">= --page-size 16", "15")),
         (["--prefill-token-budget", "-1"], ("--prefill-token-budget", "-1")),
         (["--page-size", "32", "--prefill-token-budget", "16"], ("--prefill-token-budget", "32")),
+        (["--decode-segment-tokens", "-5"], ("--decode-segment-tokens", ">= 0", "-5")),
     ],
 )
 def test_bad_scheduling_flags_exit_2_in_one_line(extra, needles, capsys, nothing_loads):
@@ -51,5 +53,8 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
     monkeypatch.setattr("serving.server.serve", fake_serve)
     assert main([*BASE, "--prefill-rows", "2,4", "--prefill-token-budget", "96"]) == 0
     assert seen["config"].prefill_rows == (2, 4) and seen["config"].prefill_token_budget == 96
+    assert seen["config"].decode_segment_tokens == 4096  # the default: on
+    assert main([*BASE, "--decode-segment-tokens", "0"]) == 0
+    assert seen["config"].decode_segment_tokens == 0
     assert main([*BASE, "--max-slots", "2"]) == 0  # the defaults follow the shapes
     assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 64

@@ -323,6 +323,49 @@ def test_prefix_hit_is_exact_alone_and_beside_other_requests(engine):
     assert engine.compiles_after_warmup == 0
 
 
+def test_decode_segments_take_turns_with_the_uninterrupted_tokens(engine, model):
+    """Output-side flow control on the real engine: one request at a time (max_running 1), segments
+    of 6 tokens. The two requests take turns (the second's first token comes before the first
+    finishes), and each stream is token for token the one it gets without yielding: the yielded
+    request's context comes back through the prefix cache and a re-prefill of its own output, which
+    the chunk-invariant forward computes as its decode steps did, and the sampler draws by (seed,
+    position)."""
+    from serving.metrics import Metrics
+    from serving.scheduler import GenerationRequest, Scheduler, collect
+
+    prompts = {"a": _prompt(37), "b": _prompt(21)}
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+
+    def run(segment):
+        metrics = Metrics()
+        sched = Scheduler(
+            engine, ModelTokenizer(model), _config(max_running=1, decode_segment_tokens=segment), metrics
+        )
+        order, events = [], {rid: [] for rid in prompts}
+        for rid, prompt in prompts.items():
+            req = GenerationRequest(
+                request_id=rid, prompt_token_ids=tuple(prompt), max_tokens=20, sampling=sampling,
+                ignore_eos=True,
+            )
+            sched.submit(req, lambda ev, rid=rid: (events[rid].append(ev), order.append((rid, ev.final))))
+        while sched.step():
+            pass
+        assert sched.num_in_flight == 0 and sched.pool.num_referenced == 0
+        sched.pool.check_invariants()
+        b_first = next(i for i, (rid, _) in enumerate(order) if rid == "b")
+        a_end = order.index(("a", True))
+        yields = metrics.registry.get_sample_value("ced_decode_segment_yields_total")
+        return {rid: collect(ev)[0] for rid, ev in events.items()}, b_first < a_end, yields
+
+    plain, b_before_a_ends, yields = run(0)
+    assert not b_before_a_ends and yields == 0
+    turns, b_before_a_ends, yields = run(6)
+    assert b_before_a_ends and yields >= 3
+    assert all(len(ids) == 20 for ids in plain.values())
+    assert turns == plain
+    assert engine.compiles_after_warmup == 0
+
+
 def test_engine_rejects_calls_it_was_not_compiled_for(engine):
     table = np.zeros(CONTEXT // PAGE, np.int32)
     chunk = dict(slot=1, page_table=table, history=np.zeros(0, np.int32), sampling=GREEDY, is_last_chunk=True)

@@ -328,9 +328,12 @@ def test_snapshot_mode_without_snapshot_is_cold():
         assert collect(ev)[0] == mock_greedy_stream(p, 3)
 
 
-def test_randomized_workload_no_leaks_and_exact_outputs():
+@pytest.mark.parametrize("segment", [0, 3])
+def test_randomized_workload_no_leaks_and_exact_outputs(segment):
     rng = np.random.default_rng(0)
-    engine, sched = _sched(num_pages=40, max_slots=4, max_queued=6, restore_mode="snapshot")
+    engine, sched = _sched(
+        num_pages=40, max_slots=4, max_queued=6, restore_mode="snapshot", decode_segment_tokens=segment
+    )
     prefixes = ["shared prefix one. ", "another shared prefix! "]
     events, prompts, aborted = {}, {}, set()
     n = 0
@@ -512,3 +515,60 @@ def test_randomized_tenants_no_leaks_exact_outputs_and_isolation(shared):
     assert finished > 10 and sched.pool.evictions > 0
     assert (cross_tenant_hits > 0) == shared  # sharing does share (so the check above can fail)
     assert engine.compiles_after_warmup == 0
+
+
+@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
+def test_decode_segments_let_a_waiting_request_in_with_unchanged_outputs(restore_mode):
+    """One slot, two long requests: with decode_segment_tokens the second streams before the first
+    finishes (they take turns), and both streams are token for token those of the same requests
+    run without yielding (seeded sampling: the draw at a position does not depend on the segments)."""
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    prompts = {"a": TOK.encode("the first long request"), "b": TOK.encode("second one")}
+
+    def run(segment):
+        metrics = Metrics()
+        engine, sched = _sched(
+            metrics=metrics, max_slots=1, restore_mode=restore_mode, decode_segment_tokens=segment
+        )
+        order = []  # (request, event) in the order the sinks saw them
+
+        def sink(rid, events):
+            return lambda ev: (events.append(ev), order.append((rid, ev)))
+
+        events = {rid: [] for rid in prompts}
+        for rid, prompt in prompts.items():
+            sched.submit(request(rid, prompt, max_tokens=30, sampling=sampling), sink(rid, events[rid]))
+        run_until_idle(sched)
+        _assert_clean(engine, sched)
+        yields = metrics.registry.get_sample_value("ced_decode_segment_yields_total")
+        return {rid: collect(ev) for rid, ev in events.items()}, order, yields
+
+    plain, plain_order, plain_yields = run(0)
+    turns, turns_order, yields = run(8)
+    for rid, prompt in prompts.items():
+        assert len(plain[rid][0]) == 30
+        assert turns[rid][0] == plain[rid][0] and turns[rid][1] == plain[rid][1]
+        usage = turns[rid][2].usage
+        counts = (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        assert counts == (len(prompt), 0, 30)
+    assert turns["b"][2].finish_reason is FinishReason.LENGTH
+
+    def first_of_b_before_a_ends(order):
+        b_first = next(i for i, (rid, ev) in enumerate(order) if rid == "b" and ev.token_ids)
+        a_last = next(i for i, (rid, ev) in enumerate(order) if rid == "a" and ev.final)
+        return b_first < a_last
+
+    assert not first_of_b_before_a_ends(plain_order) and plain_yields == 0
+    assert first_of_b_before_a_ends(turns_order)
+    assert yields >= 3  # 30 tokens in segments of 8: a and b take turns several times
+
+
+def test_decode_segments_do_not_yield_without_waiting_requests():
+    metrics = Metrics()
+    engine, sched = _sched(metrics=metrics, max_slots=2, decode_segment_tokens=2)
+    evs = [_submit(sched, rid, "abc" + rid, max_tokens=20) for rid in ("a", "b")]
+    run_until_idle(sched)
+    for rid, ev in zip(("a", "b"), evs, strict=True):
+        assert collect(ev)[0] == mock_greedy_stream(TOK.encode("abc" + rid), 20)
+    assert metrics.registry.get_sample_value("ced_decode_segment_yields_total") == 0
+    _assert_clean(engine, sched)
