@@ -625,6 +625,9 @@ def cmd_serve(args) -> int:
         max_prompt_bytes=args.max_prompt_bytes,
         max_tokenize_bytes=args.max_tokenize_bytes,
         enable_prefix_cache=not args.no_prefix_cache,
+        kv_host_bytes=args.kv_host_bytes,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_bytes=args.kv_disk_bytes,
         prefill_mode=args.prefill_mode,
         decode_segment_tokens=args.decode_segment_tokens,
         **_dspark_options(args),
@@ -1059,6 +1062,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens-limit", type=int, default=serve.max_tokens_limit, help="largest accepted max_tokens"
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
+    g.add_argument(
+        "--kv-host-bytes",
+        type=int,
+        default=serve.kv_host_bytes,
+        metavar="BYTES",
+        help="host memory for prefix-cache blocks evicted from the device (LRU; they come back on a hit "
+        "instead of being recomputed; 0: off)",
+    )
+    g.add_argument(
+        "--kv-disk-dir",
+        default=serve.kv_disk_dir,
+        metavar="DIR",
+        help="a directory for blocks pushed off the host tier (atomic checksummed files, kept across "
+        "restarts; blocks of another model or config are deleted); needs --kv-disk-bytes",
+    )
+    g.add_argument(
+        "--kv-disk-bytes", type=int, default=serve.kv_disk_bytes, metavar="BYTES",
+        help="the disk tier's budget (LRU)",
+    )  # fmt: skip
     g.add_argument(
         "--max-prompt-bytes",
         type=int,

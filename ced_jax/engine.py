@@ -54,7 +54,7 @@ import numpy as np
 
 from ced_jax import cache as cache_lib
 from ced_jax import dspark as dspark_lib
-from ced_jax import sharding
+from ced_jax import page_io, sharding
 from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.model import forward
@@ -422,6 +422,11 @@ def restore_slot(state, slot, snapshot, *, mesh, rules):
     return _pin(state.restore_slot_state(slot, snapshot), mesh, rules)
 
 
+def write_pages(state, pages, contents, *, mesh, rules):
+    """`page_io.write_pages` with the state's layout pinned (pages past num_pages are dropped: padding)."""
+    return _pin(page_io.write_pages(state, pages, contents), mesh, rules)
+
+
 class Programs:
     """The jitted programs of one model (see the module docstring); the state is donated by name."""
 
@@ -453,6 +458,8 @@ class Programs:
             else None
         )
         self.restore_slot = jax.jit(partial(restore_slot, mesh=mesh, rules=rules), donate_argnames=("state",))
+        self.read_pages = jax.jit(page_io.read_pages)
+        self.write_pages = jax.jit(partial(write_pages, mesh=mesh, rules=rules), donate_argnames=("state",))
 
 
 # ------------------------------------------------------------------------------------ host side
@@ -822,6 +829,20 @@ class Engine:
             kept = np.where(active, out.accepted + 1, 0).astype(np.int64)
             self.history[slots] = self.hasher.next_history(history, chunk, kept, None)
         return out
+
+    def read_pages(self, pages: np.ndarray) -> dict:
+        """`page_io.read_pages` of the current state, on the host (i32 [n] page ids)."""
+        with self._mesh_context():
+            out = self.programs.read_pages(self.state, self.put(np.asarray(pages, np.int32)))
+        return jax.device_get(out)
+
+    def write_pages(self, pages: np.ndarray, contents: dict) -> None:
+        """The state with `contents` (a `read_pages` result) in `pages` (distinct; ids >= num_pages
+        are dropped, for padding)."""
+        with self._mesh_context():
+            self.state = self.programs.write_pages(
+                self.state, self.put(np.asarray(pages, np.int32)), jax.tree.map(self.put, contents)
+            )
 
     def restore_slot(self, slot: int, snapshot_state: dict, history: np.ndarray | None) -> None:
         with self._mesh_context():

@@ -104,6 +104,14 @@ class ServeConfig:
     # stopped, with the same tokens). So a request with a very large max_tokens cannot hold a slot
     # while others wait. 0 = off (a request keeps its slot until it finishes).
     decode_segment_tokens: int = 4096
+    # KV tiers below the device pages (serving/kv_tiers.py): blocks the prefix cache evicts from the
+    # device are kept in host memory (`kv_host_bytes`, LRU) and, pushed off host, on disk
+    # (`kv_disk_dir` within `kv_disk_bytes`, LRU; kept across restarts), and come back on a hit
+    # instead of being recomputed. 0 / None: off. Needs the prefix cache and an engine that can move
+    # pages (`EngineSpec.kv_page_bytes`).
+    kv_host_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
 
     # Tenants (serving/tenants.py).
     api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
@@ -211,6 +219,21 @@ class ServeConfig:
                 "decode_segment_tokens (--decode-segment-tokens) must be an integer >= 0 (0: off), "
                 f"got {self.decode_segment_tokens!r}"
             )
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be an integer >= 0 (0: off), got {value!r}")
+        if (self.kv_disk_dir is None) != (self.kv_disk_bytes == 0):
+            raise ValueError(
+                "kv_disk_dir (--kv-disk-dir) and kv_disk_bytes (--kv-disk-bytes) go together: "
+                f"got {self.kv_disk_dir!r} and {self.kv_disk_bytes}"
+            )
+        if self.kv_tiers and not self.enable_prefix_cache:
+            raise ValueError(
+                "kv_host_bytes / kv_disk_dir (--kv-host-bytes / --kv-disk-dir: KV tiers) need the "
+                "prefix cache (--no-prefix-cache given)"
+            )
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(
                 f"prefill_mode (--prefill-mode) must be one of {list(PREFILL_MODES)}, "
@@ -220,6 +243,11 @@ class ServeConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0: any free port), got {port}")
+
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether evicted prefix-cache blocks go to host memory or disk."""
+        return self.kv_host_bytes > 0 or self.kv_disk_dir is not None
 
     @property
     def http_images(self):
@@ -258,5 +286,10 @@ class ServeConfig:
             )
         if self.prefill_mode == "ced" and not spec.ced_window:
             raise ValueError("prefill_mode (--prefill-mode) 'ced': the model has no CED layout (exact only)")
+        if self.kv_tiers and (spec.kv_page_bytes <= 0 or spec.restore_mode != "pages"):
+            raise ValueError(
+                "kv_host_bytes / kv_disk_dir (KV tiers): the engine cannot restore a prefix from its "
+                f"pages alone (kv_page_bytes {spec.kv_page_bytes}, restore mode {spec.restore_mode!r})"
+            )
         if self.max_logprobs > spec.max_logprobs:
             raise ValueError(f"max_logprobs {self.max_logprobs} exceeds the engine's {spec.max_logprobs}")

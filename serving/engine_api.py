@@ -42,6 +42,17 @@ and the Engram n-gram history at `b`. `EngineSpec.restore_mode` says which:
   `drop_snapshot`, so the engine can free whatever device memory the snapshot holds.
 Either way a hit must give exactly the logits of a cold run.
 
+KV tiers (`serving/kv_tiers.py`, `ServeConfig.kv_host_bytes` / `kv_disk_dir`). An engine whose
+`EngineSpec.kv_page_bytes` is > 0 can copy whole pages out of and into its state:
+`read_pages(pages)` returns one blob of `kv_page_bytes` per page (what persists of a cached block:
+its compressed KV and index keys, `ced_jax.page_io.PageLayout`), `write_pages(pages, blobs)` puts
+them back. The scheduler reads the pages of the blocks the prefix cache evicts right after the
+allocation that evicted them, before any engine call that writes them, and writes restored blocks
+into freshly allocated pages before the prefill that continues them. A block restored into pages must
+serve like the block computed there (in restore mode "pages": the first chunk starts after it).
+`EngineSpec.kv_fingerprint` names the page layout and the weights, so a disk tier written by another
+model or config is refused.
+
 Asynchrony. `decode_async` and `prefill_async` only dispatch the work and return a `Pending`
 whose `result()` waits for it (JAX dispatch is asynchronous), so the scheduler dispatches a step's
 decode, then its prefill, and prepares their inputs and handles the decode's tokens while the device
@@ -161,6 +172,10 @@ class EngineSpec:
     # CED prefill: the window of prompt tokens a "ced" request runs through the decoder layers (the
     # model's sliding window); 0 = the model has no CED layout (requests are exact only).
     ced_window: int = 0
+    # KV tiers: the bytes of one page that `read_pages` / `write_pages` move (0 = the engine cannot
+    # move pages: no KV tiers), and what identifies their layout and weights (16 bytes).
+    kv_page_bytes: int = 0
+    kv_fingerprint: bytes = b""
 
     def __post_init__(self):
         check_shapes(
@@ -371,6 +386,14 @@ class Engine(Protocol):
     def release(self, slot: int) -> None: ...
 
     def drop_snapshot(self, snapshot: Snapshot) -> None: ...
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        """One `spec.kv_page_bytes` blob per page, as the state holds it now (module docstring)."""
+        ...
+
+    def write_pages(self, pages: Sequence[int], blobs: Sequence[bytes]) -> None:
+        """Puts `blobs` (from `read_pages`, possibly of an earlier process) into distinct `pages`."""
+        ...
 
 
 class CompileCounter:

@@ -63,6 +63,7 @@ not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -70,6 +71,7 @@ import numpy as np
 
 from ced_jax import cache as cache_lib
 from ced_jax.engine import Engine, StateShapes, ced_boundary
+from ced_jax.page_io import PageLayout
 from serving.config import ServeConfig
 from serving.constraints import ConstraintTokenizer
 from serving.engine_api import (
@@ -244,6 +246,33 @@ def _dspark_widths(model, config: ServeConfig) -> tuple[int, ...]:
     return tuple(range(1, k + 1)) if config.dspark_confidence is not None else (k,)
 
 
+def _page_buckets(pages_per_slot: int) -> tuple[int, ...]:
+    """Page counts the page-copy programs are compiled for: powers of two up to a request's pages."""
+    out, n = [], 1
+    while n < pages_per_slot:
+        out.append(n)
+        n *= 2
+    return (*out, pages_per_slot)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if b >= n), n)
+
+
+def weights_id(params) -> bytes:
+    """What tells checkpoints of one config apart in a KV fingerprint, cheaply: the first rows of the
+    embedding and the head (tiny and tiny-spec share a config and differ there) and every parameter's
+    path, shape and dtype. Pages written under other weights are refused by the disk tier."""
+    h = hashlib.blake2b(digest_size=16)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
+    for name in ("embed", "head"):
+        weight = params.get(name, {}).get("weight") if isinstance(params, dict) else None
+        if weight is not None:
+            h.update(np.ascontiguousarray(jax.device_get(weight[:8])).tobytes())
+    return h.digest()
+
+
 class ModelTokenizer:
     """`serving.text.Tokenizer` over a `ced_jax.api.Model`: encode prepends BOS, as `Model.encode`."""
 
@@ -309,6 +338,12 @@ class JaxEngine:
 
             self.engine = LeaderEngine(self.engine, cluster)
         kv_bytes = cache_lib.kv_bytes_per_token(self.engine.state)
+        # KV tiers: whole pages in and out of the state (not across processes: a multi-host leader
+        # would have to hand the calls to the others).
+        self.page_layout = PageLayout.for_config(cfg, page_size)
+        self.page_layout.check_state(self.engine.state)
+        tiers = cluster is None
+        self._page_buckets = _page_buckets(max_context // page_size) if config.kv_tiers and tiers else ()
         self._spec = EngineSpec(
             max_slots=max_slots,
             page_size=page_size,
@@ -326,6 +361,8 @@ class JaxEngine:
             dspark_widths=self.dspark_widths,
             dspark_max_drafts=cfg.dspark_block_size if self.dspark_widths else 0,
             ced_window=cfg.sliding_window if ced_boundary(cfg) is not None else 0,
+            kv_page_bytes=self.page_layout.page_bytes if tiers else 0,
+            kv_fingerprint=self.page_layout.fingerprint(weights_id(model.params)) if tiers else b"",
             config_summary={
                 "layers": str(cfg.num_layers),
                 "hidden_size": str(cfg.hidden_size),
@@ -407,6 +444,10 @@ class JaxEngine:
             for size in self.prefill_rows:
                 self._prefill_rows(_PrefillRows.idle(size, self).with_images(self))
         self._restore_slot(0, self.engine.zero_slot_state(), None)
+        for n in self._page_buckets:  # KV tiers: every page-copy size (writes of dropped padding ids)
+            with self._counter.watch():
+                self.engine.read_pages(np.zeros(n, np.int32))
+                self._write_bucket(np.full(n, spec.num_pages, np.int32), self._zero_pages(n))
 
     def _decode_idle_rows(self, size: int) -> None:
         """A decode step of `size` idle rows (length 0: nothing is written), with the argument types of
@@ -445,6 +486,49 @@ class JaxEngine:
                 slots, tokens, drafts, n_drafts, positions, active, page_tables, temperature, top_p,
                 top_k, seed, max_logprobs=self.max_logprobs, token_bitmask=token_bitmask,
             )  # fmt: skip
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        """One blob of `page_layout.page_bytes` per page (`ced_jax.page_io`), read in the compiled
+        page-count buckets (padded with repeats)."""
+        ids = self._page_ids(pages)
+        blobs = []
+        step = self._page_buckets[-1] if self._page_buckets else max(len(ids), 1)
+        for i in range(0, len(ids), step):
+            part = ids[i : i + step]
+            n = _bucket(len(part), self._page_buckets)
+            padded = np.concatenate([part, np.full(n - len(part), part[0], np.int32)])
+            with self._counter.watch():
+                contents = self.engine.read_pages(padded)
+            blobs += self.page_layout.pack(contents)[: len(part)]
+        return blobs
+
+    def write_pages(self, pages: Sequence[int], blobs: Sequence[bytes]) -> None:
+        """Puts `blobs` into distinct `pages` (padding ids past num_pages are dropped by the program)."""
+        ids = self._page_ids(pages)
+        if len(set(ids.tolist())) != len(ids) or len(blobs) != len(ids):
+            raise ValueError(f"write_pages: {len(blobs)} blobs for pages {ids.tolist()} (distinct, one each)")
+        step = self._page_buckets[-1] if self._page_buckets else max(len(ids), 1)
+        for i in range(0, len(ids), step):
+            part, data = ids[i : i + step], list(blobs[i : i + step])
+            n = _bucket(len(part), self._page_buckets)
+            contents = self.page_layout.unpack(data + [bytes(self.page_layout.page_bytes)] * (n - len(part)))
+            padded = np.concatenate([part, np.full(n - len(part), self._spec.num_pages, np.int32)])
+            self._write_bucket(padded, contents)
+
+    def _write_bucket(self, pages: np.ndarray, contents: dict) -> None:
+        with self._counter.watch():
+            self.engine.write_pages(pages, contents)
+
+    def _zero_pages(self, n: int) -> dict:
+        return self.page_layout.unpack([bytes(self.page_layout.page_bytes)] * n)
+
+    def _page_ids(self, pages: Sequence[int]) -> np.ndarray:
+        if not self._spec.kv_page_bytes:
+            raise ValueError("this engine cannot move pages (a multi-host engine has no KV tiers)")
+        ids = np.asarray(pages, np.int32).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self._spec.num_pages):
+            raise ValueError(f"pages outside 0..{self._spec.num_pages - 1}: {ids.tolist()}")
+        return ids
 
     def _restore_slot(self, slot: int, state: dict, history) -> None:
         with self._counter.watch():

@@ -72,6 +72,30 @@ class Metrics:
             "ced_requests_rejected", "Requests refused at admission.", ["reason"], registry=r
         )
         self.prompt_tokens = Counter("ced_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.kv_tier_pages = Gauge(
+            "ced_kv_tier_pages",
+            "KV blocks held below the device (host, pending disk write, disk).",
+            ["tier"],
+            registry=r,
+        )
+        self.kv_tier_bytes = Gauge(
+            "ced_kv_tier_bytes", "Bytes of the KV blocks per lower tier.", ["tier"], registry=r
+        )
+        self.kv_tier_hits = Counter(
+            "ced_kv_tier_hits",
+            "Prefix blocks restored to the device from a lower tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.kv_tier_demotions = Counter(
+            "ced_kv_tier_demotions", "Blocks the device prefix cache evicted into the host tier.", registry=r
+        )
+        self.kv_promotion_seconds = Histogram(
+            "ced_kv_tier_promotion_seconds",
+            "Reading one block from disk into host memory (read, checksum, insert).",
+            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
+            registry=r,
+        )
         self.segment_yields = Counter(
             "ced_decode_segment_yields",
             "Times a decoding request gave up its slot to waiting requests (decode_segment_tokens).",

@@ -39,6 +39,7 @@ when `(position of the draft + 3 * j) % draft_miss_every == 0` (`mock_drafts`), 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Sequence
 
@@ -184,6 +185,9 @@ class MockEngine:
             else dspark_max_drafts,
             config_summary={"kind": "mock", "window": str(rule.window)},
             ced_window=ced_window,  # claims a CED layout (the mock's arithmetic ignores decoder_from)
+            # A page's blob is its int32 token ids (KV tiers); the fingerprint names the rule.
+            kv_page_bytes=page_size * 4,
+            kv_fingerprint=hashlib.blake2b(repr(("mock", rule, page_size)).encode(), digest_size=16).digest(),
         )
         self.rule = rule
         self.snapshot_chunk_end_only = snapshot_chunk_end_only
@@ -201,6 +205,8 @@ class MockEngine:
         self.draft_miss_every = draft_miss_every
         self.spec_log: list[tuple[int, int, int, int]] = []  # (slot, width, n_drafts, emitted)
         self.max_active_seen = 0  # largest number of rows decoded together
+        self.pages_read = 0  # read_pages / write_pages (KV tiers)
+        self.pages_written = 0
         self._compiles = CompileCounter()
         self._warm = False
 
@@ -407,7 +413,28 @@ class MockEngine:
             raise ValueError("snapshot dropped twice")
         self.live_snapshots.discard(id(snapshot))
 
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        self.pages_read += len(pages)
+        return [self.kv[p].tobytes() for p in self._page_ids(pages)]
+
+    def write_pages(self, pages: Sequence[int], blobs: Sequence[bytes]) -> None:
+        ids = self._page_ids(pages)
+        if len(set(ids.tolist())) != len(ids) or len(blobs) != len(ids):
+            raise ValueError(f"write_pages: {len(blobs)} blobs for pages {ids.tolist()} (distinct, one each)")
+        ps = self._spec.page_size
+        for p, blob in zip(ids, blobs, strict=True):
+            if len(blob) != ps * 4:
+                raise ValueError(f"write_pages: a blob of {len(blob)} bytes, a page is {ps * 4}")
+            self.kv[p] = np.frombuffer(blob, np.int32)
+        self.pages_written += len(ids)
+
     # ---- internals ----------------------------------------------------------------------------
+
+    def _page_ids(self, pages: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(pages, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self._spec.num_pages):
+            raise ValueError(f"pages outside 0..{self._spec.num_pages - 1}: {ids.tolist()}")
+        return ids
 
     def _write(self, page_table: np.ndarray, start: int, toks: np.ndarray) -> None:
         ps = self._spec.page_size

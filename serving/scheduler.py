@@ -85,6 +85,19 @@ the emitted tokens are then consumed as usual. The pipelining of step 4 is uncha
 drafts and token are the previous step's results, so the next decode is dispatched only once they
 are on the host (it could not be dispatched earlier even without the Engram hashing).
 
+KV tiers (`ServeConfig.kv_host_bytes`, `kv_disk_dir`; `serving/kv_tiers.py`), step 6 of a request's
+life in the prefix cache: the device cache evicts unreferenced blocks (LRU) only inside the
+allocation of an admission; the scheduler then reads their pages out of the engine
+(`Engine.read_pages`, before this step's prefill rewrites them) and demotes them to host memory,
+which pushes its own LRU blocks to disk. Admission matches the prompt against the device cache and
+continues the chain into the lower tiers (`TieredKV.chain`): those blocks are written into the
+request's freshly allocated pages (`Engine.write_pages`), registered in the device cache again and
+count as cached prompt tokens, so the prefill starts after them exactly as after a device hit. A
+request's disk blocks are prefetched into host memory when it enters the queue. On shutdown every
+block of the device cache is demoted and the host tier is written to disk, so a restart with the same
+directory finds the whole cache there (blocks of another model or config are refused by their
+fingerprint, `EngineSpec.kv_fingerprint`).
+
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
 """
@@ -113,8 +126,9 @@ from serving.engine_api import (
     SamplingParams,
     mask_words,
 )
+from serving.kv_tiers import DiskTier, HostTier, TieredKV
 from serving.metrics import Metrics
-from serving.pages import ROOT_KEY, PagePool
+from serving.pages import ROOT_KEY, CacheEntry, PagePool, scope_tag
 from serving.text import Released, StreamText, Tokenizer
 from serving.vision import RequestImage
 
@@ -265,11 +279,22 @@ class Scheduler:
         self.config = config
         self.metrics = metrics
         self.clock = clock
+        # KV tiers (module docstring, 6): blocks the device cache evicts are collected here and
+        # demoted right after the allocation that evicted them.
+        self.tiers: TieredKV | None = None
+        if config.kv_tiers:
+            disk = None
+            if config.kv_disk_dir is not None:
+                disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, spec.kv_fingerprint)
+            self.tiers = TieredKV(HostTier(config.kv_host_bytes), disk)
+        self._evicted: list[CacheEntry] = []
+        self._promotions_seen = 0
         self.pool = PagePool(
             spec.num_pages,
             spec.page_size,
             enable_prefix_cache=config.enable_prefix_cache,
             on_drop_snapshot=engine.drop_snapshot,
+            on_evict=self._evicted.append if self.tiers is not None else None,
         )
         self._eos = frozenset(spec.eos_token_ids)
         S, P = spec.max_slots, spec.pages_per_slot
@@ -515,7 +540,27 @@ class Scheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # the engine is still in use: leave the tiers as they are
             self._thread = None
+        self.close_tiers()
+
+    def close_tiers(self) -> None:
+        """Persists the KV tiers (the scheduler must not be stepping): every block the device
+        cache holds is demoted, host blocks are written to disk (a warm restart finds them), the
+        writes are waited for and the disk directory is released. Idempotent."""
+        tiers, self.tiers = self.tiers, None
+        if tiers is None:
+            return
+        try:
+            if tiers.disk is not None:
+                entries = list(self.pool._entries.values())
+                ps = self.spec.pages_per_slot
+                for i in range(0, len(entries), ps):
+                    self._demote(tiers, entries[i : i + ps])
+                tiers.spill()
+        finally:
+            tiers.close()
 
     # ---- scheduler thread ---------------------------------------------------------------------
 
@@ -542,6 +587,11 @@ class Scheduler:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         self._waiting.extend(inbox)
+        if self.tiers is not None and self.tiers.disk is not None:
+            for seq in inbox:  # read its disk blocks into host memory while it queues
+                _, chain = self._tier_match(seq)
+                if chain:
+                    self.tiers.prefetch([b.key for b in chain])
         for seq in aborts:
             self._finish(seq, FinishReason.ABORT)  # a no-op if it finished meanwhile
         now = self.clock()
@@ -577,14 +627,7 @@ class Scheduler:
         while self._waiting and self._free_slots and self.num_running < limit:
             seq = self._waiting[0]
             n = len(seq.prompt)
-            # Never reuse the block holding the last prompt token (its logits are needed).
-            match = self.pool.match(
-                seq.prompt,
-                max_blocks=(n - 1) // ps,
-                scope=seq.cache_scope,
-                block_extras=[_block_extra(seq.images, i * ps, ps) for i in range(n // ps)],
-            )
-            entries = list(match.entries)
+            entries, chain = self._tier_match(seq)
             if self.spec.restore_mode == "snapshot":
                 usable = max((i + 1 for i, e in enumerate(entries) if e.snapshot is not None), default=0)
                 entries = entries[:usable]
@@ -599,17 +642,21 @@ class Scheduler:
                 self.pool.release(hit_pages)
                 break  # strict FIFO: the head waits for pages rather than being overtaken
             seq.pages = hit_pages + self.pool.allocate(need)
+            if self._evicted:  # their pages are rewritten by this step's prefill: read them first
+                self._demote(self.tiers, self._evicted)
+                self._evicted.clear()
+            restored = self._restore(chain, seq.pages[len(hit_pages) :])
             self._waiting.popleft()
             slot = self._free_slots.pop(0)
             seq.slot = slot
             self._slots[slot] = seq
             self.page_tables[slot] = 0
             self.page_tables[slot, : len(seq.pages)] = seq.pages
-            seq.prefilled = len(entries) * ps
-            seq.registered = len(entries)
+            seq.prefilled = (len(entries) + len(restored)) * ps
+            seq.registered = len(entries) + len(restored)
             seq.segment_from = seq.generated
             seq.admissions += 1
-            seq.parent_key = entries[-1].key if entries else ROOT_KEY
+            seq.parent_key = restored[-1] if restored else entries[-1].key if entries else ROOT_KEY
             seq.restore = entries[-1].snapshot if entries and self.spec.restore_mode == "snapshot" else None
             sp = seq.req.sampling
             self._temperature[slot] = sp.temperature
@@ -627,6 +674,56 @@ class Scheduler:
                 self.metrics.queue_time.observe(now - seq.arrival)
                 self.metrics.observe_prefix(seq.cached_tokens, n)
                 self.metrics.prompt_tokens.inc(n)
+
+    def _tier_match(self, seq: _Seq):
+        """(the device cache's entries for the prompt's leading blocks, the lower tiers' blocks that
+        continue them). Never the block holding the last prompt token (its logits are needed)."""
+        ps, n = self.spec.page_size, len(seq.prompt)
+        extras = [_block_extra(seq.images, i * ps, ps) for i in range(n // ps)]
+        match = self.pool.match(
+            seq.prompt, max_blocks=(n - 1) // ps, scope=seq.cache_scope, block_extras=extras
+        )
+        entries = list(match.entries)
+        if self.tiers is None:
+            return entries, []
+        parent = entries[-1].key if entries else ROOT_KEY
+        chain = self.tiers.chain(
+            parent, scope_tag(seq.cache_scope), seq.prompt, ps,
+            start_block=len(entries), max_blocks=(n - 1) // ps, block_extras=extras,
+        )  # fmt: skip
+        return entries, chain
+
+    def _demote(self, tiers: TieredKV, entries: Sequence[CacheEntry]) -> None:
+        """Copies the blocks' pages out of the engine into the host tier."""
+        blobs = self.engine.read_pages([e.page for e in entries])
+        for e, blob in zip(entries, blobs, strict=True):
+            tiers.demote(e.key, e.parent, e.tokens, blob, scope=e.scope, extra=e.extra)
+        if self.metrics is not None:
+            self.metrics.kv_tier_demotions.inc(len(entries))
+
+    def _restore(self, chain, pages: Sequence[int]) -> list[bytes]:
+        """Writes the lower tiers' blocks `chain` (in order, up to the first one no tier holds any
+        more) into `pages` (held by the caller) and registers them; returns their keys."""
+        blobs, tiers = [], []
+        for meta in chain:
+            found = self.tiers.lookup(meta.key)
+            if found is None:
+                break
+            blobs.append(found[0])
+            tiers.append(found[1])
+        if not blobs:
+            return []
+        self.engine.write_pages(pages[: len(blobs)], blobs)
+        keys = []
+        for meta, page in zip(chain, pages, strict=False):
+            if len(keys) == len(blobs):
+                break
+            key = self.pool.register_restored(meta.parent, meta.scope, meta.tokens, page, extra=meta.extra)
+            keys.append(key)
+        if self.metrics is not None:
+            for tier in tiers:
+                self.metrics.kv_tier_hits.labels(tier=tier).inc()
+        return keys
 
     def _yield_segments(self, now: float) -> None:
         """Flow control (module docstring, 2): while requests wait that admission could not place,
@@ -1018,6 +1115,16 @@ class Scheduler:
         m.pages_free.set(self.pool.num_free)
         m.pages_cached.set(self.pool.num_cached)
         m.compiles_after_warmup.set(self.engine.compiles_after_warmup)
+        if self.tiers is not None:
+            for name, value in self.tiers.gauges().items():
+                tier, what = name.split("_", 1)
+                if what in ("pages", "bytes"):
+                    (m.kv_tier_pages if what == "pages" else m.kv_tier_bytes).labels(tier=tier).set(value)
+            stats = self.tiers.stats
+            new = stats.promotions - self._promotions_seen
+            self._promotions_seen = stats.promotions
+            for seconds in list(stats.promotion_latency_s)[-new:] if new > 0 else ():
+                m.kv_promotion_seconds.observe(seconds)
 
 
 def confident_length(confidence: np.ndarray, threshold: float) -> int:

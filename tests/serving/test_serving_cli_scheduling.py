@@ -32,6 +32,10 @@ def nothing_loads(monkeypatch):
         (["--prefill-token-budget", "-1"], ("--prefill-token-budget", "-1")),
         (["--page-size", "32", "--prefill-token-budget", "16"], ("--prefill-token-budget", "32")),
         (["--decode-segment-tokens", "-5"], ("--decode-segment-tokens", ">= 0", "-5")),
+        (["--kv-host-bytes", "-3"], ("--kv-host-bytes", ">= 0", "-3")),
+        (["--kv-disk-dir", "/tmp/ced-kv"], ("--kv-disk-dir", "--kv-disk-bytes")),
+        (["--kv-disk-bytes", "100"], ("--kv-disk-dir", "--kv-disk-bytes")),
+        (["--kv-host-bytes", "100", "--no-prefix-cache"], ("--kv-host-bytes", "prefix cache")),
     ],
 )
 def test_bad_scheduling_flags_exit_2_in_one_line(extra, needles, capsys, nothing_loads):
@@ -56,5 +60,9 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
     assert seen["config"].decode_segment_tokens == 4096  # the default: on
     assert main([*BASE, "--decode-segment-tokens", "0"]) == 0
     assert seen["config"].decode_segment_tokens == 0
+    argv = [*BASE, "--kv-host-bytes", "4096", "--kv-disk-dir", "/tmp/ced-kv", "--kv-disk-bytes", "8192"]
+    assert main(argv) == 0
+    c = seen["config"]
+    assert (c.kv_host_bytes, c.kv_disk_dir, c.kv_disk_bytes, c.kv_tiers) == (4096, "/tmp/ced-kv", 8192, True)
     assert main([*BASE, "--max-slots", "2"]) == 0  # the defaults follow the shapes
     assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 64
