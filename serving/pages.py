@@ -242,6 +242,10 @@ class PagePool:
             raise ValueError(f"tag: expected a 16-byte scope tag, got {len(tag)} bytes")
         return self._register(parent, tag, tokens, page, None, extra)
 
+    def cached_entries(self) -> list[CacheEntry]:
+        """Every block of the cache, parents before their children."""
+        return list(self._entries.values())
+
     def entry(self, key: bytes) -> CacheEntry | None:
         """The cache entry of `key`, if the block is in the device cache."""
         return self._entries.get(key)

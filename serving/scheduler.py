@@ -554,13 +554,21 @@ class Scheduler:
             return
         try:
             if tiers.disk is not None:
-                entries = list(self.pool._entries.values())
-                ps = self.spec.pages_per_slot
-                for i in range(0, len(entries), ps):
-                    self._demote(tiers, entries[i : i + ps])
+                self._demote(tiers, self.pool.cached_entries())
                 tiers.spill()
         finally:
             tiers.close()
+
+    def offload_prefix_cache(self) -> int:
+        """Demotes every block of the device prefix cache to the KV tiers and empties the device cache;
+        returns how many blocks moved. Call it between steps (not while the scheduler thread runs):
+        running requests keep their pages, which are only no longer offered to others."""
+        if self.tiers is None:
+            raise ValueError("offload_prefix_cache: no KV tiers (kv_host_bytes / kv_disk_dir)")
+        entries = self.pool.cached_entries()
+        self._demote(self.tiers, entries)
+        self.pool.clear_cache()
+        return len(entries)
 
     # ---- scheduler thread ---------------------------------------------------------------------
 

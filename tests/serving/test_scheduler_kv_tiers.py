@@ -130,3 +130,17 @@ def test_tier_config_errors_name_the_field(bad, needle):
 def test_an_engine_that_needs_snapshots_refuses_tiers():
     with pytest.raises(ValueError, match="kv_host_bytes"):
         _sched(kv_host_bytes=1 << 20, restore_mode="snapshot")
+
+
+def test_offload_prefix_cache_moves_every_block_to_host():
+    engine, sched = _sched(kv_host_bytes=1 << 20)
+    ids, _, _ = _run(sched, "a", PROMPT)
+    blocks = len(sched.pool.cached_entries())
+    assert blocks == 6 and sched.offload_prefix_cache() == blocks
+    assert sched.pool.cached_entries() == [] and sched.tiers.host.pages == blocks
+    again, _, last = _run(sched, "b", PROMPT)
+    assert last.usage.cached_prompt_tokens == 20 and again == ids
+    sched.close_tiers()
+    _, plain = _sched()
+    with pytest.raises(ValueError, match="no KV tiers"):
+        plain.offload_prefix_cache()
