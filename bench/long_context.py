@@ -12,6 +12,10 @@ the shortest length's. The indexer selects a fixed number of compressed blocks p
 grows with the context in a decode step is the index-key scoring (one dot product per compressed
 entry) and the page-table walk; the rest of the step is the same at every length.
 
+Beside each decode step time: `indexer_ms`, the index source layers' scoring of every compressed
+entry plus top-k alone at that length (`--indexer-only`: only that, in seconds rather than minutes),
+and its multiply-adds: what a step spends on the part that grows with the context.
+
 Also, shape-only (nothing allocated): the engine state of one `--shape-model` (v41-flash) sequence of
 `--shape-context` (1M) tokens, `jax.eval_shape` of the buffers the server allocates, by buffer.
 The machine is shared: the load average at the start and the end is reported.
@@ -91,6 +95,41 @@ def measure(model, length: int, chunk: int, page: int, steps: int, seed: int) ->
     }
 
 
+def indexer_only(cfg, length: int, page: int, repeats: int = 9) -> dict:
+    """The part of a decode step that grows with the context, alone: each index source layer's
+    scoring of every compressed entry (`ops.index_scores`, impl reference: the FP4 keys unpacked
+    through the page table, bf16 dot products) and its top-k, at one query, summed over the layers
+    (median ms of `repeats` after one compile). Also the multiply-adds it does (entries x index
+    heads x index head dim)."""
+    import jax.numpy as jnp
+
+    from ced_jax import ops
+
+    key_bytes = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    total_ms, macs = 0.0, 0
+    for layer in cfg.index_source_layer_ids:
+        entries = length // cfg.compress_ratios[layer]
+        pages = -(-entries // page)
+        rng = np.random.default_rng(layer)
+        keys = rng.integers(0, 256, (pages, page, key_bytes)).astype(np.uint8)
+        keys[..., cfg.index_head_dim // 2 :] = 127  # ue8m0 scales of 1.0 (random bytes would be inf/NaN)
+        key_pages = jnp.asarray(keys)
+        table = jnp.arange(pages, dtype=jnp.int32)[None]
+        q = jnp.asarray(rng.standard_normal((1, 1, cfg.index_n_heads, cfg.index_head_dim)), jnp.float32)
+        w = jnp.ones((1, 1, cfg.index_n_heads), jnp.float32)
+        visible = jnp.full((1, 1), entries, jnp.int32)
+        fn = jax.jit(lambda q, w, k, t, n: jax.lax.top_k(ops.index_scores(q, w, k, t, n), cfg.index_topk))
+        jax.block_until_ready(fn(q, w, key_pages, table, visible))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(q, w, key_pages, table, visible))
+            times.append(time.perf_counter() - t0)
+        total_ms += 1e3 * float(np.median(times))
+        macs += entries * cfg.index_n_heads * cfg.index_head_dim
+    return {"indexer_ms": total_ms, "indexer_macs": macs}
+
+
 def shape_only(model_name: str, context: int, page: int) -> dict:
     cfg = preset(model_name)
     state = engine_state(cfg, max_slots=1, page_size=page, max_context=-(-context // page) * page)
@@ -120,6 +159,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape-model", default="v41-flash")
     ap.add_argument("--shape-context", type=int, default=1 << 20)
+    ap.add_argument(
+        "--indexer-only", action="store_true",
+        help="time only the indexer's scoring and top-k at each length (no prefill, no decode)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.chunk % args.page_size:
         ap.error(f"--chunk {args.chunk} is not a multiple of --page-size {args.page_size}")
@@ -128,12 +171,19 @@ def main(argv=None) -> int:
     print(json.dumps(report["shape_only"]), file=sys.stderr, flush=True)
     model = load(args.model)
     for length in args.lengths:
+        if args.indexer_only:
+            entry = {"context_tokens": length, **indexer_only(model.cfg, length, args.page_size)}
+            report["lengths"][str(length)] = entry
+            print(json.dumps(entry), file=sys.stderr, flush=True)
+            continue
         entry = measure(model, length, args.chunk, args.page_size, args.steps, args.seed)
+        entry.update(indexer_only(model.cfg, length, args.page_size))
         report["lengths"][str(length)] = entry
         print(json.dumps(entry), file=sys.stderr, flush=True)
-    base = report["lengths"][str(min(args.lengths))]["decode_step_ms_median"]
+    key = "indexer_ms" if args.indexer_only else "decode_step_ms_median"
+    base = report["lengths"][str(min(args.lengths))][key]
     for entry in report["lengths"].values():
-        entry["decode_step_ratio_to_shortest"] = entry["decode_step_ms_median"] / base
+        entry[f"{key}_ratio_to_shortest"] = entry[key] / base
     report["load_end"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0
