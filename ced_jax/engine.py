@@ -227,6 +227,28 @@ def ced_boundary(cfg: ModelConfig) -> int | None:
         return None
 
 
+def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> int:
+    """Tokens a prefix-cache hit at a page boundary b replays before b (encoder SWA bounded replay,
+    spec 4.2, made exact): prefilling [b - H, b) again with window_floor b - H and write_from b
+    rebuilds every per-slot buffer as a cold run left it at b, while the pages before b (the cached
+    compressed KV) stay as they are.
+
+    Why L * (W - 1): layer l's SWA query at p reads layer l's keys at p - W + 1 .. p, made from layer
+    l's input there. The rings at b must hold the keys of b - W + 1 .. b - 1 for every layer, so the
+    top layer's input must be exact from b - W + 1, the layer below's from b - 2 (W - 1), ..., and the
+    embeddings (exact wherever the replay starts) from b - L (W - 1). Nothing else reaches across
+    positions except through the pages (exact), the Engram history (token ids, given with the replay)
+    and the compressor's partial group, which is empty at a page boundary (page_size is a multiple of
+    every compress ratio, so no group straddles b). A CED prompt needs no more: its decoder layers'
+    keys before decoder_from are masked in the cold run and the replay alike. DSpark's context rings
+    hold the W positions before b of the top layer's output, which needs W more tokens.
+    Rounded up to whole pages, so the replay's pages are the cold run's (a page's numerics depend
+    on where the ring/chunk split of its window falls)."""
+    window = cfg.sliding_window
+    tokens = cfg.num_layers * (window - 1) + (window if dspark else 0)
+    return -(-tokens // page_size) * page_size
+
+
 def floor_per_layer(cfg: ModelConfig, window_floor, decoder_from):
     """i32 [R, L] `StepMetadata.window_floor` of rows whose rings hold nothing before window_floor [R]
     and whose decoder layers (from `ced_boundary`) nothing before decoder_from [R] either."""
@@ -505,8 +527,20 @@ class Engine:
         return self.hasher.empty_history(rows)
 
     def reset_history(self, slot: int, history: np.ndarray | None = None) -> None:
-        """A fresh sequence in `slot` (or one resumed at a snapshot whose history is given)."""
+        """A fresh sequence in `slot` (or one resumed mid-sequence, whose history is given:
+        `history_after`)."""
         self.history[slot] = self.empty_history(1)[0] if history is None else history
+
+    def history_after(self, tokens: np.ndarray, dead: np.ndarray | None = None) -> np.ndarray:
+        """The Engram history of one sequence after its first tokens i32 [T] (dead bool [T]: image-span
+        positions), for a prefill that resumes at T (a prefix hit's replay): only the last K - 1
+        tokens matter, so a caller may pass just those when T >= K - 1."""
+        if self.hasher is None:
+            return self.empty_history(1)[0]
+        tokens = np.asarray(tokens, np.int64)[None]
+        dead = None if dead is None else np.asarray(dead, bool)[None]
+        lens = np.array([tokens.shape[1]], np.int64)
+        return self.hasher.next_history(self.empty_history(1), tokens, lens, dead)[0]
 
     def engram_rows(
         self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray, dead: np.ndarray | None = None
