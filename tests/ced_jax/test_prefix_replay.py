@@ -26,7 +26,8 @@ def tiny():
 
 def _engine(model):
     context = 2 * WIDTH
-    return Engine(model, StateShapes(max_slots=2, page_size=PAGE, num_pages=3 * context // PAGE, max_context=context))
+    shapes = StateShapes(max_slots=2, page_size=PAGE, num_pages=3 * context // PAGE, max_context=context)
+    return Engine(model, shapes)
 
 
 def _prefill(engine, slot, tokens, start, n, table, **kw):
@@ -37,7 +38,7 @@ def _prefill(engine, slot, tokens, start, n, table, **kw):
     row = lambda v, dt, idle=0: np.array([v, idle], dt)
     tables = np.stack([table, np.zeros_like(table)])
     per_row = {k: row(v, np.int32) for k, v in kw.items()}
-    out, _ = engine.prefill_batch(
+    out = engine.prefill_batch(
         np.array([slot, other], np.int32), padded, row(n, np.int32), row(start, np.int32), tables,
         row(0.0, np.float32), row(1.0, np.float32), row(0, np.int32), row(0, np.uint32),
         max_logprobs=5, **per_row,
@@ -107,4 +108,5 @@ def test_a_replayed_prefix_hit_is_bit_identical_to_a_cold_run(tiny):
             )
     # One page of replay is far short of the receptive field: the result differs.
     short_first, short_steps, _ = _run_hit(tiny, tokens, PAGE)
-    assert not (_same(short_first, cold_first) and all(_same(a, b) for a, b in zip(short_steps, cold_steps)))
+    same = [_same(a, b) for a, b in zip(short_steps, cold_steps, strict=True)]
+    assert not (_same(short_first, cold_first) and all(same))
