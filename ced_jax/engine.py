@@ -240,11 +240,16 @@ def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> 
     and the compressor's partial group, which is empty at a page boundary (page_size is a multiple of
     every compress ratio, so no group straddles b). A CED prompt needs no more: its decoder layers'
     keys before decoder_from are masked in the cold run and the replay alike. DSpark's context rings
-    hold the W positions before b of the top layer's output, which needs W more tokens.
+    hold the W positions before b of the target layers' inputs (`dspark_target_layer_ids`; every
+    ring slot is read), so the deepest target t needs t (W - 1) + W.
     Rounded up to whole pages, so the replay's pages are the cold run's (a page's numerics depend
-    on where the ring/chunk split of its window falls)."""
+    on where the ring/chunk split of its window falls). A bound from the dependencies: a shorter
+    replay may happen to give the same bits (a perturbation many layers away can round away), but
+    nothing guarantees it."""
     window = cfg.sliding_window
-    tokens = cfg.num_layers * (window - 1) + (window if dspark else 0)
+    tokens = cfg.num_layers * (window - 1)
+    if dspark and cfg.dspark_target_layer_ids:
+        tokens = max(tokens, max(cfg.dspark_target_layer_ids) * (window - 1) + window)
     return -(-tokens // page_size) * page_size
 
 

@@ -24,10 +24,10 @@ def tiny():
     return ced_jax.load("tiny")
 
 
-def _engine(model):
+def _engine(model, page=PAGE, dspark=False):
     context = 2 * WIDTH
-    shapes = StateShapes(max_slots=2, page_size=PAGE, num_pages=3 * context // PAGE, max_context=context)
-    return Engine(model, shapes)
+    shapes = StateShapes(max_slots=2, page_size=page, num_pages=3 * context // page, max_context=context)
+    return Engine(model, shapes, dspark=dspark)
 
 
 def _prefill(engine, slot, tokens, start, n, table, **kw):
@@ -60,30 +60,33 @@ def _decode(engine, slot, token, table):
     return steps
 
 
-def _run_cold(model, tokens):
-    engine = _engine(model)
+def _pages(engine):
+    return [np.asarray(b).copy() for kind in (engine.state.kv, engine.state.index_k) for b in kind.values()]
+
+
+def _run_cold(model, tokens, page=PAGE, dspark=False, decode=True):
+    engine = _engine(model, page, dspark)
     table = np.arange(engine.shapes.pages_per_slot, dtype=np.int32)
-    first = _prefill(engine, 0, tokens, 0, PROMPT, table)
-    return first, _decode(engine, 0, int(first[0]), table), engine
+    first = _prefill(engine, 0, tokens, 0, len(tokens), table)
+    return first, _decode(engine, 0, int(first[0]), table) if decode else [], engine
 
 
-def _run_hit(model, tokens, replay):
+def _run_hit(model, tokens, replay, page=PAGE, dspark=False, decode=True):
     """Slot 0 prefills the first CACHED tokens into its pages; slot 1 takes those pages, replays
     [CACHED - replay, CACHED) and prefills the rest of the prompt in the same call, then decodes."""
-    engine = _engine(model)
+    engine = _engine(model, page, dspark)
     per_slot = engine.shapes.pages_per_slot
     owner = np.arange(per_slot, dtype=np.int32)
     _prefill(engine, 0, tokens, 0, CACHED, owner)
-    shared = [np.asarray(engine.state.kv[k]).copy() for k in sorted(engine.state.kv)]
-    table = np.concatenate([owner[: CACHED // PAGE], per_slot + np.arange(per_slot - CACHED // PAGE)])
+    shared = _pages(engine)
+    table = np.concatenate([owner[: CACHED // page], per_slot + np.arange(per_slot - CACHED // page)])
     table = table.astype(np.int32)
     s = CACHED - replay
     engine.reset_history(1, engine.history_after(tokens[:s]))
-    first = _prefill(engine, 1, tokens, s, PROMPT - s, table, window_floor=s, write_from=CACHED)
-    after = [np.asarray(engine.state.kv[k]) for k in sorted(engine.state.kv)]
-    for before, now in zip(shared, after, strict=True):  # the cached pages were not written
-        np.testing.assert_array_equal(before[: CACHED // PAGE], now[: CACHED // PAGE])
-    return first, _decode(engine, 1, int(first[0]), table), engine
+    first = _prefill(engine, 1, tokens, s, len(tokens) - s, table, window_floor=s, write_from=CACHED)
+    for before, now in zip(shared, _pages(engine), strict=True):  # the cached pages were not written
+        np.testing.assert_array_equal(before[: CACHED // page], now[: CACHED // page])
+    return first, _decode(engine, 1, int(first[0]), table) if decode else [], engine
 
 
 def _same(a, b) -> bool:
@@ -110,3 +113,26 @@ def test_a_replayed_prefix_hit_is_bit_identical_to_a_cold_run(tiny):
     short_first, short_steps, _ = _run_hit(tiny, tokens, PAGE)
     same = [_same(a, b) for a, b in zip(short_steps, cold_steps, strict=True)]
     assert not (_same(short_first, cold_first) and all(same))
+
+
+def _rings(engine, slot, name):
+    return {k: np.asarray(v)[slot] for k, v in getattr(engine.state, name).items()}
+
+
+@pytest.mark.slow  # compiles the speculative engine's prefill program: about a minute
+def test_a_replay_rebuilds_dsparks_context_rings(tiny):
+    """DSpark's context rings hold the target layers' inputs at the W positions before the prompt's
+    end: a prompt that ends 3 tokens past the hit still reads 5 replayed positions from them. The
+    replay of `replay_tokens(..., dspark=True)` rebuilds them and every SWA ring bit for bit; a
+    one-page replay does not."""
+    cfg = tiny.cfg
+    # The deepest target is layer 7's input: 7 x (8 - 1) + 8 = 57 > 8 x (8 - 1) = 56; in pages, 64.
+    assert max(cfg.dspark_target_layer_ids) == 7 and replay_tokens(cfg, PAGE, dspark=True) == 64
+    tokens = np.random.default_rng(1303).integers(3, cfg.vocab_size, CACHED + 3).astype(np.int32)
+    cold_first, _, cold = _run_cold(tiny, tokens, dspark=True, decode=False)
+    for replay, exact in ((replay_tokens(cfg, PAGE, dspark=True), True), (PAGE, False)):
+        first, _, hit = _run_hit(tiny, tokens, replay, dspark=True, decode=False)
+        for name in ("window", "draft_window"):
+            same = [np.array_equal(_rings(hit, 1, name)[k], r) for k, r in _rings(cold, 0, name).items()]
+            assert all(same) == exact, (replay, name, same)
+        assert _same(first, cold_first) == exact
