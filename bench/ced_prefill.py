@@ -99,7 +99,7 @@ def speed(model, length: int, repeats: int, seed: int, page: int) -> dict:
     def run(mode: str, n: int = length) -> float:
         engine.reset_history(0)
         t0 = time.perf_counter()
-        out, _ = engine.prefill_batch(
+        out = engine.prefill_batch(
             one(0, np.int32), ids, one(n, np.int32), one(0, np.int32), table,
             one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32),
             max_logprobs=0, decoder_from=one(prefill_split(cfg, n, mode), np.int32),

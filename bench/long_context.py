@@ -60,7 +60,7 @@ def measure(model, length: int, chunk: int, page: int, steps: int, seed: int) ->
     def prefill(start: int, n: int):
         padded = np.full((1, chunk), cfg.pad_token_id, np.int32)
         padded[0, :n] = ids[start : start + n]
-        out, _ = engine.prefill_batch(
+        out = engine.prefill_batch(
             one(0, np.int32), padded, one(n, np.int32), one(start, np.int32), table, *sampling, max_logprobs=0
         )
         return out

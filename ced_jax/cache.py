@@ -3,9 +3,9 @@
 `PagedCache` is the only cache layout. It holds compressed entries in static-shape page buffers and
 per slot the SWA rings and compressor partial groups; a call's rows are described by a `StepMetadata`
 (start, lens, slots, page tables). Its methods (`write_window`, `compressor_state`,
-`write_compressor_state`, `write_entries`, `entries`, `slot_state`, `restore_slot_state`) return a
-new cache and never change the one they are called on; the attention kernels read the rings and
-pages directly (`ced_jax.ops.KeySegment`).
+`write_compressor_state`, `write_entries`, `entries`, `keep_accepted`) return a new cache and never
+change the one they are called on; the attention kernels read the rings and pages directly
+(`ced_jax.ops.KeySegment`).
 
 Packed formats (spec 2.4), sizes derived from the config's head dims:
 - FP4 main entry, `main_entry_bytes(D)` = D/2 + D/16 (288 B for D = 512): D e2m1 codes two per byte
@@ -263,8 +263,7 @@ class PagedCache:
     draft_window {DSpark stage: u8 [max_slots, W, swa_entry_bytes]}  context rings of the draft stages
                 (empty without DSpark; spec 7.3)
     draft_logits {"q": f32 [max_slots, block, V]}  each slot's last drafts' filtered draft logits, which
-                the next speculative step's rejection sampling needs (empty without DSpark; not part of
-                a slot's snapshot: a restored slot has no drafts yet)
+                the next speculative step's rejection sampling needs (empty without DSpark)
     """
 
     window: dict
@@ -361,30 +360,6 @@ class PagedCache:
         rows = buf[meta.page_tables]  # [B, P, E, bytes]
         rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
         return _ENTRY_FORMATS[kind][1](rows, self.entry_dim(kind))
-
-    # ---- slot state (prefix snapshots)
-    def slot_state(self, slot: jax.Array) -> dict:
-        """What a slot keeps outside the pages (SWA rings, partial groups): the device part of a snapshot."""
-        return {
-            "window": {k: v[slot] for k, v in self.window.items()},
-            "state_kv": {k: v[slot] for k, v in self.state_kv.items()},
-            "state_score": {k: v[slot] for k, v in self.state_score.items()},
-            "draft_window": {k: v[slot] for k, v in self.draft_window.items()},
-        }
-
-    def restore_slot_state(self, slot: jax.Array, state: dict) -> PagedCache:
-        """The cache with the slot's SWA rings and partial groups replaced by a `slot_state` result."""
-
-        def put(buffers: dict, values: dict) -> dict:
-            return {k: buf.at[slot].set(values[k].astype(buf.dtype)) for k, buf in buffers.items()}
-
-        return dataclasses.replace(
-            self,
-            window=put(self.window, state["window"]),
-            state_kv=put(self.state_kv, state["state_kv"]),
-            state_score=put(self.state_score, state["state_score"]),
-            draft_window=put(self.draft_window, state["draft_window"]),
-        )
 
     # ---- speculative verification
     def keep_accepted(

@@ -20,11 +20,10 @@ per shape):
   the others, so constraints never change the program.
 - `prefill_batch`: chunks of R slots (the server's prefill), as a `lax.while_loop` over their pages:
   `forward` on [R, page_size] per iteration (a row whose chunk is done brings 0 tokens and writes
-  nothing), then each row's (masked) sample after its chunk; also returns every row's slot state after each
-  full page (prefix snapshots). Every page of a prompt is computed by the same program from the same
-  inputs whether a request starts cold or resumes from a snapshot, so prefix hits are exact by
-  construction (`serving.jax_engine`).
-- `restore_slot`: puts a snapshot's rings and partial groups into a slot.
+  nothing), then each row's (masked) sample after its chunk. Every page of a prompt is computed by the
+  same program from the same inputs whether a request starts cold or replays after a prefix hit
+  (`replay_tokens`: window_floor / write_from rebuild a slot's rings from cached tokens without
+  writing the cached pages), so prefix hits are exact (`serving.jax_engine`).
 
 Image spans (spec 6.3). `step` and `prefill_batch` also take `token_types` i32 [B|R, T|C] (-1 text,
 0..3 the START / IMAGE / NEWLINE / END of a span) and `span_embeds` f32 [B|R, T|C, D] (the ViT +
@@ -227,6 +226,33 @@ def ced_boundary(cfg: ModelConfig) -> int | None:
         return None
 
 
+def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> int:
+    """Tokens a prefix-cache hit at a page boundary b replays before b (encoder SWA bounded replay,
+    spec 4.2, made exact): prefilling [b - H, b) again with window_floor b - H and write_from b
+    rebuilds every per-slot buffer as a cold run left it at b, while the pages before b (the cached
+    compressed KV) stay as they are.
+
+    Why L * (W - 1): layer l's SWA query at p reads layer l's keys at p - W + 1 .. p, made from layer
+    l's input there. The rings at b must hold the keys of b - W + 1 .. b - 1 for every layer, so the
+    top layer's input must be exact from b - W + 1, the layer below's from b - 2 (W - 1), ..., and the
+    embeddings (exact wherever the replay starts) from b - L (W - 1). Nothing else reaches across
+    positions except through the pages (exact), the Engram history (token ids, given with the replay)
+    and the compressor's partial group, which is empty at a page boundary (page_size is a multiple of
+    every compress ratio, so no group straddles b). A CED prompt needs no more: its decoder layers'
+    keys before decoder_from are masked in the cold run and the replay alike. DSpark's context rings
+    hold the W positions before b of the target layers' inputs (`dspark_target_layer_ids`; every
+    ring slot is read), so the deepest target t needs t (W - 1) + W.
+    Rounded up to whole pages, so the replay's pages are the cold run's (a page's numerics depend
+    on where the ring/chunk split of its window falls). A bound from the dependencies: a shorter
+    replay may happen to give the same bits (a perturbation many layers away can round away), but
+    nothing guarantees it."""
+    window = cfg.sliding_window
+    tokens = cfg.num_layers * (window - 1)
+    if dspark and cfg.dspark_target_layer_ids:
+        tokens = max(tokens, max(cfg.dspark_target_layer_ids) * (window - 1) + window)
+    return -(-tokens // page_size) * page_size
+
+
 def floor_per_layer(cfg: ModelConfig, window_floor, decoder_from):
     """i32 [R, L] `StepMetadata.window_floor` of rows whose rings hold nothing before window_floor [R]
     and whose decoder layers (from `ced_boundary`) nothing before decoder_from [R] either."""
@@ -289,16 +315,13 @@ def prefill_batch(
     it on (a replay over cached positions; else 0).
 
     Returns (new state, the sample after each row's chunk (rows with n 0, or a chunk whose tokens all
-    ran only the encoder pass: garbage), the slot state of every row after each page of the second
-    loop [C / page_size, R, ...] (row r's page k only meaningful if (k + 1) * page_size <= n[r] and
-    the row ran page k through every layer)). token_types i32 [R, C] (-1 for text) and span_embeds f32
+    ran only the encoder pass: garbage)). token_types i32 [R, C] (-1 for text) and span_embeds f32
     [R, C, D]: image spans, sliced per page like the tokens; None for both = the text program (a
     separate executable)."""
     layout = sharding.make_layout(mesh, rules)
     ps = state.page_size
     num_rows, width = tokens.shape
     pages = width // ps
-    snaps = jax.tree.map(lambda a: jnp.zeros((pages, *a.shape), a.dtype), state.slot_state(slots))
     floors = floor_per_layer(cfg, window_floor, decoder_from)
     boundary = ced_boundary(cfg)
     # Tokens of each row that run the encoder pass only: [0, encoder_n) of its chunk.
@@ -331,7 +354,7 @@ def prefill_batch(
         )
 
     def body(carry):
-        k, state, last, snaps = carry
+        k, state, last = carry
         # Row r's tokens on page k that run every layer: [offset, offset + lens) of its chunk.
         offset = jnp.maximum(k * ps, encoder_n)
         lens = jnp.clip(jnp.minimum((k + 1) * ps, n) - offset, 0, ps)
@@ -346,18 +369,17 @@ def prefill_batch(
         here = (lens > 0) & (i >= 0) & (i < lens)
         picked = jnp.take_along_axis(logits, jnp.clip(i, 0, ps - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(here[:, None], picked, last)
-        snaps = jax.tree.map(lambda buf, v: buf.at[k].set(v), snaps, state.slot_state(slots))
-        return k + 1, state, last, snaps
+        return k + 1, state, last
 
     last = jnp.zeros((num_rows, cfg.vocab_size), jnp.float32)
     # The first page any row runs through every layer (rows of a CED prompt skip their encoder-only pages).
     busy = n > encoder_n
     first = jnp.min(jnp.where(busy, encoder_n // ps, pages)).astype(jnp.int32)
-    _, state, last, snaps = jax.lax.while_loop(
-        lambda c: c[0] * ps < jnp.max(jnp.where(busy, n, 0)), body, (first, state, last, snaps)
+    _, state, last = jax.lax.while_loop(
+        lambda c: c[0] * ps < jnp.max(jnp.where(busy, n, 0)), body, (first, state, last)
     )
     out = sample(last, start + n, temperature, top_p, top_k, seed, token_bitmask, num_logprobs=max_logprobs)
-    return _pin(state, mesh, rules), _replicated(out, mesh), _replicated(snaps, mesh)
+    return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
 def speculative_decode(
@@ -417,11 +439,6 @@ def speculative_decode(
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
-def restore_slot(state, slot, snapshot, *, mesh, rules):
-    """The state with a slot's rings and partial groups replaced by a `PagedCache.slot_state` result."""
-    return _pin(state.restore_slot_state(slot, snapshot), mesh, rules)
-
-
 def write_pages(state, pages, contents, *, mesh, rules):
     """`page_io.write_pages` with the state's layout pinned (pages past num_pages are dropped: padding)."""
     return _pin(page_io.write_pages(state, pages, contents), mesh, rules)
@@ -457,7 +474,6 @@ class Programs:
             if dspark
             else None
         )
-        self.restore_slot = jax.jit(partial(restore_slot, mesh=mesh, rules=rules), donate_argnames=("state",))
         self.read_pages = jax.jit(page_io.read_pages)
         self.write_pages = jax.jit(partial(write_pages, mesh=mesh, rules=rules), donate_argnames=("state",))
 
@@ -512,8 +528,20 @@ class Engine:
         return self.hasher.empty_history(rows)
 
     def reset_history(self, slot: int, history: np.ndarray | None = None) -> None:
-        """A fresh sequence in `slot` (or one resumed at a snapshot whose history is given)."""
+        """A fresh sequence in `slot` (or one resumed mid-sequence, whose history is given:
+        `history_after`)."""
         self.history[slot] = self.empty_history(1)[0] if history is None else history
+
+    def history_after(self, tokens: np.ndarray, dead: np.ndarray | None = None) -> np.ndarray:
+        """The Engram history of one sequence after its first tokens i32 [T] (dead bool [T]: image-span
+        positions), for a prefill that resumes at T (a prefix hit's replay): only the last K - 1
+        tokens matter, so a caller may pass just those when T >= K - 1."""
+        if self.hasher is None:
+            return self.empty_history(1)[0]
+        tokens = np.asarray(tokens, np.int64)[None]
+        dead = None if dead is None else np.asarray(dead, bool)[None]
+        lens = np.array([tokens.shape[1]], np.int64)
+        return self.hasher.next_history(self.empty_history(1), tokens, lens, dead)[0]
 
     def engram_rows(
         self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray, dead: np.ndarray | None = None
@@ -718,13 +746,13 @@ class Engine:
         write_from=None,
     ):
         """Chunks of R slots at once, a page of every row per iteration (`prefill_batch` program):
-        padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns
-        (sample outputs on device [R], per-page slot states on device [C / page_size, R, ...]);
-        nothing is waited for. Each row's history moves past its n tokens. token_bitmask: i32 [R, W]
-        for the samples, None = unconstrained. token_types i32 [R, C] (-1 everywhere in text rows and
-        padding) and span_embeds f32 [R, C, D] (rows of image-span positions, others ignored): image
-        spans, whose Engram history slots are DEAD; None for both = the text program. A text chunk
-        gives the same logits and state through either program (tests/ced_jax/test_vision_engine.py).
+        padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns the
+        sample outputs on device [R]; nothing is waited for. Each row's history moves past its n
+        tokens. token_bitmask: i32 [R, W] for the samples, None = unconstrained. token_types i32
+        [R, C] (-1 everywhere in text rows and padding) and span_embeds f32 [R, C, D] (rows of
+        image-span positions, others ignored): image spans, whose Engram history slots are DEAD;
+        None for both = the text program. A text chunk gives the same logits and state through
+        either program (tests/ced_jax/test_vision_engine.py).
         decoder_from / window_floor / write_from i32 [R] (None: zeros): the program's (CED prefill's
         decoder bounded replay; a replay that rebuilds the rings and leaves the cached pages)."""
         slots = np.asarray(slots, np.int32)
@@ -738,7 +766,7 @@ class Engine:
         rows = self.engram_rows(slots, tokens, n, dead)
         put = self.put
         with self._mesh_context():
-            self.state, out, snaps = self.programs.prefill_batch(
+            self.state, out = self.programs.prefill_batch(
                 self.model.params,
                 self.state,
                 put(tokens),
@@ -759,7 +787,7 @@ class Engine:
                 None if spans is None else put(spans),
                 max_logprobs=max_logprobs,
             )
-        return out, snaps
+        return out
 
     def speculative_decode(
         self,
@@ -844,12 +872,3 @@ class Engine:
                 self.state, self.put(np.asarray(pages, np.int32)), jax.tree.map(self.put, contents)
             )
 
-    def restore_slot(self, slot: int, snapshot_state: dict, history: np.ndarray | None) -> None:
-        with self._mesh_context():
-            self.state = self.programs.restore_slot(self.state, self.put(np.int32(slot)), snapshot_state)
-        self.reset_history(slot, history)
-
-    def zero_slot_state(self) -> dict:
-        """A host slot state of zeros (the shapes of `PagedCache.slot_state`)."""
-        shapes = jax.eval_shape(lambda s: s.slot_state(0), self.state)
-        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)

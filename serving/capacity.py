@@ -323,18 +323,14 @@ def activation_ledger(
 
     Prefill (`ced_jax.engine.prefill_batch`): `prefill_rows(max_seqs)` rows of `prefill_bucket`-token
     chunks, run a page of every row per loop iteration (rows x page_size tokens per forward, chunk
-    page_size), with every dense weight's f32 copy hoisted out of the loop, plus its outputs beside
-    the state: each row's slot state after each page (prefix snapshots). Decode: `max_seqs`
+    page_size), with every dense weight's f32 copy hoisted out of the loop (so the chunk length
+    does not change the peak; its outputs beside the state are only the samples). Decode: `max_seqs`
     sequences split over the batch axis, one token each (with `dspark` K drafts the verify step:
     K + 1 tokens each)."""
     seqs = _sequences_per_device(mesh, rules, max_seqs)
     rows = prefill_rows(max_seqs)
     prefill = _step_activations(cfg, mesh, rules, rows * page_size, page_size, context, hoisted=True)
-    one = engine_state(cfg, max_slots=1, page_size=page_size, max_context=page_size, dspark=dspark > 0)
-    slot = cache_lib.buffer_bytes((one.window, one.state_kv, one.state_score, one.draft_window))
     prefill["rows"] = rows
-    prefill["snapshots"] = -(-prefill_bucket // page_size) * rows * slot
-    prefill["peak"] += prefill["snapshots"]
     per_seq = dspark + 1
     decode = _step_activations(cfg, mesh, rules, seqs * per_seq, per_seq, context)
     decode["tokens_per_sequence"] = per_seq

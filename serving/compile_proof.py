@@ -20,11 +20,10 @@ are the parameters (weights ledger), the state (KV ledger) and the step's inputs
 the gathered Engram rows of the step when the tables are on the host), less what jit drops as
 unused (the text programs never read `gate.bias_vl`: 4 x experts bytes per layer); the temporaries
 are XLA's buffer assignment for everything live inside the program, which the activations ledger
-estimates; outputs beside the donated state are the sampler's results and (prefill) the per-page
-slot snapshots. The temporaries are XLA:CPU's, with its memory-minimising scheduler by default
-(`SCHEDULERS`): what the program needs when scheduled for memory, as an accelerator backend
-schedules under its memory limit; an accelerator's fusion decisions differ, so its temporaries are
-not the same number. What the reference path holds, measured here on v41-flash: the prefill
+estimates; outputs beside the donated state are the sampler's results. The temporaries are
+XLA:CPU's, with its memory-minimising scheduler by default (`SCHEDULERS`): what the program needs
+when scheduled for memory, as an accelerator backend schedules under its memory limit; an
+accelerator's fusion decisions differ, so its temporaries are not the same number. What the reference path holds, measured here on v41-flash: the prefill
 program keeps an f32 copy of every dense FP8 / BF16 weight (XLA hoists the dequantisation out of
 the page loop: it depends on the parameters only), the decode program the largest one (the head's)
 beside a small step; BENCHMARKS.md has the numbers.
@@ -303,9 +302,8 @@ def compare(candidate: dict, compiled: dict, device_bytes: int) -> dict:
 
     Arguments are the parameters (weights ledger), the donated state (KV ledger) and the step's
     inputs (counted from the abstract inputs: the ledgers leave them out); temporaries are the
-    activations ledger of that program (prefill: without its snapshots, which are outputs); outputs
-    beside the aliased state are the prefill's per-page slot snapshots (activations ledger) and the
-    sampler's results (not in the ledgers: a few KiB). Total = arguments + outputs - aliased +
+    activations ledger of that program; outputs beside the aliased state are the sampler's results
+    (not in the ledgers: a few KiB). Total = arguments + outputs - aliased +
     temporaries. Every line carries the relative difference (compiled / ledger - 1), whether it is
     within TOLERANCE, and what the two numbers hold; a line beyond TOLERANCE says why."""
     led = candidate["ledgers"]
@@ -331,8 +329,7 @@ def compare(candidate: dict, compiled: dict, device_bytes: int) -> dict:
 
     for program, prog in compiled["programs"].items():
         inputs = prog["inputs_bytes"]
-        snapshots = acts["prefill"]["snapshots"] if program == "prefill" else 0
-        activations = acts[program]["peak"] - snapshots
+        activations = acts[program]["peak"]
         rows_ = compiled["shapes"]["prefill_rows" if program == "prefill" else "max_slots"]
         sampled = _sampler_bytes(rows_)
         line(
@@ -362,11 +359,10 @@ def compare(candidate: dict, compiled: dict, device_bytes: int) -> dict:
         line(
             program,
             "outputs beside the donated state",
-            snapshots + sampled,
+            sampled,
             prog["outputs_bytes"] - prog["aliased_bytes"],
-            (f"the per-page slot snapshots (activations ledger) {_u(snapshots)} + " if snapshots else "")
-            + f"the sampler's results for {rows_} rows {_u(sampled)} (not a ledger: counted here)",
-            "outputs other than the snapshots and the sampler's results",
+            f"the sampler's results for {rows_} rows {_u(sampled)} (not a ledger: counted here)",
+            "outputs other than the sampler's results",
         )
         line(
             program,

@@ -286,10 +286,10 @@ class ServeConfig:
             )
         if self.prefill_mode == "ced" and not spec.ced_window:
             raise ValueError("prefill_mode (--prefill-mode) 'ced': the model has no CED layout (exact only)")
-        if self.kv_tiers and (spec.kv_page_bytes <= 0 or spec.restore_mode != "pages"):
+        if self.kv_tiers and spec.kv_page_bytes <= 0:
             raise ValueError(
-                "kv_host_bytes / kv_disk_dir (KV tiers): the engine cannot restore a prefix from its "
-                f"pages alone (kv_page_bytes {spec.kv_page_bytes}, restore mode {spec.restore_mode!r})"
+                "kv_host_bytes / kv_disk_dir (KV tiers): the engine cannot copy pages out of its state "
+                "(a multi-host engine)"
             )
         if self.max_logprobs > spec.max_logprobs:
             raise ValueError(f"max_logprobs {self.max_logprobs} exceeds the engine's {spec.max_logprobs}")

@@ -30,16 +30,16 @@ Lifecycle of a slot, as seen by the engine:
 
 Prefix cache. The scheduler shares pages of full prompt blocks between requests (hash chain over
 page-aligned token blocks, `serving/pages.py`). Resuming a sequence at a page boundary `b` may need
-more than the pages before `b`; for DeepSeek-V4.1 it needs the SWA ring, the compressor's partial group
-and the Engram n-gram history at `b`. `EngineSpec.restore_mode` says which:
-- `"pages"`: pages alone are enough. The first chunk simply starts at `b` (it also receives the
+more than the pages before `b`; for DeepSeek-V4.1 it needs the SWA rings of every layer (and the
+Engram n-gram history, token ids the scheduler has). Nothing but the pages is kept: the engine
+rebuilds the rest by replaying cached tokens (spec 4.2, "encoder SWA bounded replay").
+`EngineSpec.replay_tokens` H (a multiple of page_size) says how many:
+- H = 0: pages alone are enough. The first chunk simply starts at `b` (it also receives the
   `history_tokens` tokens before `b`, for n-gram features).
-- `"snapshot"`: the engine must restore a snapshot it produced earlier at exactly `b`. The scheduler
-  asks for snapshots through `PrefillChunk.snapshot_at` (every full-page boundary the chunk completes);
-  the engine returns those it chose to make (possibly none, or only the chunk end) as opaque handles.
-  A hit is only used up to the deepest boundary that has a snapshot, and the first chunk carries it in
-  `PrefillChunk.restore`. When the cache evicts the block the snapshot belongs to, the scheduler calls
-  `drop_snapshot`, so the engine can free whatever device memory the snapshot holds.
+- H > 0: the first chunk starts at s = max(0, b - H) on a fresh slot, with `window_floor` s (no
+  per-slot state before it exists) and `write_from` b (the pages before b are the shared cached ones
+  and must not be written), as does every later chunk of the request. The engine recomputes
+  [s, b) only to rebuild its per-slot state; the scheduler counts those tokens as prefill work.
 Either way a hit must give exactly the logits of a cold run.
 
 KV tiers (`serving/kv_tiers.py`, `ServeConfig.kv_host_bytes` / `kv_disk_dir`). An engine whose
@@ -94,12 +94,9 @@ import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-
-# An opaque engine-owned handle for the state at one page boundary (see the module docstring).
-Snapshot = Any
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,7 +153,8 @@ class EngineSpec:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_logprobs: int  # top-n alternatives computed for every sampled token
-    restore_mode: Literal["pages", "snapshot"] = "pages"
+    # Cached tokens before a prefix hit that prefill replays (module docstring); 0 = pages suffice.
+    replay_tokens: int = 0
     history_tokens: int = 0  # tokens before a chunk's start that prefill receives (n-gram features)
     model_name: str = ""
     config_summary: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -185,8 +183,11 @@ class EngineSpec:
             max_context=self.max_context,
             prefill_buckets=self.prefill_buckets,
         )
-        if self.restore_mode not in ("pages", "snapshot"):
-            raise ValueError(f"restore_mode must be 'pages' or 'snapshot', got {self.restore_mode!r}")
+        if self.replay_tokens < 0 or self.replay_tokens % self.page_size:
+            raise ValueError(
+                f"replay_tokens must be a multiple of page_size {self.page_size} (>= 0), "
+                f"got {self.replay_tokens}"
+            )
         w = tuple(self.dspark_widths)
         if w and (list(w) != sorted(set(w)) or w[0] < 1 or w[-1] > self.dspark_max_drafts):
             raise ValueError(
@@ -228,12 +229,16 @@ class PrefillChunk:
     token_ids: np.ndarray  # i32[T], 1 <= T <= max(prefill_buckets)
     start_pos: int  # a multiple of page_size
     page_table: np.ndarray  # i32[pages_per_slot]; entries past the sequence are unspecified
-    history: np.ndarray  # i32[<= history_tokens], the tokens right before start_pos (raw ids: an
-    # engine that takes images keeps its n-gram history in snapshots, history_tokens 0, as JaxEngine)
+    history: np.ndarray  # i32[<= history_tokens], the tokens right before start_pos (raw ids)
     sampling: SamplingParams
     is_last_chunk: bool  # sample the token at start_pos + T
-    restore: Snapshot | None = None  # only on a first chunk resuming at start_pos in "snapshot" mode
-    snapshot_at: tuple[int, ...] = ()  # page-aligned positions in (start_pos, start_pos + T]
+    # The history's token types (-1 text, 0..3 image span; None = all text): image-span positions
+    # are dead in an n-gram history.
+    history_types: np.ndarray | None = None  # i32[len(history)]
+    # A prefix hit's replay (module docstring): the first position the request computes (its first
+    # chunk's start; 0 for a cold request) and the end of the cached pages it shares (not written).
+    window_floor: int = 0
+    write_from: int = 0
     token_bitmask: np.ndarray | None = None  # i32[W] for the last chunk's sample; None = all ones
     # Image spans in the chunk (both or neither; None = text only): the token type of every position
     # (-1 text, 0..3 span) and the embedding rows of span positions (others are ignored).
@@ -256,7 +261,6 @@ class SampledToken:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefillResult:
     token: SampledToken | None  # set iff the chunk was the last one
-    snapshots: Mapping[int, Snapshot] = dataclasses.field(default_factory=dict)  # subset of snapshot_at
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -384,8 +388,6 @@ class Engine(Protocol):
         ...
 
     def release(self, slot: int) -> None: ...
-
-    def drop_snapshot(self, snapshot: Snapshot) -> None: ...
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         """One `spec.kv_page_bytes` blob per page, as the state holds it now (module docstring)."""

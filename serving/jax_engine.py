@@ -2,14 +2,14 @@
 
 The device work is a `ced_jax.engine.Engine` (the one state, the model's `Programs`, the Engram history
 per slot), the same engine the notebook API runs; this module adds what the scheduler's protocol needs
-on top: slot bookkeeping and checks, decode batch buckets, prefix snapshots on the host, and warm-up.
+on top: slot bookkeeping and checks, decode batch buckets, prefix-hit replay, and warm-up.
 
 Programs, compiled by `warmup()`, which runs each of them through the serving code path (a one-token
-prefill and one decode step on slot 0, idle calls of the other prefill and decode batch sizes, a
-restore), so that every later call finds its executable in jit's cache. The serving calls stay
-ordinary jit calls, watched by a `CompileCounter` that counts JAX's own compilation events: a call
-whose shapes, dtypes or shardings warm-up did not cover compiles, and shows in
-`compiles_after_warmup` (and on /metrics):
+prefill and one decode step on slot 0, idle calls of the other prefill and decode batch sizes), so
+that every later call finds its executable in jit's cache. The serving calls stay ordinary jit
+calls, watched by a `CompileCounter` that counts JAX's own compilation events: a call whose
+shapes, dtypes or shardings warm-up did not cover compiles, and shows in `compiles_after_warmup`
+(and on /metrics):
 - prefill: the chunks (up to `prefill_chunk` tokens each, the one bucket) of several slots, the
   engine's `prefill_batch` program over R rows, R the smallest of `prefill_rows` that holds them,
   padded with distinct other slots of length 0 (they write nothing): a `lax.while_loop` over the
@@ -24,7 +24,6 @@ whose shapes, dtypes or shardings warm-up did not cover compiles, and shows in
   of fixed shape [rows, ceil(vocab / 32)], so constraints never compile anything. A lone stream thus
   pays for 8 rows, not `max_slots`; why not 1, see
   `ServeConfig.decode_buckets`.
-- restore: puts a snapshot's rings and partial groups into a slot.
 - speculative decode (`ServeConfig.dspark` K > 0, a model with DSpark stages): the engine's
   `speculative_decode` program for each draft width w (K alone; every 1..K with
   `dspark_confidence`, so a step whose rows all want fewer drafts runs a narrower one) and each
@@ -37,19 +36,20 @@ with the device's.
 
 Why a page per iteration: it makes prefix-cache hits exact by construction. Every page of a prompt
 is computed by the same program from the same inputs (its tokens, position, the pages before it and
-the slot state at its start), whether the request starts cold at 0 or resumes from a snapshot at a
-page boundary, however the scheduler cut the prompt into chunks, and whichever other rows share
+the slot state at its start), whether the request starts cold at 0 or replays from a page boundary
+after a prefix hit, however the scheduler cut the prompt into chunks, and whichever other rows share
 the call (with one `prefill_rows` size). (A whole-chunk forward would
 sum attention terms in an order that depends on where the chunk starts.) The price is prefill
 matmuls of page_size rows; pick page_size accordingly on an accelerator.
 
-Prefix snapshots (`restore_mode = "snapshot"`): after each full page the loop records the slot's
-SWA rings and compressor partial groups (the partial group is in fact empty there, since page_size
-is a multiple of every ratio; it is kept so that the snapshot is the whole slot state). When the
-scheduler asks for boundaries, the recorded states are copied to the host with the Engram history
-at the boundary; restoring one is the `restore` program plus setting the host history. Snapshots
-live in host memory (num_layers * window * swa_entry_bytes each: 2.7 MB for v41-flash, 8 KB for
-tiny), so dropping one only forgets it.
+Prefix hits (`EngineSpec.replay_tokens`, `ced_jax.engine.replay_tokens`): the cache keeps only the
+pages (compressed KV and index keys: `kv_bytes_per_token`, 890 B for v41-flash). A request that
+shares the pages before b starts on a fresh slot at s = b - replay_tokens (or 0) with window_floor s
+and write_from b: the program recomputes [s, b) to rebuild the SWA rings (and DSpark's context rings)
+and writes no page before b; the Engram history at s comes from the chunk's `history` tokens (their
+`history_types` mark image spans dead). The compressor's partial group needs nothing: page_size is a
+multiple of every ratio, so no group straddles b. tests/ced_jax/test_prefix_replay.py shows the
+result bit-identical to a cold run.
 
 On a device mesh (`ced_jax.load(..., mesh=...)`, `ced-jax serve --mesh`), see `ced_jax.engine`: the
 state is laid out by the model's rules and every program pins that layout. On a mesh over several
@@ -70,7 +70,7 @@ import jax
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax.engine import Engine, StateShapes, ced_boundary
+from ced_jax.engine import Engine, StateShapes, ced_boundary, replay_tokens
 from ced_jax.page_io import PageLayout
 from serving.config import ServeConfig
 from serving.constraints import ConstraintTokenizer
@@ -88,15 +88,6 @@ from serving.engine_api import (
 )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class JaxSnapshot:
-    """The state of a slot at page boundary `pos`, on the host."""
-
-    pos: int
-    state: dict  # numpy tree of `ced_jax.cache.slot_state`
-    history: np.ndarray | None  # Engram history [K-1] at pos
-
-
 @dataclasses.dataclass(frozen=True)
 class _PrefillRows:
     """The host inputs of one `prefill_batch` program call: the chunks' rows, then idle rows."""
@@ -112,6 +103,8 @@ class _PrefillRows:
     seed: np.ndarray  # u32 [R]
     token_bitmask: np.ndarray  # i32 [R, W]; all ones = unconstrained
     decoder_from: np.ndarray  # i32 [R]; CED prefill's decoder start, 0 = exact
+    window_floor: np.ndarray  # i32 [R]; a prefix hit's replay start, else 0
+    write_from: np.ndarray  # i32 [R]; the end of the shared cached pages, else 0
     # Image spans (both or neither): set when a chunk of the batch has one, so text-only batches run
     # the text program; text rows of an image batch are all -1 with zero rows.
     token_types: np.ndarray | None = None  # i32 [R, prefill_chunk]
@@ -141,6 +134,8 @@ class _PrefillRows:
             seed=np.zeros(size, np.uint32),
             token_bitmask=np.full((size, mask_words(engine.cfg.vocab_size)), -1, np.int32),
             decoder_from=np.zeros(size, np.int32),
+            window_floor=np.zeros(size, np.int32),
+            write_from=np.zeros(size, np.int32),
         )
 
     @classmethod
@@ -155,6 +150,7 @@ class _PrefillRows:
             rows.n[r] = len(c.token_ids)
             rows.start[r] = c.start_pos
             rows.decoder_from[r] = c.decoder_from
+            rows.window_floor[r], rows.write_from[r] = c.window_floor, c.write_from
             rows.page_tables[r] = c.page_table
             sp = c.sampling
             rows.temperature[r], rows.top_p[r] = sp.temperature, sp.top_p
@@ -188,41 +184,26 @@ class _PendingDecode:
 
 
 class _PendingPrefill:
-    """A dispatched prefill batch: `result()` copies what the chunks need to the host (the first
-    token of last chunks, the asked-for snapshots) and makes their `PrefillResult`s (once)."""
+    """A dispatched prefill batch: `result()` copies the first token of last chunks to the host and
+    makes the chunks' `PrefillResult`s (once)."""
 
-    def __init__(self, engine: JaxEngine, chunks: list[PrefillChunk], histories, out, snaps):
-        self._engine, self._chunks, self._histories = engine, chunks, histories
-        self._out, self._snaps = out, snaps
+    def __init__(self, chunks: list[PrefillChunk], out):
+        self._chunks, self._out = chunks, out
         self._results: list[PrefillResult] | None = None
 
     def result(self) -> list[PrefillResult]:
         if self._results is not None:
             return self._results
-        engine, ps = self._engine, self._engine.page_size
-        host_snaps = jax.device_get(self._snaps) if any(c.snapshot_at for c in self._chunks) else None
         out = jax.device_get(self._out) if any(c.is_last_chunk for c in self._chunks) else None
         results = []
         for r, chunk in enumerate(self._chunks):
-            toks = np.asarray(chunk.token_ids, np.int32)
-            snapshots = {}
-            for b in chunk.snapshot_at:
-                k, m = (b - chunk.start_pos) // ps - 1, b - chunk.start_pos
-                hist = None
-                if engine.hasher is not None:
-                    before = self._histories[r : r + 1]
-                    dead = None if chunk.token_types is None else np.asarray(chunk.token_types)[None, :m] >= 0
-                    hist = engine.hasher.next_history(before, toks[None, :m], np.array([m]), dead)[0]
-                state = jax.tree.map(lambda a, k=k, r=r: a[k, r].copy(), host_snaps)
-                snapshots[b] = JaxSnapshot(b, state, hist)
-                engine.live_snapshots += 1
             token = None
             if chunk.is_last_chunk:
                 tok, lp, ids, tlp = (a[r] for a in out)
                 token = SampledToken(token_id=int(tok), logprob=float(lp), top_ids=ids, top_logprobs=tlp)
-            results.append(PrefillResult(token=token, snapshots=snapshots))
+            results.append(PrefillResult(token=token))
         self._results = results
-        self._out = self._snaps = None
+        self._out = None
         return results
 
 
@@ -353,8 +334,8 @@ class JaxEngine:
             vocab_size=cfg.vocab_size,
             eos_token_ids=(cfg.eos_token_id,),
             max_logprobs=max_logprobs,
-            restore_mode="snapshot",
-            history_tokens=0,
+            replay_tokens=replay_tokens(cfg, page_size, dspark=bool(self.dspark_widths)),
+            history_tokens=0 if self.hasher is None else self.hasher.max_ngram_size - 1,
             model_name=cfg.name,
             hidden_size=cfg.hidden_size if getattr(model, "vision", None) is not None else 0,
             image_token_id=cfg.image_token_id,
@@ -378,7 +359,6 @@ class JaxEngine:
         self._decoding = np.zeros(max_slots, bool)
         self._counter = CompileCounter()
         self._warm = False
-        self.live_snapshots = 0
 
     # ---- Engine protocol ----------------------------------------------------------------------
 
@@ -405,9 +385,9 @@ class JaxEngine:
     def _warm_up_programs(self) -> None:
         """Compiles every program by calling it as serving does, with the same argument types.
 
-        A one-token prefill into slot 0 (page 0) and one decode step, then the slot is released and
-        given a zero state through `restore`. What they write is harmless: a fresh slot needs no reset
-        and a page's entries are always written before they are read (module docstring)."""
+        A one-token prefill into slot 0 (page 0) and one decode step, then the slot is released. What
+        they write is harmless: a fresh slot needs no reset and a page's entries are always written
+        before they are read (module docstring)."""
         spec = self._spec
         table = np.zeros(spec.pages_per_slot, np.int32)
         greedy = SamplingParams(temperature=0.0)
@@ -443,7 +423,6 @@ class JaxEngine:
         if self._spec.hidden_size:  # the image variant of every prefill row count (idle rows)
             for size in self.prefill_rows:
                 self._prefill_rows(_PrefillRows.idle(size, self).with_images(self))
-        self._restore_slot(0, self.engine.zero_slot_state(), None)
         for n in self._page_buckets:  # KV tiers: every page-copy size (writes of dropped padding ids)
             with self._counter.watch():
                 self.engine.read_pages(np.zeros(n, np.int32))
@@ -530,10 +509,6 @@ class JaxEngine:
             raise ValueError(f"pages outside 0..{self._spec.num_pages - 1}: {ids.tolist()}")
         return ids
 
-    def _restore_slot(self, slot: int, state: dict, history) -> None:
-        with self._counter.watch():
-            self.engine.restore_slot(slot, state, history)
-
     def prefill(self, chunk: PrefillChunk) -> PrefillResult:
         return self.prefill_batch([chunk])[0]
 
@@ -541,7 +516,8 @@ class JaxEngine:
         return self.prefill_async(chunks).result()
 
     def prefill_async(self, chunks: Sequence[PrefillChunk]) -> _PendingPrefill:
-        """Checks every chunk, then restores snapshots and dispatches the `prefill_batch` program of
+        """Checks every chunk, then sets the Engram history of fresh slots (at their first chunk's start)
+        and dispatches the `prefill_batch` program of
         the smallest `prefill_rows` size that holds the chunks (idle rows: distinct other slots
         with 0 tokens, which write nothing)."""
         self._require_warm()
@@ -552,22 +528,19 @@ class JaxEngine:
             raise ValueError(f"one chunk per slot in a prefill batch, got slots {slots}")
         for chunk in chunks:  # all checked before any state changes
             self._check_chunk(chunk)
-        with self._counter.watch():
-            for chunk in chunks:
-                s = chunk.slot
-                if chunk.restore is not None:
-                    self._restore_slot(s, chunk.restore.state, chunk.restore.history)
-                elif self._pos[s] < 0:
-                    self.engine.reset_history(s)
+        for chunk in chunks:
+            if self._pos[chunk.slot] < 0:
+                dead = None if chunk.history_types is None else np.asarray(chunk.history_types) >= 0
+                history = self.engine.history_after(chunk.history, dead) if chunk.start_pos else None
+                self.engine.reset_history(chunk.slot, history)
         size = next(r for r in self.prefill_rows if r >= len(chunks))
         rows = _PrefillRows.build(chunks, size, self)
-        histories = self.engine.history[rows.slots[: len(chunks)]].copy()  # at each chunk's start
-        out, snaps = self._prefill_rows(rows)
+        out = self._prefill_rows(rows)
         for chunk in chunks:
             self._pos[chunk.slot] = chunk.start_pos + len(chunk.token_ids)
             if chunk.is_last_chunk:
                 self._decoding[chunk.slot] = True
-        return _PendingPrefill(self, list(chunks), histories, out, snaps)
+        return _PendingPrefill(list(chunks), out)
 
     def _check_chunk(self, chunk: PrefillChunk) -> None:
         spec = self._spec
@@ -595,25 +568,27 @@ class JaxEngine:
                     f"span_embeds shape {np.shape(chunk.span_embeds)}, expected {(n, spec.hidden_size)}"
                 )
         fresh = self._pos[s] < 0
-        if chunk.restore is not None:
-            if not fresh or chunk.restore.pos != start:
-                raise ValueError("restore only on a fresh slot at the snapshot's position")
-        elif fresh:
-            if start:
-                raise ValueError(f"slot {s}: resuming at {start} needs a snapshot")
+        if fresh:
+            if start != chunk.window_floor:
+                raise ValueError(
+                    f"slot {s}: a fresh slot starts at its window_floor {chunk.window_floor}, not at {start} "
+                    "(a prefix hit replays from there)"
+                )
+            if len(chunk.history) != min(start, spec.history_tokens):
+                want = min(start, spec.history_tokens)
+                raise ValueError(f"slot {s}: history of {len(chunk.history)} tokens, expected {want}")
+            types = chunk.history_types
+            if types is not None and np.shape(types) != np.shape(chunk.history):
+                raise ValueError(f"history_types shape {np.shape(types)}, expected {np.shape(chunk.history)}")
         elif self._pos[s] != start:
             raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
-        for b in chunk.snapshot_at:
-            if b % self.page_size or not start < b <= start + n - n % self.page_size:
-                raise ValueError(f"snapshot position {b} is not a full page boundary of the chunk")
-        if chunk.decoder_from:
-            if not spec.ced_window:
-                raise ValueError("decoder_from: this model has no CED layout")
-            if chunk.snapshot_at and min(chunk.snapshot_at) < chunk.decoder_from + spec.ced_window:
-                raise ValueError(
-                    f"snapshot position {min(chunk.snapshot_at)}: a CED prompt's state is not a prefix's "
-                    f"before its decoder window ends ({chunk.decoder_from + spec.ced_window})"
-                )
+        if not 0 <= chunk.window_floor <= start or chunk.write_from % self.page_size or chunk.write_from < 0:
+            raise ValueError(
+                f"window_floor {chunk.window_floor} / write_from {chunk.write_from}: the floor is at most "
+                "the chunk start and write_from a page boundary"
+            )
+        if chunk.decoder_from and not spec.ced_window:
+            raise ValueError("decoder_from: this model has no CED layout")
 
     def _prefill_rows(self, rows: _PrefillRows):
         """The prefill program over `rows` (one compiled program per row count)."""
@@ -622,7 +597,7 @@ class JaxEngine:
                 rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
                 rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
                 token_bitmask=rows.token_bitmask, token_types=rows.token_types, span_embeds=rows.span_embeds,
-                decoder_from=rows.decoder_from,
+                decoder_from=rows.decoder_from, window_floor=rows.window_floor, write_from=rows.write_from,
             )  # fmt: skip
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:
@@ -731,10 +706,6 @@ class JaxEngine:
         self._pos[slot] = -1
         self._decoding[slot] = False
         self.engine.reset_history(slot)
-
-    def drop_snapshot(self, snapshot) -> None:
-        # Host memory: forgetting the handle frees it.
-        self.live_snapshots -= 1
 
     # ---- internals ----------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ prefix-cache bugs change the output. The most likely next token after a context 
 (constrained decoding), so unconstrained greedy streams are exactly `mock_greedy_stream` and seeded
 streams exercise the production sampling code.
 
-`restore_mode="snapshot"` emulates an engine with state outside the pages (V4.1's SWA ring and
-compressor partial groups): the `window` term comes from a per-slot ring that only prefill/decode
-update, so resuming after a prefix hit is only correct with a restored snapshot, and prefill raises if
-asked to continue a slot whose state it does not have. `snapshot_chunk_end_only=True` makes the engine
-snapshot only at chunk ends, like an engine that cannot materialize state mid-chunk.
+`replay_tokens=H` (> 0) emulates an engine with state outside the pages (V4.1's SWA rings): the
+`window` term comes from a per-slot ring that only prefill/decode update, from the slot's
+`window_floor` on, so resuming after a prefix hit is only correct when the scheduler replays at least
+`window` cached tokens; a fresh slot must start at its window_floor, and positions before a chunk's
+`write_from` are not written but checked against the pages (they must be the shared cached prefix).
 
 The mock also checks the scheduler's side of the contract: contiguous positions, page-aligned chunk
 starts, chunks within the buckets, one chunk per slot in a prefill batch, decode only on prefilled
@@ -138,12 +138,6 @@ def mock_greedy_stream(prompt: Sequence[int], n: int, rule: MockRule = MockRule(
     return seq[len(prompt) :]
 
 
-@dataclasses.dataclass(frozen=True)
-class MockSnapshot:
-    pos: int
-    ring: tuple[int, ...]
-
-
 class MockEngine:
     """Implements `serving.engine_api.Engine` on numpy (see the module docstring)."""
 
@@ -158,8 +152,7 @@ class MockEngine:
         max_logprobs: int = 5,
         rule: MockRule = MockRule(),
         vocab_size: int = ByteTokenizer.vocab_size,
-        restore_mode: str = "pages",
-        snapshot_chunk_end_only: bool = False,
+        replay_tokens: int = 0,
         history_tokens: int = 0,
         step_delay_s: float = 0.0,
         dspark_widths: Sequence[int] = (),
@@ -176,7 +169,7 @@ class MockEngine:
             vocab_size=vocab_size,
             eos_token_ids=(rule.eos_id,),
             max_logprobs=max_logprobs,
-            restore_mode=restore_mode,
+            replay_tokens=replay_tokens,
             history_tokens=history_tokens,
             model_name="mock",
             dspark_widths=tuple(dspark_widths),
@@ -190,14 +183,12 @@ class MockEngine:
             kv_fingerprint=hashlib.blake2b(repr(("mock", rule, page_size)).encode(), digest_size=16).digest(),
         )
         self.rule = rule
-        self.snapshot_chunk_end_only = snapshot_chunk_end_only
         self.step_delay_s = step_delay_s
         self.kv = np.full((num_pages, page_size), -1, np.int32)
         # Per-slot state the engine owns: next position to write (-1 = released) and the ring.
         self._pos = np.full(max_slots, -1, np.int64)
         self._decoding = np.zeros(max_slots, bool)
         self._ring: list[tuple[int, ...]] = [()] * max_slots
-        self.live_snapshots: set[int] = set()
         self.prefill_log: list[tuple[int, int, int, int]] = []  # (slot, start, length, bucket)
         self.prefill_batches: list[tuple[int, ...]] = []  # the slots of each prefill_batch call
         self.calls: list[str] = []  # "prefill" / "decode", in the order they were dispatched
@@ -265,15 +256,13 @@ class MockEngine:
         if start + n > spec.max_context:
             raise ValueError("chunk runs past max_context")
         fresh = self._pos[s] < 0
-        if chunk.restore is not None:
-            if spec.restore_mode != "snapshot" or not fresh or chunk.restore.pos != start:
-                raise ValueError("restore only on a fresh slot at the snapshot's position")
-            if id(chunk.restore) not in self.live_snapshots:
-                raise ValueError("restore of a dropped snapshot")
-            self._ring[s] = chunk.restore.ring
-        elif fresh:
-            if start and spec.restore_mode == "snapshot":
-                raise ValueError(f"slot {s}: resume at {start} needs a snapshot")
+        if not 0 <= chunk.window_floor <= start or chunk.write_from % spec.page_size:
+            raise ValueError(
+                f"window_floor {chunk.window_floor} / write_from {chunk.write_from} out of place"
+            )
+        if fresh:
+            if spec.replay_tokens and start != chunk.window_floor:
+                raise ValueError(f"slot {s}: a fresh slot starts at its window_floor, not at {start}")
             self._ring[s] = ()
         elif self._pos[s] != start:
             raise ValueError(f"slot {s}: chunk starts at {start}, state is at {self._pos[s]}")
@@ -281,26 +270,18 @@ class MockEngine:
             raise ValueError(f"slot {s} is decoding")
         self._check_history(chunk)
         self.prefill_log.append((s, start, n, spec.bucket_for(n)))
-        self._write(chunk.page_table, start, toks)
-        snaps = {}
-        want = set(chunk.snapshot_at)
-        if self.snapshot_chunk_end_only:
-            want &= {start + n}
-        for b in sorted(want):
-            if not start < b <= start + n or b % spec.page_size:
-                raise ValueError(f"snapshot position {b} outside the chunk or not page aligned")
-            if spec.restore_mode == "snapshot":
-                snap = MockSnapshot(
-                    b, (self._ring[s] + tuple(int(t) for t in toks[: b - start]))[-self.rule.window :]
-                )
-                self.live_snapshots.add(id(snap))
-                snaps[b] = snap
+        cached = min(max(chunk.write_from - start, 0), n)  # a replay: those pages are shared
+        if cached and not np.array_equal(self._read(chunk.page_table, start + cached)[start:], toks[:cached]):
+            raise ValueError(
+                f"slot {s}: replayed tokens [{start}, {start + cached}) differ from the cached pages"
+            )
+        self._write(chunk.page_table, start + cached, toks[cached:])
         self._ring[s] = (self._ring[s] + tuple(int(t) for t in toks))[-self.rule.window :]
         self._pos[s] = start + n
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         if not chunk.is_last_chunk:
-            return PrefillResult(token=None, snapshots=snaps)
+            return PrefillResult(token=None)
         self._decoding[s] = True
         logits = self._logits_for(s, chunk.page_table, start + n)[None]
         sp = chunk.sampling
@@ -313,7 +294,7 @@ class MockEngine:
             np.array([sp.seed], np.uint32),
             self._all_ones(1) if chunk.token_bitmask is None else self._row_mask(chunk.token_bitmask),
         )
-        return PrefillResult(token=out.row(0), snapshots=snaps)
+        return PrefillResult(token=out.row(0))
 
     def decode_async(self, batch: DecodeBatch) -> Ready:
         # Through `decode`, so a test that replaces `engine.decode` (a failing engine) is heard.
@@ -408,11 +389,6 @@ class MockEngine:
         self._decoding[slot] = False
         self._ring[slot] = ()
 
-    def drop_snapshot(self, snapshot) -> None:
-        if id(snapshot) not in self.live_snapshots:
-            raise ValueError("snapshot dropped twice")
-        self.live_snapshots.discard(id(snapshot))
-
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         self.pages_read += len(pages)
         return [self.kv[p].tobytes() for p in self._page_ids(pages)]
@@ -457,7 +433,7 @@ class MockEngine:
 
     def _logits_for(self, s: int, page_table: np.ndarray, length: int) -> np.ndarray:
         context = self._read(page_table, length)
-        ring = self._ring[s] if self._spec.restore_mode == "snapshot" else None
+        ring = self._ring[s] if self._spec.replay_tokens else None
         return mock_logits(mock_target(context, self.rule, ring), self.rule, self._spec.vocab_size)
 
     @staticmethod

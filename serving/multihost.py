@@ -7,7 +7,7 @@ the leader, runs the gRPC front end, the scheduler and `JaxEngine`; its engine i
 which hands every call that runs a program or moves host state (`MIRRORED`) to the other processes
 before running it itself. The followers (`follow`) make the same calls with the same host inputs in
 the same order, so each collective program runs in lockstep on all processes, every process feeding
-its own shards. Outputs are replicated, so the leader reads tokens and snapshots from its own devices.
+its own shards. Outputs are replicated, so the leader reads the sampled tokens from its own devices.
 
 Transport: the distributed runtime's key-value store (the coordinator, hosted by process 0). Call n
 is one value under `ced-serve/call/<follower>/<n>`, written by the leader, read (blocking) and
@@ -45,7 +45,7 @@ PREFIX = "ced-serve"
 HEARTBEAT_S = 0.5
 # Mirrored `ced_jax.engine.Engine` methods: each runs a program on the mesh or moves host state that a
 # later program call reads (the Engram history).
-MIRRORED = frozenset({"prefill_batch", "dispatch_decode", "decode", "speculative_decode", "restore_slot",
+MIRRORED = frozenset({"prefill_batch", "dispatch_decode", "decode", "speculative_decode",
                       "reset_history", "step"})  # fmt: skip
 _STOP = "__stop__"
 

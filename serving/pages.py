@@ -13,14 +13,14 @@ Prefix cache. Block `i` of a sequence is tokens `[i * page_size, (i + 1) * page_
 blocks are cached. A block is keyed by a hash chain, `key_i = H(key_{i-1} || tag || tokens_i)` (the
 scope's tag, below) with a cryptographic hash (blake2b, 128 bits), so a key identifies the whole prefix,
 not just one block, and crafted prompts cannot collide into other pages; the stored tokens are compared
-on a match as well. Each entry may carry an opaque engine snapshot of the state at the block's end
-(`serving/engine_api.py`); when an entry leaves the cache, `on_drop_snapshot(snapshot)` is called.
+on a match as well. An entry is its page and its tokens, nothing else: an engine whose state reaches
+outside the pages rebuilds it on a hit by replaying cached tokens (`serving/engine_api.py`).
 
 Scopes. `tag` is a scope's `scope_tag`, a 128-bit hash of its name (the scheduler passes the
 request's identity, or "" for everybody when the cache is shared). The same tokens in two scopes
 therefore have unrelated keys and never match, so a tenant cannot learn from a hit
 (`cached_prompt_tokens`, a faster first token) whether another tenant sent a prefix. Each scope keeps
-its own pages and snapshots for equal blocks; scopes share only the pool and its LRU order.
+its own pages for equal blocks; scopes share only the pool and its LRU order.
 
 Eviction removes the least recently released block. Its descendants become unreachable (lookups walk
 the chain from the root), so they are dropped from the cache too: unreferenced ones go straight to the
@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -75,7 +74,6 @@ class CacheEntry:
     scope: bytes  # scope_tag of the requests that may match it
     page: int
     tokens: np.ndarray  # i32[page_size]
-    snapshot: Any = None
     extra: bytes = b""  # see block_key
     children: set[bytes] = dataclasses.field(default_factory=set)
 
@@ -103,13 +101,11 @@ class PagePool:
         page_size: int,
         *,
         enable_prefix_cache: bool = True,
-        on_drop_snapshot: Callable[[Any], None] | None = None,
         on_evict: Callable[[CacheEntry], None] | None = None,
     ):
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
-        self._on_drop_snapshot = on_drop_snapshot
         self._on_evict = on_evict
         self._refcount = np.zeros(num_pages, np.int32)
         # Popped from the end; reversed so that pages are handed out in ascending order at first.
@@ -218,7 +214,6 @@ class PagePool:
         parent: bytes,
         tokens: np.ndarray,
         page: int,
-        snapshot: Any = None,
         *,
         scope: str = "",
         extra: bytes = b"",
@@ -226,10 +221,9 @@ class PagePool:
         """Registers a full, written block held by the caller in `scope`; returns its key (the next parent).
 
         If the key is already cached (another request computed the same prefix), the existing entry
-        wins and `page` stays private to its holder; a snapshot the caller passed is then dropped
-        unless the existing entry has none.
+        wins and `page` stays private to its holder.
         """
-        return self._register(parent, scope_tag(scope), tokens, page, snapshot, extra)
+        return self._register(parent, scope_tag(scope), tokens, page, extra)
 
     def register_restored(
         self, parent: bytes, tag: bytes, tokens: np.ndarray, page: int, *, extra: bytes = b""
@@ -237,10 +231,10 @@ class PagePool:
         """Registers a block whose page the caller holds (refcount > 0) and has just written back
         from a lower tier; `tag` is the block's scope tag (`CacheEntry.scope`, as the tier kept it).
         Returns its key. Same rules as `register`: an existing entry wins, a broken chain is not
-        cached. The entry has no snapshot."""
+        cached."""
         if len(tag) != 16:
             raise ValueError(f"tag: expected a 16-byte scope tag, got {len(tag)} bytes")
-        return self._register(parent, tag, tokens, page, None, extra)
+        return self._register(parent, tag, tokens, page, extra)
 
     def cached_entries(self) -> list[CacheEntry]:
         """Every block of the cache, parents before their children."""
@@ -250,37 +244,27 @@ class PagePool:
         """The cache entry of `key`, if the block is in the device cache."""
         return self._entries.get(key)
 
-    def _register(
-        self, parent: bytes, tag: bytes, tokens: np.ndarray, page: int, snapshot: Any, extra: bytes
-    ) -> bytes:
+    def _register(self, parent: bytes, tag: bytes, tokens: np.ndarray, page: int, extra: bytes) -> bytes:
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) != self.page_size:
             raise ValueError("only full blocks can be registered")
         key = block_key(parent, tag, tokens, extra)
         if not self.enable_prefix_cache:
-            self._drop_snapshot(snapshot)
             return key
         if self._refcount[page] <= 0:
             raise ValueError(f"page {page} must be referenced by the caller to be registered")
         existing = self._entries.get(key)
         if existing is not None:
-            if existing.snapshot is None and snapshot is not None:
-                existing.snapshot = snapshot
-            elif snapshot is not None and snapshot is not existing.snapshot:
-                self._drop_snapshot(snapshot)
             return key
         if page in self._page_entry:
             raise ValueError(f"page {page} is already registered under another key")
         if parent != ROOT_KEY and parent not in self._entries:
             # The parent was evicted while this request ran: the chain is broken, so this block
             # could never be matched. Do not cache it.
-            self._drop_snapshot(snapshot)
             return key
         if parent != ROOT_KEY and self._entries[parent].scope != tag:
             raise ValueError("the parent block belongs to another scope")
-        entry = CacheEntry(
-            key=key, parent=parent, scope=tag, page=page, tokens=tokens.copy(), snapshot=snapshot, extra=extra
-        )
+        entry = CacheEntry(key=key, parent=parent, scope=tag, page=page, tokens=tokens.copy(), extra=extra)
         self._entries[key] = entry
         self._page_entry[page] = entry
         if parent != ROOT_KEY:
@@ -296,10 +280,6 @@ class PagePool:
                 self._drop_entry(self._entries[key])
 
     # ---- internals ----------------------------------------------------------------------------
-
-    def _drop_snapshot(self, snapshot: Any) -> None:
-        if snapshot is not None and self._on_drop_snapshot is not None:
-            self._on_drop_snapshot(snapshot)
 
     def _evict_one(self) -> None:
         page = next(iter(self._lru))
@@ -317,8 +297,6 @@ class PagePool:
                 self._on_evict(e)
             del self._entries[e.key]
             del self._page_entry[e.page]
-            self._drop_snapshot(e.snapshot)
-            e.snapshot = None
             if self._refcount[e.page] == 0:
                 del self._lru[e.page]
                 self._free.append(e.page)

@@ -7,15 +7,17 @@ Request lifecycle (one request = one `_Seq`):
 2. Waiting: FIFO. At the start of every scheduler step the head of the queue is admitted when a slot is
    free, `max_running` allows, and pages for its whole worst case (prompt + max_tokens) can be
    reserved. Reserving up front means a running request never runs out of pages, so nothing is ever
-   preempted for memory. The prefix cache supplies the prompt's leading full blocks (never the block holding the
-   last prompt token: the first generated token needs that token's logits). In "snapshot" mode only
-   blocks up to the deepest engine snapshot are reused.
+   preempted for memory. The prefix cache supplies the prompt's leading full blocks (never the block
+   holding the last prompt token: the first generated token needs that token's logits). A hit of b
+   tokens is resumed at max(0, b - `EngineSpec.replay_tokens`): the engine replays those cached
+   tokens to rebuild its per-slot state (engine_api's module docstring); they count against the
+   prefill budget, while usage's cached_prompt_tokens reports b.
 3. Prefill: one `engine.prefill_async` per step over the chunks of up to max(`prefill_rows`)
    prefilling requests (oldest first), `prefill_token_budget` prompt tokens in all, handed out a
    page per request in turn (so a batch's chunks are about equally long: the engine runs as many
    page iterations as its longest chunk has pages); each chunk is at most the largest bucket and
    starts on a page boundary. After each chunk, the prompt blocks it completed are registered in
-   the prefix cache (with any engine snapshots). The last chunk samples the first token.
+   the prefix cache. The last chunk samples the first token.
 4. Decode: one `engine.decode_async` per step over all slots whose prefill is done. A request whose
    prefill finishes in a step joins the decode of the next one.
    A step is mixed: the decode is dispatched first, then the prefill is planned and dispatched
@@ -33,7 +35,7 @@ Request lifecycle (one request = one `_Seq`):
    yields its slot, one at a time until the waiting requests are admitted: the full blocks of its
    prompt + output so far are registered in the prefix cache, its slot and pages are released, and
    it queues again at the back with prompt + output as its prompt. Readmitted, it prefills what the
-   prefix cache does not hold (in the engine's restore mode, like any prompt) and samples its next
+   prefix cache does not hold (with the engine's replay, like any hit) and samples its next
    token from that prompt's last position: the token a decode step would have sampled there (the
    sampler's key is (seed, position), and the forward is chunk-invariant), so its stream goes on
    with the same tokens. Its stream state (text, grammar, counts, the CED decoder window of its
@@ -243,10 +245,13 @@ class _Seq:
         self.slot: int | None = None
         self.pages: list[int] = []
         self.cached_tokens = 0
-        self.prefilled = 0  # prompt tokens whose KV is written
+        self.prefilled = 0  # prompt tokens computed (a hit resumes before its cached tokens: replay)
         self.registered = 0  # prompt blocks registered in (or taken from) the prefix cache
         self.parent_key = ROOT_KEY
-        self.restore = None
+        # A prefix hit's replay: the first position this request computes and the end of the cached
+        # pages it shares (both 0 for a cold start); every chunk carries them.
+        self.window_floor = 0
+        self.write_from = 0
         self.decoding = False
         self.generated = 0
         self.accepted_drafts = 0  # DSpark drafts the target accepted for this request
@@ -293,7 +298,6 @@ class Scheduler:
             spec.num_pages,
             spec.page_size,
             enable_prefix_cache=config.enable_prefix_cache,
-            on_drop_snapshot=engine.drop_snapshot,
             on_evict=self._evicted.append if self.tiers is not None else None,
         )
         self._eos = frozenset(spec.eos_token_ids)
@@ -636,9 +640,6 @@ class Scheduler:
             seq = self._waiting[0]
             n = len(seq.prompt)
             entries, chain = self._tier_match(seq)
-            if self.spec.restore_mode == "snapshot":
-                usable = max((i + 1 for i, e in enumerate(entries) if e.snapshot is not None), default=0)
-                entries = entries[:usable]
             hit_pages = [e.page for e in entries]
             # KV is written for every position but the last sampled token's; with DSpark the engine
             # may write up to K positions past a row's last token (module docstring).
@@ -660,12 +661,13 @@ class Scheduler:
             self._slots[slot] = seq
             self.page_tables[slot] = 0
             self.page_tables[slot, : len(seq.pages)] = seq.pages
-            seq.prefilled = (len(entries) + len(restored)) * ps
+            cached = (len(entries) + len(restored)) * ps
+            seq.write_from = cached
+            seq.prefilled = seq.window_floor = max(0, cached - self.spec.replay_tokens)
             seq.registered = len(entries) + len(restored)
             seq.segment_from = seq.generated
             seq.admissions += 1
             seq.parent_key = restored[-1] if restored else entries[-1].key if entries else ROOT_KEY
-            seq.restore = entries[-1].snapshot if entries and self.spec.restore_mode == "snapshot" else None
             sp = seq.req.sampling
             self._temperature[slot] = sp.temperature
             self._top_p[slot] = sp.top_p
@@ -675,7 +677,7 @@ class Scheduler:
             self._prefilling.append(seq)
             if seq.admissions > 1:  # a yielded request back for its next segment
                 continue
-            seq.cached_tokens = seq.prefilled
+            seq.cached_tokens = seq.write_from
             mode = seq.req.prefill_mode or self.config.prefill_mode
             seq.decoder_from = max(0, n - self.spec.ced_window) if mode == "ced" else 0
             if self.metrics is not None:
@@ -768,7 +770,7 @@ class Scheduler:
         seq.prompt = ids
         seq.prefilled = seq.registered = 0
         seq.parent_key = ROOT_KEY
-        seq.restore = None
+        seq.window_floor = seq.write_from = 0
         self._waiting.append(seq)
         if self.metrics is not None:
             self.metrics.segment_yields.inc()
@@ -807,20 +809,13 @@ class Scheduler:
         return plan, self.engine.prefill_async(chunks)
 
     def _chunk(self, seq: _Seq, end: int) -> PrefillChunk:
-        spec, ps = self.spec, self.spec.page_size
+        spec = self.spec
         n = len(seq.prompt)
         start = seq.prefilled
-        full_end = (n // ps) * ps  # prompt blocks that will be registered end by here
         decoder_from = seq.decoder_from
-        snapshot_at = ()
-        if spec.restore_mode == "snapshot" and self.config.enable_prefix_cache:
-            # A CED prompt's decoder rings hold only its last window: a state before that window has
-            # ended is not the state of the prefix, so it is not offered to other requests.
-            whole = -(-(decoder_from + spec.ced_window) // ps) * ps if decoder_from else 0
-            first = max((start // ps + 1) * ps, whole)
-            snapshot_at = tuple(range(first, min(end, full_end) + 1, ps))
         h = spec.history_tokens
         types, span_embeds = _chunk_images(seq.images, start, end, spec.hidden_size)
+        history_types, _ = _chunk_images(seq.images, max(0, start - h), start, spec.hidden_size)
         return PrefillChunk(
             slot=seq.slot,
             token_ids=seq.prompt[start:end],
@@ -829,8 +824,9 @@ class Scheduler:
             history=seq.prompt[max(0, start - h) : start] if h else seq.prompt[:0],
             sampling=seq.req.sampling,
             is_last_chunk=end == n,
-            restore=seq.restore,
-            snapshot_at=snapshot_at,
+            history_types=history_types,
+            window_floor=seq.window_floor,
+            write_from=seq.write_from,
             token_bitmask=self._bitmask[seq.slot].copy() if end == n and seq.matcher is not None else None,
             token_types=types,
             span_embeds=span_embeds,
@@ -844,22 +840,16 @@ class Scheduler:
     def _prefilled(self, seq: _Seq, end: int, result) -> None:
         ps = self.spec.page_size
         n = len(seq.prompt)
-        seq.restore = None
         seq.prefilled = end
-        snapshots = dict(result.snapshots)
         for i in range(seq.registered, end // ps):
-            b = (i + 1) * ps
             seq.parent_key = self.pool.register(
                 seq.parent_key,
-                seq.prompt[i * ps : b],
+                seq.prompt[i * ps : (i + 1) * ps],
                 seq.pages[i],
-                snapshots.pop(b, None),
                 scope=seq.cache_scope,
                 extra=_block_extra(seq.images, i * ps, ps),
             )
             seq.registered = i + 1
-        for snap in snapshots.values():  # boundaries we did not ask for
-            self.engine.drop_snapshot(snap)
         if end == n:
             self._prefilling.remove(seq)
             self._draft_count[seq.slot] = 0  # no drafts before the first speculative step

@@ -207,16 +207,16 @@ class _Recorder:
         self.history = np.zeros(3)
 
     def reset_history(self, slot, history=None):
+        if slot < 0:
+            raise ValueError("slot must be >= 0")
         self.calls.append(("reset_history", (slot, history), {}))
 
     def dispatch_decode(self, *args, **kwargs):
         self.calls.append(("dispatch_decode", args, kwargs))
         return "device outputs"
 
-    def restore_slot(self, slot, state, history):
-        if slot < 0:
-            raise ValueError("slot must be >= 0")
-        self.calls.append(("restore_slot", (slot, state, history), {}))
+    def step(self, *args, **kwargs):
+        self.calls.append(("step", args, kwargs))
 
 
 def _same(a, b) -> bool:
@@ -236,23 +236,23 @@ def test_the_followers_make_the_leaders_calls_with_the_same_inputs():
     args = (np.arange(4, dtype=np.int32), rng.integers(0, 512, 4).astype(np.int32), np.zeros(4, bool),
             rng.random((4, 3)).astype(np.float32).T, np.uint32(7), 0.5, None)  # fmt: skip
     assert leader.dispatch_decode(*args, max_logprobs=5, token_bitmask=None) == "device outputs"
-    leader.reset_history(2)
-    state = {"swa": rng.random((2, 8)).astype(np.float16), "groups": [np.int64(3), (1, 2.0)]}
-    leader.restore_slot(1, state, np.arange(3, dtype=np.int64))
+    leader.reset_history(2, np.arange(3, dtype=np.int64))
+    forced = {"swa": rng.random((2, 8)).astype(np.float16), "groups": [np.int64(3), (1, 2.0)]}
+    leader.step(np.arange(3, dtype=np.int32), forced=forced)
     assert leader.history is leader_side.history  # not a call: read from the leader's engine
     assert len(queue.sent) == 3
     queue.stop_followers()
     assert multihost.follow(follower_side, queue, heartbeat=False) == 0
     assert not queue.sent
     assert _same(follower_side.calls, leader_side.calls)
-    assert [c[0] for c in follower_side.calls] == ["dispatch_decode", "reset_history", "restore_slot"]
+    assert [c[0] for c in follower_side.calls] == ["dispatch_decode", "reset_history", "step"]
 
 
 def test_a_call_that_fails_on_a_follower_stops_it():
     queue = _Queue()
     leader = multihost.LeaderEngine(_Recorder(), queue)
     with pytest.raises(ValueError, match="slot must be"):
-        leader.restore_slot(-1, {}, None)
+        leader.reset_history(-1, None)
     queue.stop_followers()
     with pytest.raises(
         ValueError, match="slot must be"

@@ -93,7 +93,7 @@ def _engine_prefill(model, ids, decoder_from):
     tokens = np.zeros((2, context), np.int32)
     tokens[0, : len(ids)] = ids
     tables = np.arange(2 * context // page, dtype=np.int32).reshape(2, -1)
-    out, _ = engine.prefill_batch(
+    out = engine.prefill_batch(
         np.array([0, 1], np.int32), tokens, one(len(ids), np.int32), one(0, np.int32), tables,
         one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32),
         max_logprobs=5, decoder_from=one(decoder_from, np.int32),

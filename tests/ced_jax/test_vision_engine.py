@@ -58,12 +58,12 @@ def _engine(model, context: int) -> Engine:
 
 def _prefill(engine: Engine, tokens, n, *, types=None, spans=None, max_logprobs=8):
     page_tables = cache_lib.contiguous_page_tables(ROWS, engine.shapes.pages_per_slot)
-    out, snaps = engine.prefill_batch(
+    out = engine.prefill_batch(
         np.arange(ROWS), tokens, n, np.zeros(ROWS, np.int32), page_tables,
         np.zeros(ROWS, np.float32), np.ones(ROWS, np.float32), np.zeros(ROWS, np.int32),
         np.zeros(ROWS, np.uint32), max_logprobs=max_logprobs, token_types=types, span_embeds=spans,
     )  # fmt: skip
-    return jax.device_get(out), jax.device_get(snaps)
+    return jax.device_get(out)
 
 
 def _assert_trees_identical(a, b, what: str) -> None:
@@ -76,9 +76,9 @@ def _assert_trees_identical(a, b, what: str) -> None:
 
 @pytest.mark.slow  # both prefill programs (text and image variant) to compile: minutes on 2 cores
 def test_text_chunks_are_bit_identical_through_the_image_variant(model, golden):
-    """A text chunk (token types all -1) gives the same samples, log-probabilities, page snapshots,
-    final state and Engram history through the image variant as through the text program, so the
-    prefix-cache pages either computes are interchangeable."""
+    """A text chunk (token types all -1) gives the same samples, log-probabilities, final state and
+    Engram history through the image variant as through the text program, so the prefix-cache pages
+    either computes are interchangeable."""
     ids = golden["ids"]
     width = _width(len(ids))
     tokens = np.full((ROWS, width), model.cfg.pad_token_id, np.int32)
@@ -96,7 +96,7 @@ def test_text_chunks_are_bit_identical_through_the_image_variant(model, golden):
         types=np.full(tokens.shape, -1, np.int32),
         spans=np.zeros((*tokens.shape, model.cfg.hidden_size), np.float32),
     )
-    _assert_trees_identical(text_out, image_out, "prefill_batch outputs / snapshots")
+    _assert_trees_identical(text_out, image_out, "prefill_batch outputs")
     _assert_trees_identical(jax.device_get(text_engine.state), jax.device_get(image_engine.state), "state")
     np.testing.assert_array_equal(text_engine.history, image_engine.history)
 
@@ -140,7 +140,7 @@ def test_image_prompt_in_the_batched_prefill_equals_page_steps(model, golden):
     row_spans[0, : len(ids)] = spans
     context = _width(width + 1)
     batched = _engine(model, context)
-    out, _ = _prefill(batched, tokens, n, types=row_types, spans=row_spans)
+    out = _prefill(batched, tokens, n, types=row_types, spans=row_spans)
     token, logprob, top_ids, top_logprobs = (np.asarray(a) for a in out)
 
     stepped = _engine(model, context)

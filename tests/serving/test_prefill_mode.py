@@ -1,7 +1,7 @@
 """The prefill mode of a request (`--prefill-mode`, gRPC `prefill_mode`, the HTTP body's
 `prefill_mode`): validation with the field named, and what the scheduler hands the engine (each
-chunk's `decoder_from`: the start of the prompt's last window for a CED request, 0 for exact; no
-prefix snapshot offered before a CED prompt's decoder window has ended). The model side is
+chunk's `decoder_from`: the start of the prompt's last window for a CED request, 0 for exact, on a
+prefix hit's replayed chunks too). The model side is
 tests/ced_jax/test_ced_prefill.py; the real engine over gRPC, tests/serving/test_serving_jax.py."""
 
 from __future__ import annotations
@@ -43,18 +43,22 @@ def _scheduler(**kw):
 
 
 def test_ced_request_chunks_carry_the_decoder_window():
-    sched, chunks = _scheduler(ced_window=8, restore_mode="snapshot")
+    sched, chunks = _scheduler(ced_window=8, replay_tokens=8)
     prompt = list(range(3, 3 + 37))
     sched.submit(request("ced", prompt, max_tokens=2, prefill_mode="ced"), _Recorder())
     run_until_idle(sched)
     assert chunks and all(c.decoder_from == 37 - 8 for c in chunks)
-    # Snapshots only where the slot state is a prefix's: after the decoder window has ended.
-    assert all(b >= 37 for c in chunks for b in c.snapshot_at)
     chunks.clear()
     sched.submit(request("exact", prompt[::-1], max_tokens=2, prefill_mode="exact"), _Recorder())
     run_until_idle(sched)
     assert chunks and all(c.decoder_from == 0 for c in chunks)
-    assert any(c.snapshot_at for c in chunks)
+    # A longer CED prompt with the first one's prefix: a hit of 36 tokens, replayed from 28 with the
+    # new prompt's own decoder window.
+    chunks.clear()
+    sched.submit(request("ced2", prompt + [9] * 8, max_tokens=2, prefill_mode="ced"), _Recorder())
+    run_until_idle(sched)
+    assert chunks[0].start_pos == chunks[0].window_floor == 28 and chunks[0].write_from == 36
+    assert all(c.decoder_from == 45 - 8 and c.write_from == 36 for c in chunks)
 
 
 def test_server_default_and_short_prompts():

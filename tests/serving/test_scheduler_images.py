@@ -3,9 +3,10 @@
 image spans made by `serving.vision.ImagePipeline` (pre-processing, ViT + aligner, feature cache).
 
 Exactness is checked against a cold run of the same request (prefix cache off): a prefix-cache hit
-that ends inside or right after an image span resumes from a page snapshot whose Engram history
-must carry the span's DEAD slots, and whose pages were keyed by the image's content hash; any slip
-changes the logits (the tiny random model turns one ulp into different tokens within a few steps).
+that ends inside or right after an image span replays cached tokens from inside the span (their
+span rows come with the replayed chunk; the Engram history before the replay must carry the span's
+DEAD slots), over pages keyed by the image's content hash; any slip changes the logits (the tiny
+random model turns one ulp into different tokens within a few steps).
 """
 
 from __future__ import annotations
@@ -200,12 +201,13 @@ def _aligned_prompts(pipeline, encode, at_end: bool):
 
 @pytest.mark.parametrize("at_end", [True, False])
 def test_resume_at_a_page_boundary_after_or_inside_a_span_is_exact(model, engine, pipeline, encode, at_end):
-    """The second prompt resumes from the first's snapshot at a page boundary: right at the span's end
-    (the first tokens after the boundary are text whose n-grams reach back into the span, so the
-    snapshot's Engram history must hold the span as DEAD slots: this case fails without them), or
-    inside the span. Its tokens and logprobs must equal its cold run."""
+    """The second prompt hits the first's pages up to a page boundary: right at the span's end, or
+    inside the span; the replay before the boundary starts inside the span (its Engram history must
+    hold span positions as DEAD slots). Its tokens and logprobs must equal its cold run."""
     (ids, spans), (ids2, spans2), boundary = _aligned_prompts(pipeline, encode, at_end)
     assert spans[0].start + 1 < boundary <= spans[0].end + 1
+    replay_from = boundary - engine.spec.replay_tokens
+    assert spans[0].start + 1 + 2 <= replay_from, "the replay's history does not reach into the span"
     tok = ModelTokenizer(model)
     cold = _run(Scheduler(engine, tok, _config(enable_prefix_cache=False)), [_request("x", ids2, spans2)])["x"]
     sched = Scheduler(engine, tok, _config())

@@ -127,9 +127,23 @@ def test_tier_config_errors_name_the_field(bad, needle):
         ServeConfig(max_slots=4, page_size=16, max_context=256, **bad)
 
 
-def test_an_engine_that_needs_snapshots_refuses_tiers():
+def test_an_engine_that_cannot_copy_pages_refuses_tiers():
+    import dataclasses
+
+    engine, cfg = make_engine_and_config(kv_host_bytes=1 << 20)
     with pytest.raises(ValueError, match="kv_host_bytes"):
-        _sched(kv_host_bytes=1 << 20, restore_mode="snapshot")
+        cfg.check_engine(dataclasses.replace(engine.spec, kv_page_bytes=0))
+
+
+def test_a_tier_hit_is_replayed_like_a_device_hit():
+    """An engine with state outside the pages (the mock's ring, replay_tokens 8): a prefix restored
+    from host memory is resumed 8 tokens early, as a device hit is, and gives the cold tokens."""
+    engine, sched = _sched(kv_host_bytes=1 << 20, replay_tokens=8)
+    ids, _, last = _evict_then_hit(sched)
+    assert last.usage.cached_prompt_tokens == 20 and engine.pages_written > 0
+    assert ids == _cold(PROMPT)
+    assert [(s, n) for _, s, n, _ in engine.prefill_log][-1] == (12, 12)  # replays [12, 20), then 4 new
+    sched.close_tiers()
 
 
 def test_offload_prefix_cache_moves_every_block_to_host():

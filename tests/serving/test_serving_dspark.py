@@ -31,7 +31,7 @@ def _sched(
     dspark=0, *, widths=(1, 2, 3, 4), miss_every=5, metrics=None, confidence=None, constraint_tok=None, **kw
 ):
     shapes = {**SHAPES, **{k: kw.pop(k) for k in list(kw) if k in SHAPES}}
-    engine_kw = {k: kw.pop(k) for k in list(kw) if k in ("rule", "restore_mode")}
+    engine_kw = {k: kw.pop(k) for k in list(kw) if k in ("rule", "replay_tokens")}
     engine = MockEngine(
         **shapes, max_logprobs=5, dspark_widths=widths, draft_miss_every=miss_every, **engine_kw
     )
@@ -76,10 +76,10 @@ def _workload(**kw):
     return [(f"r{i}", p, {"max_tokens": 9 + 7 * i, **kw}) for i, p in enumerate(PROMPTS * 2)]
 
 
-@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
-def test_greedy_output_is_plain_decodings_with_several_tokens_per_step(restore_mode):
-    plain_engine, plain = _sched(0, restore_mode=restore_mode)
-    engine, spec = _sched(4, restore_mode=restore_mode)
+@pytest.mark.parametrize("replay", [0, 4])
+def test_greedy_output_is_plain_decodings_with_several_tokens_per_step(replay):
+    plain_engine, plain = _sched(0, replay_tokens=replay)
+    engine, spec = _sched(4, replay_tokens=replay)
     want, got = _run(plain, _workload()), _run(spec, _workload())
     _same(want, got)
     for i, p in enumerate(PROMPTS * 2):  # and the mock's reference (max_tokens within max_context)
@@ -240,10 +240,10 @@ def test_metrics_move():
     assert _value(plain_metrics, "ced_dspark_steps_total") == 0
 
 
-@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
-def test_prefix_cache_hit_then_speculative_decode(restore_mode):
-    _, plain = _sched(0, restore_mode=restore_mode)
-    engine, sched = _sched(4, restore_mode=restore_mode)
+@pytest.mark.parametrize("replay", [0, 4])
+def test_prefix_cache_hit_then_speculative_decode(replay):
+    _, plain = _sched(0, replay_tokens=replay)
+    engine, sched = _sched(4, replay_tokens=replay)
     prompt = "a shared system prompt, then a question"
     reqs = [("cold", prompt, {"max_tokens": 20})]
     want = _run(plain, reqs)

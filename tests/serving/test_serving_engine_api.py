@@ -33,7 +33,8 @@ def test_engine_spec_validation_and_buckets():
         dict(max_context=10),
         dict(prefill_buckets=(8, 4)),
         dict(prefill_buckets=(6,)),
-        dict(restore_mode="magic"),
+        dict(replay_tokens=6),  # not a whole number of pages
+        dict(replay_tokens=-4),
     ):
         with pytest.raises(ValueError):
             _spec(**bad)
@@ -87,7 +88,7 @@ def test_mock_engine_is_an_engine_and_counts_new_shapes():
 
 def test_mock_engine_enforces_the_contract():
     engine = MockEngine(
-        max_slots=2, page_size=4, num_pages=8, max_context=16, prefill_buckets=(4, 8), restore_mode="snapshot"
+        max_slots=2, page_size=4, num_pages=8, max_context=16, prefill_buckets=(4, 8), replay_tokens=4
     )
     engine.warmup()
     pt = np.arange(4, dtype=np.int32)
@@ -95,17 +96,18 @@ def test_mock_engine_enforces_the_contract():
 
     def chunk(start, n, **kw):
         kw.setdefault("is_last_chunk", False)
-        return PrefillChunk(slot=0, token_ids=np.full(n, 5, np.int32), start_pos=start, page_table=pt,
+        kw.setdefault("token_ids", np.full(n, 5, np.int32))
+        return PrefillChunk(slot=0, start_pos=start, page_table=pt,
                             history=np.zeros(0, np.int32), sampling=greedy, **kw)  # fmt: skip
 
     with pytest.raises(ValueError, match="page aligned"):
         engine.prefill(chunk(2, 4))
     with pytest.raises(ValueError, match="outside"):
         engine.prefill(chunk(0, 9))
-    with pytest.raises(ValueError, match="needs a snapshot"):
-        engine.prefill(chunk(4, 4))  # resuming a fresh slot mid-sequence without state
-    res = engine.prefill(chunk(0, 8, snapshot_at=(4, 8)))
-    assert sorted(res.snapshots) == [4, 8] and res.token is None
+    with pytest.raises(ValueError, match="starts at its window_floor"):
+        engine.prefill(chunk(4, 4))  # resuming a fresh slot mid-sequence without a replay
+    res = engine.prefill(chunk(0, 8))
+    assert res.token is None
     with pytest.raises(ValueError, match="state is at 8"):
         engine.prefill(chunk(4, 4))
     batch = DecodeBatch(
@@ -116,10 +118,10 @@ def test_mock_engine_enforces_the_contract():
     with pytest.raises(ValueError, match="has not finished prefill"):
         engine.decode(batch)
     engine.release(0)
-    engine.prefill(chunk(4, 4, restore=res.snapshots[4], is_last_chunk=True))  # restore is fine
-    engine.drop_snapshot(res.snapshots[4])
-    with pytest.raises(ValueError, match="twice"):
-        engine.drop_snapshot(res.snapshots[4])
+    # A prefix hit at 8 replayed from 4: the replayed tokens must be the cached pages'.
+    with pytest.raises(ValueError, match="differ from the cached pages"):
+        engine.prefill(chunk(4, 8, window_floor=4, write_from=8, token_ids=np.full(8, 6, np.int32)))
+    engine.prefill(chunk(4, 8, window_floor=4, write_from=8, is_last_chunk=True))
 
 
 def test_stubs_are_generated_package_relative_and_ignored():

@@ -247,69 +247,82 @@ def _as_arrays(toks) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
+def _prefill_chunks(engine, slot, prompt, start, *, table=None, write_from=0, beside=()):
+    """Prefill prompt[start:] into `slot` in chunks of CHUNK tokens (a prefix hit when start > 0:
+    window_floor start, write_from, the Engram history's tokens before start); beside: a list per
+    call of other chunks sharing that call. Returns (the first sampled token, the other chunks'
+    results)."""
+    history = np.asarray(prompt[max(0, start - engine.spec.history_tokens) : start], np.int32)
+    results, others = None, []
+    for i, a in enumerate(range(start, len(prompt), CHUNK)):
+        end = min(a + CHUNK, len(prompt))
+        mine = _chunk(slot, prompt[a:end], a, last=end == len(prompt), table=table, window_floor=start,
+                      write_from=write_from)  # fmt: skip
+        if i == 0:
+            mine = dataclasses.replace(mine, history=history)
+        extra = list(beside[i]) if i < len(beside) else []
+        results = engine.prefill_batch(extra + [mine])
+        others.extend(results[:-1])
+    return results[-1].token, others
+
+
 def test_prefix_hit_is_exact_alone_and_beside_other_requests(engine):
     """One prompt served four ways: cold alone, cold with its chunks batched beside other requests'
-    chunks, resumed from its snapshot at 32 beside others (and decoded among 12 streams, the
-    16-row decode program), resumed from its snapshot at 16 alone. The tokens and every log-prob
-    are bit-identical: the prefill program has one row count (`prefill_rows`), so a row's
-    arithmetic does not depend on what else is in the batch."""
-    prompt = _prompt(45)  # pages [0, 16), [16, 32), [32, 45)
+    chunks, a prefix hit at 96 (replayed from 96 - replay_tokens = 32) beside others (and decoded
+    among 12 streams, the 16-row decode program), a hit at 80 (replayed from 16) alone. The tokens
+    and every log-prob are bit-identical: the replay rebuilds the rings from the cached tokens, and
+    the prefill program has one row count (`prefill_rows`), so a row's arithmetic does not depend on
+    what else is in the batch."""
+    assert engine.spec.replay_tokens == 64  # 8 layers x (8 - 1) tokens of SWA receptive field
+    prompt = _prompt(110)  # 6 full pages, then [96, 110)
     others = [_prompt(n) for n in (20, 32, 9, 30, 17, 28, 25, 12, 31, 22, 14)]
     steps = 6
     runs = {}
     try:
-        # 1. cold, alone: two chunks, snapshots at 16 and 32
-        first = engine.prefill_batch([_chunk(0, prompt[:32], 0, last=False, snapshot_at=(16, 32))])[0]
-        snaps = first.snapshots
-        last = engine.prefill_batch([_chunk(0, prompt[32:], 32, last=True)])[0]
-        stream = {0: (len(prompt), [last.token])}
+        # 1. cold, alone
+        token, _ = _prefill_chunks(engine, 0, prompt, 0)
+        stream = {0: (len(prompt), [token])}
         _decode_steps(engine, stream, steps)
         runs["cold alone"] = stream[0][1]
         engine.release(0)
 
         # 2. cold, its chunks beside other requests' chunks (one a single partial page)
-        res = engine.prefill_batch(
-            [_chunk(1, others[0], 0, last=True), _chunk(0, prompt[:32], 0, last=False),
-             _chunk(2, others[1], 0, last=True), _chunk(3, others[2], 0, last=True)]
-        )  # fmt: skip
-        crowd = {s: (len(p), [r.token]) for s, p, r in ((1, others[0], res[0]), (2, others[1], res[2]))}
-        crowd[3] = (len(others[2]), [res[3].token])
-        res = engine.prefill_batch(
-            [_chunk(4, others[3], 0, last=True), _chunk(0, prompt[32:], 32, last=True)]
-        )
-        crowd[4] = (len(others[3]), [res[0].token])
-        stream = {0: (len(prompt), [res[1].token]), **crowd}
+        beside = [[_chunk(1, others[0], 0, last=True), _chunk(2, others[1], 0, last=True),
+                   _chunk(3, others[2], 0, last=True)], [], [_chunk(4, others[3], 0, last=True)]]  # fmt: skip
+        token, res = _prefill_chunks(engine, 0, prompt, 0, beside=beside)
+        crowd = {
+            s: (len(others[i]), [r.token]) for i, (s, r) in enumerate(zip((1, 2, 3, 4), res, strict=True))
+        }
+        stream = {0: (len(prompt), [token]), **crowd}
         _decode_steps(engine, stream, steps)
         runs["cold beside others"] = stream[0][1]
         for s in stream:
             engine.release(s)
 
-        # 3. resumed at 32 beside others, then decoded among 12 streams (the 16-row decode program)
+        # 3. a hit at 96 beside others, then decoded among 12 streams (the 16-row decode program)
         by_slot = dict(zip((1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12), others, strict=True))
         crowd = {}
         for group in ((1, 2, 3, 4), (6, 7, 8, 9), (10, 11)):
             chunks = [_chunk(s, by_slot[s], 0, last=True) for s in group]
             for s, r in zip(group, engine.prefill_batch(chunks), strict=True):
                 crowd[s] = (len(by_slot[s]), [r.token])
-        res = engine.prefill_batch(
-            [_chunk(12, by_slot[12], 0, last=True),
-             _chunk(5, prompt[32:], 32, last=True, restore=snaps[32], table=_hit_table(5, 0, 2))]
-        )  # fmt: skip
+        table = _hit_table(5, 0, 6)
+        beside = [[_chunk(12, by_slot[12], 0, last=True)]]
+        token, res = _prefill_chunks(engine, 5, prompt, 32, table=table, write_from=96, beside=beside)
         crowd[12] = (len(by_slot[12]), [res[0].token])
-        stream = {5: (len(prompt), [res[1].token]), **crowd}
+        stream = {5: (len(prompt), [token]), **crowd}
         assert len(stream) == 12
-        _decode_steps(engine, stream, steps, {5: _hit_table(5, 0, 2)})
-        runs["hit at 32 beside others"] = stream[5][1]
+        _decode_steps(engine, stream, steps, {5: table})
+        runs["hit at 96 beside others"] = stream[5][1]
         for s in stream:
             engine.release(s)
 
-        # 4. resumed at 16, alone
-        res = engine.prefill_batch(
-            [_chunk(7, prompt[16:], 16, last=True, restore=snaps[16], table=_hit_table(7, 0, 1))]
-        )
-        stream = {7: (len(prompt), [res[0].token])}
-        _decode_steps(engine, stream, steps, {7: _hit_table(7, 0, 1)})
-        runs["hit at 16 alone"] = stream[7][1]
+        # 4. a hit at 80, alone
+        table = _hit_table(7, 0, 5)
+        token, _ = _prefill_chunks(engine, 7, prompt, 16, table=table, write_from=80)
+        stream = {7: (len(prompt), [token])}
+        _decode_steps(engine, stream, steps, {7: table})
+        runs["hit at 80 alone"] = stream[7][1]
         engine.release(7)
     finally:
         for s in range(SLOTS):
@@ -394,6 +407,52 @@ def test_pages_copy_out_and_back_in_bit_for_bit(engine):
     assert weights_id(params) != before
 
 
+def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tmp_path):
+    """KV tiers on the real engine: a prompt's cached blocks offloaded to host memory, and (another
+    scheduler, another process's directory) to disk, come back into fresh pages on the next request
+    sharing them, which replays its last cached tokens and gives the cold run's tokens and
+    log-probabilities bit for bit; nothing compiles after warm-up."""
+    from serving.scheduler import GenerationRequest, Scheduler, collect
+
+    shared = _prompt(112)  # 7 pages: a hit replays the last 64 of them (tiny: 8 layers x (8 - 1) tokens)
+    tail = RNG.integers(3, 512, 9).tolist()
+    sampling = SamplingParams(temperature=0.0)
+
+    def run(sched, rid, prompt):
+        events = []
+        sched.submit(
+            GenerationRequest(
+                request_id=rid, prompt_token_ids=tuple(prompt), max_tokens=6, sampling=sampling,
+                logprobs=3, ignore_eos=True,
+            ),
+            events.append,
+        )
+        while sched.step():
+            pass
+        ids, _, last = collect(events)
+        lps = [(p.logprob, p.top) for ev in events for p in ev.logprobs]
+        return ids, lps, last.usage.cached_prompt_tokens
+
+    cold = run(Scheduler(engine, ModelTokenizer(model), _config(metrics_port=None)), "cold", shared + tail)
+    assert cold[2] == 0
+    host = Scheduler(engine, ModelTokenizer(model), _config(kv_host_bytes=1 << 24))
+    run(host, "fill", shared + [5, 6, 7])
+    assert host.offload_prefix_cache() == 7 and host.pool.cached_entries() == []
+    assert engine.spec.replay_tokens == 64
+    from_host = run(host, "host", shared + tail)
+    assert from_host[2] == 112 and from_host[:2] == cold[:2]
+    host.close_tiers()
+    disk_cfg = _config(kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=1 << 24)
+    writer = Scheduler(engine, ModelTokenizer(model), disk_cfg)
+    run(writer, "fill", shared + [5, 6, 7])
+    writer.close_tiers()  # shutdown: the device cache goes to disk
+    reader = Scheduler(engine, ModelTokenizer(model), disk_cfg)  # a restart on the same directory
+    from_disk = run(reader, "disk", shared + tail)
+    assert from_disk[2] == 112 and from_disk[:2] == cold[:2]
+    reader.close_tiers()
+    assert engine.compiles_after_warmup == 0
+
+
 def test_engine_rejects_calls_it_was_not_compiled_for(engine):
     table = np.zeros(CONTEXT // PAGE, np.int32)
     chunk = dict(slot=1, page_table=table, history=np.zeros(0, np.int32), sampling=GREEDY, is_last_chunk=True)
@@ -401,8 +460,10 @@ def test_engine_rejects_calls_it_was_not_compiled_for(engine):
         engine.prefill(PrefillChunk(token_ids=np.ones(33, np.int32), start_pos=0, **chunk))
     with pytest.raises(ValueError, match="not page aligned"):
         engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=8, **chunk))
-    with pytest.raises(ValueError, match="needs a snapshot"):
+    with pytest.raises(ValueError, match="starts at its window_floor"):
         engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=16, **chunk))
+    with pytest.raises(ValueError, match=f"history of 0 tokens, expected {engine.spec.history_tokens}"):
+        engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=16, window_floor=16, **chunk))
 
 
 def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
@@ -451,7 +512,7 @@ def test_grpc_greedy_stream_is_the_model(server, model):
 
 
 def test_prefix_cache_hit_gives_the_cold_logits(server, model):
-    shared = _prompt(40)  # two full pages are shareable (the block holding the last token never is)
+    shared = _prompt(100)  # six full pages are shareable (the block holding the last token never is)
     a = shared + [11, 12, 13]
     b = shared + [21, 22, 23, 24, 25]
     kw = dict(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True, timeout=120)
@@ -459,10 +520,10 @@ def test_prefix_cache_hit_gives_the_cold_logits(server, model):
     hit_a = client.generate(server.addr, a, **kw)
     hit_b = client.generate(server.addr, b, **kw)
     assert cold_b.usage.cached_prompt_tokens == 0
-    assert hit_a.usage.cached_prompt_tokens == 32  # pages 0-1 of b's prompt, across requests
-    assert hit_b.usage.cached_prompt_tokens == 32
-    # Exactly the cold run's tokens and log-probabilities (the hit restored the SWA ring, the
-    # compressor's partial group and the Engram history at the page boundary).
+    assert hit_a.usage.cached_prompt_tokens == 96  # pages 0-5 of b's prompt, across requests
+    assert hit_b.usage.cached_prompt_tokens == 96  # (replayed from 96 - 64)
+    # Exactly the cold run's tokens and log-probabilities (the hit replayed the cached tokens to
+    # rebuild the SWA rings, with the Engram history of the tokens before the replay).
     assert hit_b.token_ids == cold_b.token_ids
     assert _logprob_arrays(hit_b) == _logprob_arrays(cold_b)
     _check_against_mirror(model, a, hit_a.token_ids, *_logprob_arrays(hit_a))
@@ -474,13 +535,20 @@ def test_ced_prefill_request_is_the_library_ced_prefill(server, model):
     over its last sliding window) gives the tokens of `Model.generate(..., prefill_mode="ced")` (the
     library runs the two passes in whole chunks, the server page by page in its prefill loop: equal
     because `forward` is chunk-invariant), and EXACT those of the exact prefill; a value outside the
-    enum is INVALID_ARGUMENT naming the field."""
+    enum is INVALID_ARGUMENT naming the field. Prefix hits across modes are exact too: the pages are
+    the encoder's (the same in both modes) and the replay rebuilds the rings under the hitting
+    request's own mode and decoder window."""
     prompt = _prompt(100)  # sliding window 8: 92 prompt tokens run only the encoder layers
     kw = dict(max_tokens=8, temperature=0.0, ignore_eos=True, timeout=120)
     ced = client.generate(server.addr, prompt, prefill_mode="ced", **kw)
     exact = client.generate(server.addr, prompt, prefill_mode="exact", **kw)
     assert ced.token_ids == model.generate(prompt, 8, stop_at_eos=False, prefill_mode="ced")["token_ids"]
     assert exact.token_ids == model.generate(prompt, 8, stop_at_eos=False)["token_ids"]
+    assert exact.usage.cached_prompt_tokens == 96  # the CED run's pages
+    longer = prompt + _prompt(13)[1:]  # a CED prompt whose decoder window starts past the hit
+    ced_hit = client.generate(server.addr, longer, prefill_mode="ced", **kw)
+    assert ced_hit.usage.cached_prompt_tokens == 96
+    assert ced_hit.token_ids == model.generate(longer, 8, stop_at_eos=False, prefill_mode="ced")["token_ids"]
     stub = ced_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(server.addr))
     req = client.build_request(prompt, max_tokens=2)
     req.prefill_mode = 7

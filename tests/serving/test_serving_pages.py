@@ -10,11 +10,10 @@ pytestmark = pytest.mark.timeout(60)
 PS = 4
 
 
-def _register_all(pool, tokens, pages, snapshots=None, scope=""):
+def _register_all(pool, tokens, pages, scope=""):
     key = ROOT_KEY
     for i in range(len(tokens) // PS):
-        snap = None if snapshots is None else snapshots[i]
-        key = pool.register(key, tokens[i * PS : (i + 1) * PS], pages[i], snap, scope=scope)
+        key = pool.register(key, tokens[i * PS : (i + 1) * PS], pages[i], scope=scope)
     return key
 
 
@@ -51,56 +50,53 @@ def test_shared_prefix_refcounts_and_cached_state():
 
 
 def test_lru_eviction_deepest_first_and_cascades():
-    dropped = []
-    pool = PagePool(6, PS, on_drop_snapshot=dropped.append)
+    dropped = []  # the block index of every evicted entry
+    pool = PagePool(6, PS, on_evict=lambda e: dropped.append(int(e.tokens[0]) // PS))
     a = pool.allocate(3)
-    _register_all(pool, np.arange(12), a, snapshots=["a0", "a1", "a2"])
+    _register_all(pool, np.arange(12), a)
     pool.release(a)  # released last-block-first: a[2] is the oldest in LRU
     b = pool.allocate(3)  # uses the 3 free pages
     assert set(b).isdisjoint(a)
     pool.allocate(1)  # must evict: the deepest block goes first
-    assert dropped == ["a2"] and len(pool.match(np.arange(12))) == 2
+    assert dropped == [2] and len(pool.match(np.arange(12))) == 2
     # evicting a parent drops its (unreachable) descendants too
     pool._evict_one()
     pool._evict_one()
     assert pool.num_cached == 0
-    assert sorted(dropped) == ["a0", "a1", "a2"]
+    assert sorted(dropped) == [0, 1, 2]
     pool.check_invariants()
 
 
 def test_collision_keeps_existing_entry_and_broken_chain_is_not_cached():
-    dropped = []
-    pool = PagePool(8, PS, on_drop_snapshot=dropped.append)
+    pool = PagePool(8, PS)
     a = pool.allocate(1)
     b = pool.allocate(1)
-    k = pool.register(ROOT_KEY, [1, 2, 3, 4], a[0], "sa")
-    assert pool.register(ROOT_KEY, [1, 2, 3, 4], b[0], "sb") == k
-    assert dropped == ["sb"] and pool.match([1, 2, 3, 4]).pages == a
+    k = pool.register(ROOT_KEY, [1, 2, 3, 4], a[0])
+    assert pool.register(ROOT_KEY, [1, 2, 3, 4], b[0]) == k
+    assert pool.match([1, 2, 3, 4]).pages == a
     pool.release(b)
     assert pool.num_free == 7  # the private duplicate is freed, not cached
     c = pool.allocate(1)
-    pool.register(b"\x01" * 16, [5, 6, 7, 8], c[0], "sc")  # unknown parent: cannot be matched
-    assert dropped == ["sb", "sc"]
+    orphan = pool.register(b"\x01" * 16, [5, 6, 7, 8], c[0])  # unknown parent: cannot be matched
+    assert pool.entry(orphan) is None
     pool.release(c)
     assert pool.num_free == 7 and pool.num_cached == 0
     pool.check_invariants()
 
 
 def test_scopes_never_match_each_other():
-    dropped = []
-    pool = PagePool(16, PS, on_drop_snapshot=dropped.append)
+    pool = PagePool(16, PS)
     tokens = np.arange(8)
     a = pool.allocate(2)
-    _register_all(pool, tokens, a, snapshots=["a0", "a1"], scope="alice")
+    _register_all(pool, tokens, a, scope="alice")
     assert pool.match(tokens, scope="alice").pages == a  # positive control: the owner hits
     assert len(pool.match(tokens, scope="bob")) == 0
     assert len(pool.match(tokens)) == 0  # the shared scope "" is a scope like any other
-    # bob computes the same blocks: his own entries and snapshots, alice's stay as they were
+    # bob computes the same blocks: his own entries, alice's stay as they were
     b = pool.allocate(2)
-    _register_all(pool, tokens, b, snapshots=["b0", "b1"], scope="bob")
-    assert dropped == [] and pool.match(tokens, scope="bob").pages == b
+    _register_all(pool, tokens, b, scope="bob")
+    assert pool.match(tokens, scope="bob").pages == b
     assert pool.match(tokens, scope="alice").pages == a
-    assert [e.snapshot for e in pool.match(tokens, scope="bob").entries] == ["b0", "b1"]
     # a chain cannot continue under another scope's block
     c = pool.allocate(1)
     alice_first = pool.match(tokens[:PS], scope="alice").entries[0].key
@@ -111,7 +107,7 @@ def test_scopes_never_match_each_other():
     pool.release(b)
     pool.check_invariants()
     pool.clear_cache()
-    assert sorted(dropped) == ["a0", "a1", "b0", "b1"] and pool.num_free == 16
+    assert pool.num_free == 16
 
 
 def test_prefix_cache_disabled():
@@ -126,12 +122,10 @@ def test_prefix_cache_disabled():
 def test_randomized_no_leaks_and_consistent_refcounts():
     """Random admit / finish / cancel / evict sequences, checking every invariant after each op."""
     rng = np.random.default_rng(0)
-    dropped = []
-    pool = PagePool(24, PS, on_drop_snapshot=dropped.append)
+    pool = PagePool(24, PS)
     prefixes = [rng.integers(0, 5, size=12) for _ in range(3)]
     scopes = ["", "a", "b"]
     live: dict[int, list[int]] = {}  # request -> pages it holds (one reference each)
-    made_snapshots = 0
     hits = 0
     for step in range(3000):
         op = rng.choice(["admit", "finish", "cancel", "pressure"], p=[0.45, 0.25, 0.15, 0.15])
@@ -149,10 +143,7 @@ def test_randomized_no_leaks_and_consistent_refcounts():
             pages = m.pages + pool.allocate(total - len(m))
             key = m.entries[-1].key if len(m) else ROOT_KEY
             for i in range(len(m), len(prompt) // PS):
-                made_snapshots += 1
-                key = pool.register(
-                    key, prompt[i * PS : (i + 1) * PS], pages[i], f"s{made_snapshots}", scope=scope
-                )
+                key = pool.register(key, prompt[i * PS : (i + 1) * PS], pages[i], scope=scope)
             live[step] = pages
         elif op in ("finish", "cancel") and live:
             rid = list(live)[rng.integers(len(live))]
@@ -166,15 +157,12 @@ def test_randomized_no_leaks_and_consistent_refcounts():
         for pages in live.values():
             np.add.at(expect, pages, 1)
         np.testing.assert_array_equal(pool._refcount, expect)
-        live_snaps = {e.snapshot for e in pool._entries.values() if e.snapshot is not None}
-        assert len(live_snaps) + len(dropped) == made_snapshots  # every snapshot cached or dropped once
-        assert len(set(dropped)) == len(dropped)
     for pages in live.values():
         pool.release(pages)
     assert pool.num_referenced == 0 and pool.num_free + pool.num_cached == pool.num_pages
     assert pool.evictions > 0 and hits > 100
     pool.clear_cache()
-    assert pool.num_free == pool.num_pages and len(dropped) == made_snapshots
+    assert pool.num_free == pool.num_pages
     pool.check_invariants()
 
 
@@ -232,7 +220,7 @@ def test_register_restored_makes_a_lower_tier_block_matchable_in_its_scope():
     # the third block comes back from a tier: the caller allocates a page, writes it, registers it
     p = pool.allocate(1)
     key = pool.register_restored(parent, tag, tokens[2 * PS :], p[0])
-    assert pool.entry(key) is not None and pool.entry(key).snapshot is None
+    assert pool.entry(key) is not None
     assert pool.match(tokens, scope="alice").pages == a + p
     assert len(pool.match(tokens, scope="bob")) == 0
     # the key is the one `register` would have produced for the same block

@@ -28,13 +28,11 @@ def _submit(sched, rid, prompt, **kw):
 
 
 def _assert_clean(engine, sched):
-    """No request holds a slot or a page; the cache holds exactly the live snapshots."""
+    """No request holds a slot or a page."""
     assert sched.num_running == 0 and sched.num_waiting == 0 and sched.num_in_flight == 0
     assert sched.pool.num_referenced == 0
     assert sched.pool.num_free + sched.pool.num_cached == sched.pool.num_pages
     sched.pool.check_invariants()
-    cached = {id(e.snapshot) for e in sched.pool._entries.values() if e.snapshot is not None}
-    assert engine.live_snapshots == cached
 
 
 def test_greedy_stream_matches_reference_with_chunked_prefill():
@@ -291,48 +289,53 @@ def test_serve_config_prefill_knobs():
             ServeConfig(max_slots=32, page_size=16, max_context=256, **bad)
 
 
-@pytest.mark.parametrize("mode", ["pages", "snapshot", "snapshot_chunk_end"])
-def test_prefix_cache_hit_gives_cold_run_output(mode):
-    kw = dict(restore_mode="pages" if mode == "pages" else "snapshot", history_tokens=3)
-    kw["snapshot_chunk_end_only"] = mode == "snapshot_chunk_end"
+@pytest.mark.parametrize("replay", [0, 4, 8, 32])
+def test_prefix_cache_hit_gives_cold_run_output(replay):
+    """A hit of 20 tokens resumes at 20 - replay (pages mode at 20): the engine's ring is rebuilt
+    from the replayed cached tokens (the mock's window is 4), so the output is the cold run's."""
+    kw = dict(replay_tokens=replay, history_tokens=3)
     engine, sched = _sched(**kw)
     system = "you are a helpful bot. "  # 23 tokens
     p1, p2 = TOK.encode(system + "first"), TOK.encode(system + "second")
     sampling = SamplingParams(temperature=0.8, seed=11)
     _submit(sched, "a", p1, max_tokens=10, sampling=sampling)
     run_until_idle(sched)
+    engine.prefill_log.clear()
     b = _submit(sched, "b", p2, max_tokens=10, sampling=sampling)
     run_until_idle(sched)
+    assert engine.prefill_log[0][1] == max(0, 20 - replay)  # (slot, start, length, bucket)
+    assert sum(n for _, _, n, _ in engine.prefill_log) == len(p2) - max(0, 20 - replay)
     # cold run of p2 on a fresh engine
     engine2, sched2 = _sched(**kw)
     c = _submit(sched2, "c", p2, max_tokens=10, sampling=sampling)
     run_until_idle(sched2)
     assert collect(b)[0] == collect(c)[0]
-    cached = collect(b)[2].usage.cached_prompt_tokens
-    # pages mode reuses every shared full block (20 of the 23 shared tokens); chunk-end-only
-    # snapshots exist at 16 only (the first chunk of p1 ended there)
-    assert cached == {"pages": 20, "snapshot": 20, "snapshot_chunk_end": 16}[mode]
+    # every shared full block is reused (20 of the 23 shared tokens), replayed or not
+    assert collect(b)[2].usage.cached_prompt_tokens == 20
     assert collect(c)[2].usage.cached_prompt_tokens == 0
     _assert_clean(engine, sched)
 
 
-def test_snapshot_mode_without_snapshot_is_cold():
-    """An engine that never snapshots gets no prefix hits (pages alone are not enough for it)."""
-    engine, sched = _sched(restore_mode="snapshot", enable_prefix_cache=True)
-    engine.snapshot_chunk_end_only = True
-    p = TOK.encode("abcdefghij")  # 10 tokens: one chunk, ends at 10 (not page aligned)
+def test_a_replay_shorter_than_the_engines_window_is_not_exact():
+    """The mock's per-slot ring spans 8 tokens but the engine claims 4 of replay: a hit's ring holds
+    only 4, so its output departs from the cold run's (the serving tests could see a short replay)."""
+    rule = MockRule(window=8)
+    engine, sched = _sched(replay_tokens=4, rule=rule)
+    p = TOK.encode("abcdefghijklmnopqrstu")  # 21 tokens: a hit of 20
+    outputs = []
     for rid in ("a", "b"):
-        ev = _submit(sched, rid, p, max_tokens=3)
+        ev = _submit(sched, rid, p, max_tokens=6)
         run_until_idle(sched)
-        assert collect(ev)[2].usage.cached_prompt_tokens == 0
-        assert collect(ev)[0] == mock_greedy_stream(p, 3)
+        outputs.append(collect(ev)[0])
+    assert outputs[0] == mock_greedy_stream(p, 6, rule)
+    assert outputs[1] != outputs[0]
 
 
 @pytest.mark.parametrize("segment", [0, 3])
 def test_randomized_workload_no_leaks_and_exact_outputs(segment):
     rng = np.random.default_rng(0)
     engine, sched = _sched(
-        num_pages=40, max_slots=4, max_queued=6, restore_mode="snapshot", decode_segment_tokens=segment
+        num_pages=40, max_slots=4, max_queued=6, replay_tokens=4, decode_segment_tokens=segment
     )
     prefixes = ["shared prefix one. ", "another shared prefix! "]
     events, prompts, aborted = {}, {}, set()
@@ -440,9 +443,9 @@ def test_request_ids_are_per_identity_and_abort_only_finds_own():
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
-def test_prefix_cache_is_scoped_per_identity_unless_shared(shared, restore_mode):
-    engine, sched = _sched(share_prefix_cache=shared, restore_mode=restore_mode)
+@pytest.mark.parametrize("replay", [0, 4])
+def test_prefix_cache_is_scoped_per_identity_unless_shared(shared, replay):
+    engine, sched = _sched(share_prefix_cache=shared, replay_tokens=replay)
     prompt = TOK.encode("a secret system prompt")  # 22 tokens: 5 full blocks, 20 tokens reusable
 
     def cached(rid, identity):
@@ -465,7 +468,7 @@ def test_prefix_cache_is_scoped_per_identity_unless_shared(shared, restore_mode)
 def test_randomized_tenants_no_leaks_exact_outputs_and_isolation(shared):
     """Three tenants, request ids reused within and across them, aborts by owners and by others."""
     rng = np.random.default_rng(1)
-    engine, sched = _sched(num_pages=40, max_queued=6, restore_mode="snapshot", share_prefix_cache=shared)
+    engine, sched = _sched(num_pages=40, max_queued=6, replay_tokens=4, share_prefix_cache=shared)
     tenants = ["", "alice", "bob"]
     prefixes = ["shared prefix one. ", "another shared prefix! "]
     events, prompts, aborted = {}, {}, set()
@@ -517,8 +520,8 @@ def test_randomized_tenants_no_leaks_exact_outputs_and_isolation(shared):
     assert engine.compiles_after_warmup == 0
 
 
-@pytest.mark.parametrize("restore_mode", ["pages", "snapshot"])
-def test_decode_segments_let_a_waiting_request_in_with_unchanged_outputs(restore_mode):
+@pytest.mark.parametrize("replay_tokens", [0, 8])
+def test_decode_segments_let_a_waiting_request_in_with_unchanged_outputs(replay_tokens):
     """One slot, two long requests: with decode_segment_tokens the second streams before the first
     finishes (they take turns), and both streams are token for token those of the same requests
     run without yielding (seeded sampling: the draw at a position does not depend on the segments)."""
@@ -528,7 +531,7 @@ def test_decode_segments_let_a_waiting_request_in_with_unchanged_outputs(restore
     def run(segment):
         metrics = Metrics()
         engine, sched = _sched(
-            metrics=metrics, max_slots=1, restore_mode=restore_mode, decode_segment_tokens=segment
+            metrics=metrics, max_slots=1, replay_tokens=replay_tokens, decode_segment_tokens=segment
         )
         order = []  # (request, event) in the order the sinks saw them
 
