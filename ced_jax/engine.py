@@ -236,16 +236,17 @@ def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> 
     l's input there. The rings at b must hold the keys of b - W + 1 .. b - 1 for every layer, so the
     top layer's input must be exact from b - W + 1, the layer below's from b - 2 (W - 1), ..., and the
     embeddings (exact wherever the replay starts) from b - L (W - 1). Nothing else reaches across
-    positions except through the pages (exact), the Engram history (token ids, given with the replay)
-    and the compressor's partial group, which is empty at a page boundary (page_size is a multiple of
-    every compress ratio, so no group straddles b). A CED prompt needs no more: its decoder layers'
-    keys before decoder_from are masked in the cold run and the replay alike. DSpark's context rings
-    hold the W positions before b of the target layers' inputs (`dspark_target_layer_ids`; every
-    ring slot is read), so the deepest target t needs t (W - 1) + W.
-    Rounded up to whole pages, so the replay's pages are the cold run's (a page's numerics depend
-    on where the ring/chunk split of its window falls). A bound from the dependencies: a shorter
-    replay may happen to give the same bits (a perturbation many layers away can round away), but
-    nothing guarantees it."""
+    positions except through the pages (exact), the Engram history (token ids, given with the replay;
+    like the keys masked before the replay, it only touches the replay's first positions, which lie
+    outside b's receptive field by the same count) and the compressor's partial group, which is empty
+    at a page boundary (page_size is a multiple of every compress ratio, so no group straddles b). A
+    CED prompt needs no more: its decoder layers' keys before decoder_from are masked in the cold run
+    and the replay alike. DSpark's context rings hold the W positions before b of the target layers'
+    inputs (`dspark_target_layer_ids`; every ring slot is read), so the deepest target t needs
+    t (W - 1) + W. Rounded up to whole pages, so the replay's pages are the cold run's (a page's
+    numerics depend on where the ring/chunk split of its window falls). A bound from the
+    dependencies: a shorter replay may happen to give the same bits (a perturbation many layers
+    away can round away), but nothing guarantees it."""
     window = cfg.sliding_window
     tokens = cfg.num_layers * (window - 1)
     if dspark and cfg.dspark_target_layer_ids:

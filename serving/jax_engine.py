@@ -47,7 +47,8 @@ pages (compressed KV and index keys: `kv_bytes_per_token`, 890 B for v41-flash).
 shares the pages before b starts on a fresh slot at s = b - replay_tokens (or 0) with window_floor s
 and write_from b: the program recomputes [s, b) to rebuild the SWA rings (and DSpark's context rings)
 and writes no page before b; the Engram history at s comes from the chunk's `history` tokens (their
-`history_types` mark image spans dead). The compressor's partial group needs nothing: page_size is a
+`history_types` mark image spans dead; only the replay's first positions read it, and those lie
+outside b's receptive field). The compressor's partial group needs nothing: page_size is a
 multiple of every ratio, so no group straddles b. tests/ced_jax/test_prefix_replay.py shows the
 result bit-identical to a cold run.
 

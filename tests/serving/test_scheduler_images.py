@@ -3,10 +3,10 @@
 image spans made by `serving.vision.ImagePipeline` (pre-processing, ViT + aligner, feature cache).
 
 Exactness is checked against a cold run of the same request (prefix cache off): a prefix-cache hit
-that ends inside or right after an image span replays cached tokens from inside the span (their
-span rows come with the replayed chunk; the Engram history before the replay must carry the span's
-DEAD slots), over pages keyed by the image's content hash; any slip changes the logits (the tiny
-random model turns one ulp into different tokens within a few steps).
+that ends inside or right after an image span replays cached tokens from inside the span or from its
+end (their span rows come with the replayed chunk), over pages keyed by the image's content hash;
+any slip changes the logits (the tiny random model turns one ulp into different tokens within a few
+steps).
 """
 
 from __future__ import annotations
@@ -202,12 +202,12 @@ def _aligned_prompts(pipeline, encode, at_end: bool):
 @pytest.mark.parametrize("at_end", [True, False])
 def test_resume_at_a_page_boundary_after_or_inside_a_span_is_exact(model, engine, pipeline, encode, at_end):
     """The second prompt hits the first's pages up to a page boundary: right at the span's end, or
-    inside the span; the replay before the boundary starts inside the span (its Engram history must
-    hold span positions as DEAD slots). Its tokens and logprobs must equal its cold run."""
+    inside the span; the replay before the boundary starts inside the span (its chunk carries span
+    rows and types). Its tokens and logprobs must equal its cold run."""
     (ids, spans), (ids2, spans2), boundary = _aligned_prompts(pipeline, encode, at_end)
     assert spans[0].start + 1 < boundary <= spans[0].end + 1
     replay_from = boundary - engine.spec.replay_tokens
-    assert spans[0].start + 1 + 2 <= replay_from, "the replay's history does not reach into the span"
+    assert spans[0].start + 1 < replay_from, "the replay does not start inside the span"
     tok = ModelTokenizer(model)
     cold = _run(Scheduler(engine, tok, _config(enable_prefix_cache=False)), [_request("x", ids2, spans2)])["x"]
     sched = Scheduler(engine, tok, _config())
@@ -247,3 +247,45 @@ def test_text_model_refuses_images(encode, pipeline):
     with pytest.raises(InvalidRequest, match="no vision tower") as e:
         sched.submit(GenerationRequest(request_id="r", prompt_token_ids=ids, images=spans), print)
     assert e.value.field == "images"
+
+
+def _replay_at_span_end_prompts(pipeline, encode, replay: int):
+    """Two prompts with the same picture, whose span ends on a page boundary e, and the same text
+    after it until e + replay + a few tokens: the second one's hit is at e + replay, so its replay
+    starts right at the span's end."""
+    for pad in range(40):
+        head = "<｜User｜>Look" + " at" * pad + " this picture"
+        for words in range(4, 120, 4):
+            body = head + "<｜deepseek_image｜>and" + " say" * words + " what you"
+            a = body + " see.<｜Assistant｜></think>"
+            b = body + " hear.<｜Assistant｜></think>"
+            ids_a, spans_a = pipeline.build_prompt(a, [IMAGE1], encode)
+            ids_b, spans_b = pipeline.build_prompt(b, [IMAGE1], encode)
+            end = spans_a[0].end + 1  # after the BOS
+            if end % PAGE:
+                break  # another pad
+            part = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y) + 1
+            if end + replay <= part < end + replay + PAGE and len(ids_b) + 1 > end + replay:
+                return (ids_a, spans_a), (ids_b, spans_b), end
+            if part >= end + replay + PAGE:
+                break
+    raise AssertionError("no padding gives the wanted alignment")
+
+
+def test_a_replay_that_starts_at_a_spans_end_marks_the_span_dead(model, engine, pipeline, encode):
+    """The replay of the second prompt's hit starts right where the picture ends (its Engram history
+    there is the span's last positions, sent as DEAD through `PrefillChunk.history_types`). Tokens
+    and logprobs: the cold run's. (This cannot catch a wrong history: the replay's first positions
+    lie outside the receptive field of the hit's boundary, by the choice of `replay_tokens`; measured,
+    the output is the same with the span's ids in the history instead of DEAD.)"""
+    replay = engine.spec.replay_tokens
+    (ids, spans), (ids2, spans2), end = _replay_at_span_end_prompts(pipeline, encode, replay)
+    tok = ModelTokenizer(model)
+    cold = Scheduler(engine, tok, _config(enable_prefix_cache=False))
+    cold = _run(cold, [_request("x", ids2, spans2)])["x"]
+    sched = Scheduler(engine, tok, _config())
+    _run(sched, [_request("first", ids, spans)])
+    warm = _run(sched, [_request("y", ids2, spans2)])["y"]
+    assert warm[2].cached_prompt_tokens == end + replay
+    assert warm[:2] == cold[:2]
+    assert engine.compiles_after_warmup == 0
