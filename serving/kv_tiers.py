@@ -27,28 +27,23 @@ fingerprint 16 | key 16 | parent 16 | scope tag 16 | n_tokens u32 | extra_len u3
 tokens i32[n_tokens] | extra | payload. The key must equal `block_key(parent, scope, tokens, extra)`
 and the file's name (`<key hex>.kvb`).
 
-Intended integration (scheduler and engine; not wired here):
-1. Start-up: `layout = PageLayout.for_config(cfg, page_size)`; `fp = layout.fingerprint(weights_id)`
-   (weights_id names the checkpoint: tiny and tiny-spec share a config); `tiers = TieredKV(
-   HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fp) if kv_disk_dir else None)`.
-2. Demotion: `PagePool(..., on_evict=evicted.append)`. Eviction only happens inside
-   `pool.allocate`; after it returns and before the next engine call that writes the pages it
-   handed out, dispatch `contents = read_pages(state, [e.page for e in evicted])` on the current
-   state (jit, with n bucketed), then `for e, blob in zip(evicted, layout.pack(contents)):
-   tiers.demote(e.key, e.parent, e.tokens, blob, scope=e.scope, extra=e.extra)` and clear `evicted`.
-   (The state is immutable, so a read dispatched before the writing step sees the old bytes.)
-3. Enqueue: `m = pool.match(prompt, max_blocks=(n - 1) // page_size, ...)`; `parent =
-   m.entries[-1].key if len(m) else ROOT_KEY`; `tiers.prefetch([b.key for b in tiers.chain(parent,
-   scope_tag(scope), prompt, page_size, start_block=len(m), max_blocks=(n - 1) // page_size,
-   block_extras=...)])` so that disk blocks are on host by admission.
-4. Admission: the same `match` and `chain`; allocate pages for the chained blocks along with the
-   rest; `blob, tier = tiers.lookup(b.key)` for each in order (stop at the first None: it was evicted
-   meanwhile); `state = write_pages(state, pages, layout.unpack(blobs))`;
-   `pool.register_restored(b.parent, b.scope, b.tokens, page, extra=b.extra)`; the restored blocks
-   count as cached prompt tokens, and the SWA rings are rebuilt by replaying the last window.
-5. Shutdown: `tiers.spill()` (optional: host blocks to disk too) then `tiers.close()`, which
-   finishes the pending writes; the next start with the same directory and fingerprint finds them
-   (step 3 reaches disk blocks from the root, as the device cache is empty).
+How the server uses it (`serving/scheduler.py`, module docstring "KV tiers"; the engine side is
+`Engine.read_pages` / `write_pages`, `EngineSpec.kv_page_bytes` and `kv_fingerprint`):
+1. Start-up: `TieredKV(HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fingerprint))`,
+   the fingerprint from `PageLayout.fingerprint(weights_id)` (weights_id names the checkpoint: tiny
+   and tiny-spec share a config).
+2. Demotion: `PagePool(..., on_evict=...)` collects the evicted entries inside `pool.allocate`; right
+   after it returns, before any engine call writes the pages it handed out, their pages are read out
+   and `demote`d.
+3. Enqueue: the device match, then `chain` into the tiers; `prefetch` of those keys, so that disk
+   blocks are on host by admission.
+4. Admission: the same match and chain; `lookup` each chained block in order (stopping at the first
+   miss: it was evicted meanwhile), write the blobs into the freshly allocated pages,
+   `pool.register_restored`; the restored blocks count as cached prompt tokens, and the request
+   replays its last `replay_tokens` cached tokens as after a device hit.
+5. Shutdown: every block of the device cache is demoted, `spill()` writes host blocks to disk, then
+   `close()`; the next start with the same directory and fingerprint finds them (step 3 reaches disk
+   blocks from the root, as the device cache is empty).
 Metrics: `tiers.stats` (counters, promotion latency samples) and `tiers.gauges()` (pages and bytes
 per tier); exporting them is the caller's.
 """
