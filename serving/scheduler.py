@@ -756,16 +756,7 @@ class Scheduler:
     def _yield_slot(self, seq: _Seq) -> None:
         """Registers the request's full blocks of prompt + output (the last sampled token's KV is not
         written yet), releases its slot and pages, and queues it with prompt + output as its prompt."""
-        ps = self.spec.page_size
-        ids = np.concatenate([seq.prompt[: seq.prompt_len], np.asarray(seq.output_ids, np.int32)])
-        for i in range(seq.registered, seq.pos // ps):  # positions < pos hold KV
-            seq.parent_key = self.pool.register(
-                seq.parent_key,
-                ids[i * ps : (i + 1) * ps],
-                seq.pages[i],
-                scope=seq.cache_scope,
-                extra=_block_extra(seq.images, i * ps, ps),
-            )
+        ids = self._register_context(seq)
         self._release(seq)
         seq.prompt = ids
         seq.prefilled = seq.registered = 0
@@ -774,6 +765,23 @@ class Scheduler:
         self._waiting.append(seq)
         if self.metrics is not None:
             self.metrics.segment_yields.inc()
+
+    def _register_context(self, seq: _Seq) -> np.ndarray:
+        """Registers the full blocks of a decoding request's prompt + output in the prefix cache
+        (positions before its last sampled token hold KV), so a later request continuing the
+        conversation, or the request itself after a yield, reuses them; returns prompt + output."""
+        ps = self.spec.page_size
+        ids = np.concatenate([seq.prompt[: seq.prompt_len], np.asarray(seq.output_ids, np.int32)])
+        for i in range(seq.registered, seq.pos // ps):
+            seq.parent_key = self.pool.register(
+                seq.parent_key,
+                ids[i * ps : (i + 1) * ps],
+                seq.pages[i],
+                scope=seq.cache_scope,
+                extra=_block_extra(seq.images, i * ps, ps),
+            )
+            seq.registered = i + 1
+        return ids
 
     def _plan_prefill(self) -> list[tuple[_Seq, int]]:
         """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
@@ -1041,6 +1049,8 @@ class Scheduler:
         if seq.done:
             return
         seq.done = True
+        if seq.decoding and error is None and reason is not FinishReason.ABORT:
+            self._register_context(seq)  # the next turn of a conversation starts with it
         self._release(seq)
         if reason is not FinishReason.ABORT and not (rel is not None and rel.stopped):
             tail = seq.text.finish()  # nothing more will come: flush held-back text

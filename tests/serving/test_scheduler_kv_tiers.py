@@ -150,7 +150,7 @@ def test_offload_prefix_cache_moves_every_block_to_host():
     engine, sched = _sched(kv_host_bytes=1 << 20)
     ids, _, _ = _run(sched, "a", PROMPT)
     blocks = len(sched.pool.cached_entries())
-    assert blocks == 6 and sched.offload_prefix_cache() == blocks
+    assert blocks == 7 and sched.offload_prefix_cache() == blocks  # 24 prompt + 7 written output tokens
     assert sched.pool.cached_entries() == [] and sched.tiers.host.pages == blocks
     again, _, last = _run(sched, "b", PROMPT)
     assert last.usage.cached_prompt_tokens == 20 and again == ids

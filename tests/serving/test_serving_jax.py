@@ -699,3 +699,36 @@ def test_ced_jax_serve_and_client_then_sigterm(engine, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_conversation_evicted_from_the_device_comes_back_from_host_over_grpc(engine, model):
+    """Sessions (issue 13.4) over gRPC on a server with a host KV tier: turn 1, then enough other
+    traffic to evict turn 1's blocks from the device cache (LRU), then turn 2 (turn 1's prompt, its
+    reply, a new message): its cached_prompt_tokens covers turn 1's prompt and reply, restored from
+    host memory (not recomputed), and its tokens are the library's for that prompt. Runs last in the
+    module: this server rewrites pages the module's `server` may have cached."""
+    st = ServerThread(engine, ModelTokenizer(model), _config(kv_host_bytes=1 << 26))
+    try:
+        kw = dict(temperature=0.0, ignore_eos=True, timeout=120)
+        turn1 = _prompt(60)
+        reply = client.generate(st.addr, turn1, max_tokens=8, **kw).token_ids
+        num_pages = st.scheduler.pool.num_pages
+
+        async def traffic():
+            async def one(p):
+                return client.collect([m async for m in client.astream(st.addr, p, max_tokens=1, **kw)])
+
+            return await asyncio.gather(*[one(_prompt(112)) for _ in range(num_pages // 7 + 8)])
+
+        asyncio.run(traffic())
+        st.assert_idle()
+        assert st.scheduler.pool.evictions > 0
+        turn2 = turn1 + list(reply) + RNG.integers(3, 512, 20).tolist()
+        out = client.generate(st.addr, turn2, max_tokens=6, **kw)
+        assert out.usage.cached_prompt_tokens == 64  # prompt 60 + reply 8, KV written for 67: 4 pages
+        registry = st.server.metrics.registry
+        assert registry.get_sample_value("ced_kv_tier_hits_total", {"tier": "host"}) >= 4
+        assert out.token_ids == model.generate(turn2, 6, stop_at_eos=False)["token_ids"]
+        st.assert_idle()
+    finally:
+        st.close()

@@ -575,3 +575,21 @@ def test_decode_segments_do_not_yield_without_waiting_requests():
         assert collect(ev)[0] == mock_greedy_stream(TOK.encode("abc" + rid), 20)
     assert metrics.registry.get_sample_value("ced_decode_segment_yields_total") == 0
     _assert_clean(engine, sched)
+
+
+def test_a_finished_request_leaves_its_output_in_the_prefix_cache():
+    """The next turn of a conversation (prompt + the reply + more) reuses the reply's blocks too, not
+    only the first prompt's; an aborted request leaves only what its prefill registered."""
+    engine, sched = _sched()
+    prompt = TOK.encode("first turn of a chat")  # 20 tokens
+    ev = _submit(sched, "t1", prompt, max_tokens=12)
+    run_until_idle(sched)
+    reply = collect(ev)[0]
+    assert len(reply) == 12
+    # KV exists for the prompt and the reply but its last token: positions 0..30, 7 full blocks
+    turn2 = prompt + reply + TOK.encode(" and more")
+    ev2 = _submit(sched, "t2", turn2, max_tokens=4)
+    run_until_idle(sched)
+    ids, _, last = collect(ev2)
+    assert last.usage.cached_prompt_tokens == 28 and ids == mock_greedy_stream(turn2, 4)
+    _assert_clean(engine, sched)
