@@ -44,7 +44,8 @@ Request lifecycle (one request = one `_Seq`):
    it never yields.
 5. Finish (stop token, stop string, max_tokens/context, abort, cancel, deadline): the slot and every
    page reference are released in the same step, before the next engine call; the final event carries
-   the finish reason and usage.
+   the finish reason and usage. A request that finished normally first registers the full blocks of
+   its prompt + output in the prefix cache (the next turn of a conversation starts with them).
 
 Threading: `step()` is only ever called by one thread (the scheduler thread from `start()`, or a test).
 Other threads touch only the inbox, the abort list and the live-request table, under `self._lock`.
