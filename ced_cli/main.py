@@ -607,6 +607,13 @@ def cmd_serve(args) -> int:
     _check_port_option("--port", args.port)
     _check_port_option("--metrics-port", args.metrics_port, off=-1)
     _check_port_option("--http-port", args.http_port, off=-1)
+    if args.kv_disk_dir is not None:  # before the model loads: a busy or unwritable directory fails at once
+        from serving.kv_tiers import DiskTier
+
+        try:
+            DiskTier.check_directory(args.kv_disk_dir)
+        except RuntimeError as e:
+            raise ValueError(f"--kv-disk-dir: {e}") from None
     _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
     _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
     chunk = args.prefill_chunk

@@ -262,6 +262,23 @@ class DiskTier:
             raise RuntimeError(f"kv disk dir {self.directory} is in use by another process") from None
         self._scan()
 
+    @staticmethod
+    def check_directory(directory: str | os.PathLike) -> None:
+        """Raises RuntimeError if `directory` cannot be a disk tier now (not creatable or writable, or
+        held by another process): a cheap check before a long start-up; the tier itself takes the lock."""
+        directory = os.fspath(directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RuntimeError(f"kv disk dir {directory}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"kv disk dir {directory} is in use by another process") from None
+        finally:
+            os.close(fd)  # closing releases the lock
+
     # ---- start-up
     def _scan(self) -> None:
         found = []

@@ -66,3 +66,16 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
     assert (c.kv_host_bytes, c.kv_disk_dir, c.kv_disk_bytes, c.kv_tiers) == (4096, "/tmp/ced-kv", 8192, True)
     assert main([*BASE, "--max-slots", "2"]) == 0  # the defaults follow the shapes
     assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 64
+
+
+def test_a_busy_kv_disk_dir_fails_before_the_model_loads(tmp_path, capsys, nothing_loads):
+    from serving.kv_tiers import DiskTier
+
+    held = DiskTier(tmp_path / "kv", 1 << 20, b"\0" * 16)  # another server's tier
+    try:
+        capsys.readouterr()
+        assert main([*BASE, "--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-bytes", "4096"]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and "--kv-disk-dir" in lines[0] and "in use by another process" in lines[0]
+    finally:
+        held.close()
