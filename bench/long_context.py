@@ -16,6 +16,15 @@ Beside each decode step time: `indexer_ms`, the index source layers' scoring of 
 entry plus top-k alone at that length (`--indexer-only`: only that, in seconds rather than minutes),
 and its multiply-adds: what a step spends on the part that grows with the context.
 
+`--decode-only`: no prefill; the decode steps run at each length on pages never written (a step
+does the same work whatever its pages hold), for the step times alone in seconds rather than hours.
+
+`--table-context T`: the slot's pages and page table hold T tokens, as in a server started with
+`--max-context T`; prefill runs on the table cut to the server's page-table width for the prompt
+(`serving.config.default_context_buckets`: 8192 tokens, x8 from there, then T), and the decode steps
+alternate between the whole table of T tokens (what every step read before those widths existed)
+and the cut one (what the server runs now): both medians are reported (their tokens are the same).
+
 Also, shape-only (nothing allocated): the engine state of one `--shape-model` (v41-flash) sequence of
 `--shape-context` (1M) tokens, `jax.eval_shape` of the buffers the server allocates, by buffer.
 The machine is shared: the load average at the start and the end is reported.
@@ -42,19 +51,28 @@ from ced_jax.api import load  # noqa: E402
 from ced_jax.config import preset  # noqa: E402
 from ced_jax.engine import Engine, StateShapes  # noqa: E402
 from serving.capacity import engine_state, kv_bytes_per_token  # noqa: E402
+from serving.config import default_context_buckets  # noqa: E402
 
 
 def one(v, dtype) -> np.ndarray:
     return np.array([v], dtype)
 
 
-def measure(model, length: int, chunk: int, page: int, steps: int, seed: int) -> dict:
+def measure(
+    model, length: int, chunk: int, page: int, steps: int, seed: int, table_context: int | None,
+    decode_only: bool = False,
+) -> dict:
     cfg = model.cfg
-    context = -(-(length + steps + 2) // page) * page
+    need = -(-(length + steps + 2) // page) * page
+    context = need if table_context is None else -(-table_context // page) * page
+    if context < need:
+        raise SystemExit(f"--table-context {table_context} holds fewer than {need} tokens")
     shapes = StateShapes(max_slots=1, page_size=page, num_pages=context // page, max_context=context)
     engine = Engine(model, shapes)
     ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, length).astype(np.int32)
-    table = np.arange(context // page, dtype=np.int32)[None]
+    whole = np.arange(context // page, dtype=np.int32)[None]
+    width = next(w for w in default_context_buckets(context, page) if w >= need) // page
+    table = whole[:, :width]  # what the server's programs read (== whole without --table-context)
     sampling = (one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32))
 
     def prefill(start: int, n: int):
@@ -66,33 +84,46 @@ def measure(model, length: int, chunk: int, page: int, steps: int, seed: int) ->
         return out
 
     engine.reset_history(0)
-    jax.block_until_ready(prefill(0, min(page, length)))  # compile
-    engine.reset_history(0)
-    t0 = time.perf_counter()
-    for start in range(0, length, chunk):
-        out = prefill(start, min(chunk, length - start))
-        jax.block_until_ready(out)
-    prefill_s = time.perf_counter() - t0
-    token = int(jax.device_get(out)[0][0])
-
-    times = []
-    for i in range(steps + 1):
+    if decode_only:  # the pages stay unwritten: a step's work does not depend on what they hold
+        prefill_s, token = float("nan"), 3
+    else:
+        jax.block_until_ready(prefill(0, min(page, length)))  # compile
+        engine.reset_history(0)
         t0 = time.perf_counter()
-        res = engine.decode(one(0, np.int32), one(token, np.int32), one(length + i, np.int32), one(1, np.int32), table,
-                            *sampling, max_logprobs=0)  # fmt: skip
-        times.append(time.perf_counter() - t0)
+        for start in range(0, length, chunk):
+            out = prefill(start, min(chunk, length - start))
+            jax.block_until_ready(out)
+        prefill_s = time.perf_counter() - t0
+        token = int(jax.device_get(out)[0][0])
+
+    tables = {"cut": table} if table_context is None else {"cut": table, "whole": whole}
+    times: dict[str, list[float]] = {name: [] for name in tables}
+    for i in range(len(tables) * (steps + 1)):
+        name = list(tables)[i % len(tables)]
+        t0 = time.perf_counter()
+        res = engine.decode(
+            one(0, np.int32), one(token, np.int32), one(length + i, np.int32), one(1, np.int32),
+            tables[name], *sampling, max_logprobs=0,
+        )  # fmt: skip
+        times[name].append(time.perf_counter() - t0)
         token = int(res[0][0])
-    decode = times[1:]  # the first compiles
-    return {
+    decode = {name: t[1:] for name, t in times.items()}  # the first of each compiles
+    out = {
         "context_tokens": length,
         "page_size": page,
         "chunk": chunk,
+        "table_tokens": width * page,
         "prefill_seconds": prefill_s,
         "prefill_tokens_per_s": length / prefill_s,
-        "decode_step_ms_median": 1e3 * float(np.median(decode)),
-        "decode_step_ms": [round(1e3 * t, 3) for t in decode],
+        "decode_step_ms_median": 1e3 * float(np.median(decode["cut"])),
+        "decode_step_ms": [round(1e3 * t, 3) for t in decode["cut"]],
         "state_bytes": cache_lib.buffer_bytes(engine.state),
     }
+    if "whole" in decode:
+        out["whole_table_tokens"] = context
+        out["whole_table_decode_step_ms_median"] = 1e3 * float(np.median(decode["whole"]))
+        out["whole_table_decode_step_ms"] = [round(1e3 * t, 3) for t in decode["whole"]]
+    return out
 
 
 def indexer_only(cfg, length: int, page: int, repeats: int = 9) -> dict:
@@ -157,6 +188,15 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per length")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--table-context", type=int, metavar="T",
+        help="size the slot's pages and table for T tokens (a server's --max-context) and time decode "
+        "on the whole table and on the server's cut one",
+    )  # fmt: skip
+    ap.add_argument(
+        "--decode-only", action="store_true",
+        help="no prefill: time decode steps at each length on unwritten pages (the same work per step)",
+    )  # fmt: skip
     ap.add_argument("--shape-model", default="v41-flash")
     ap.add_argument("--shape-context", type=int, default=1 << 20)
     ap.add_argument(
@@ -176,7 +216,10 @@ def main(argv=None) -> int:
             report["lengths"][str(length)] = entry
             print(json.dumps(entry), file=sys.stderr, flush=True)
             continue
-        entry = measure(model, length, args.chunk, args.page_size, args.steps, args.seed)
+        entry = measure(
+            model, length, args.chunk, args.page_size, args.steps, args.seed, args.table_context,
+            args.decode_only,
+        )
         entry.update(indexer_only(model.cfg, length, args.page_size))
         report["lengths"][str(length)] = entry
         print(json.dumps(entry), file=sys.stderr, flush=True)

@@ -322,11 +322,37 @@ def _check_serve_options(args) -> None:
             f"--prefill-rows must be ascending row counts in 1..--max-slots ({args.max_slots}), "
             f"got {args.prefill_rows}"
         )
+    _context_buckets(args)
     if args.prefill_token_budget is not None and args.prefill_token_budget < page:
         raise ValueError(
             f"--prefill-token-budget must be >= --page-size {page} (a page per step at least), "
             f"got {args.prefill_token_budget}"
         )
+
+
+def _context_buckets(args) -> tuple[int, ...] | None:
+    """--decode-context-buckets as a tuple of token counts ending at --max-context (None: not given)."""
+    if args.decode_context_buckets is None:
+        return None
+    try:
+        widths = tuple(int(x) for x in args.decode_context_buckets.split(","))
+    except ValueError:
+        raise ValueError(
+            "--decode-context-buckets must be comma-separated token counts such as 8192,65536, got "
+            f"{args.decode_context_buckets!r}"
+        ) from None
+    page = args.page_size
+    if list(widths) != sorted(set(widths)) or widths[0] < 1 or any(w % page for w in widths):
+        raise ValueError(
+            f"--decode-context-buckets must be ascending multiples of --page-size {page}, got "
+            f"{args.decode_context_buckets}"
+        )
+    if widths[-1] > args.max_context:
+        raise ValueError(
+            f"--decode-context-buckets {args.decode_context_buckets}: at most --max-context "
+            f"{args.max_context}"
+        )
+    return widths if widths[-1] == args.max_context else (*widths, args.max_context)
 
 
 def _prefill_rows(args) -> tuple[int, ...] | None:
@@ -624,6 +650,7 @@ def cmd_serve(args) -> int:
         max_context=args.max_context,
         prefill_buckets=(chunk,),
         prefill_rows=_prefill_rows(args),  # None: ServeConfig's default for these shapes
+        decode_context_buckets=_context_buckets(args),  # likewise
         prefill_token_budget=args.prefill_token_budget,
         max_running=args.max_running,
         max_queued=args.max_queued,
@@ -1021,6 +1048,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests prefilled together: the row counts of the compiled prefill programs, ascending "
         "(e.g. 4 or 2,4; default: min(4, --max-slots)); one count keeps prefix-cache hits bit-identical "
         "to cold runs on XLA:CPU, several trade that for less padding",
+    )
+    g.add_argument(
+        "--decode-context-buckets",
+        metavar="TOKENS",
+        help="page-table widths of the compiled prefill and decode programs, in tokens, ascending "
+        "(e.g. 8192,65536; --max-context is added last): a step reads its rows' page tables only up "
+        "to the smallest width that holds its longest row, so its cost follows the context in use, "
+        "not --max-context (same tokens at every width). Default: 8192 and x8 from there below "
+        "--max-context; each width is another set of compiled programs",
     )
     g = p.add_argument_group("scheduling")
     _add_prefill_mode_option(g, serve.prefill_mode, per_request=True)

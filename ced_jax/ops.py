@@ -207,6 +207,32 @@ def index_scores(
     return index_scores_unpacked(q, weights, keys, n_visible)
 
 
+def index_scores_at(
+    q: jax.Array,
+    weights: jax.Array,
+    key_pages: jax.Array,
+    page_table: jax.Array,
+    entry_ids: jax.Array,
+    valid: jax.Array,
+) -> jax.Array:
+    """`index_scores` (impl reference) of chosen key slots only, for a query that may only pick among
+    them (a Reindex layer inside its candidate pool): entry_ids i32 [B, T, C] (slot j of row b is
+    entry j % E of page page_table[b, j // E]), valid bool [B, T, C] -> f32 [B, T, C], -inf where not
+    valid. Each score is bit for bit the one `index_scores` gives that slot: the same formula
+    (`index_scores_unpacked`), one query row at a time as a decode step runs it
+    (tests/ced_jax/test_indexer_candidates.py). Costs T x C key reads per row instead of the table's."""
+    from pallas_kernels import formats
+
+    b, t, c = entry_ids.shape
+    per_page = key_pages.shape[1]
+    ids = jnp.clip(entry_ids, 0, page_table.shape[1] * per_page - 1)
+    pages = jnp.take_along_axis(page_table, (ids // per_page).reshape(b, t * c), axis=1).reshape(b, t, c)
+    keys = formats.unpack_index_keys(key_pages[pages, ids % per_page]).reshape(b * t, c, -1)
+    rows = lambda a: a.reshape(b * t, 1, *a.shape[2:])
+    s = index_scores_unpacked(rows(q), rows(weights), keys, jnp.full((b * t, 1), c, jnp.int32))
+    return jnp.where(valid, s.reshape(b, t, c), -jnp.inf)
+
+
 def index_scores_unpacked(
     q: jax.Array, weights: jax.Array, keys: jax.Array, n_visible: jax.Array
 ) -> jax.Array:

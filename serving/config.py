@@ -35,6 +35,16 @@ def default_decode_buckets(max_slots: int) -> tuple[int, ...]:
     return (*sizes, max_slots)
 
 
+def default_context_buckets(max_context: int, page_size: int) -> tuple[int, ...]:
+    """8192 tokens (rounded up to whole pages) and x8 from there, below max_context, then max_context
+    (see `decode_context_buckets`)."""
+    widths, t = [], -(-8192 // page_size) * page_size
+    while t < max_context:
+        widths.append(t)
+        t *= 8
+    return (*widths, max_context)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     # Shapes (static; every program is compiled for them at start-up).
@@ -60,6 +70,15 @@ class ServeConfig:
     # bit-identical to its cold run; one size keeps it exact at the cost of idle rows (BENCHMARKS.md,
     # Serving).
     prefill_rows: tuple[int, ...] | None = None
+    # Decode page-table widths (tokens of context) compiled at start-up: a decode step reads its rows'
+    # page tables only up to the smallest width that holds its longest row, so its cost follows the
+    # context in use rather than max_context (the indexer scores every compressed entry its table
+    # reaches: on tiny, a 4K-token row in a table of 128K tokens decodes as slowly as a 128K-token
+    # one). The result is the same bit for bit at every width. Ascending multiples of page_size
+    # ending at max_context; None: 8192 tokens and x8 from there, below max_context, then
+    # max_context (one width when max_context <= 8192). Each width multiplies the compiled decode
+    # programs (decode_buckets, and the DSpark widths).
+    decode_context_buckets: tuple[int, ...] | None = None
 
     # Admission and request limits.
     max_running: int | None = None  # requests holding a slot; None = max_slots
@@ -164,6 +183,21 @@ class ServeConfig:
         if not d or list(d) != sorted(set(d)) or d[0] < 1 or d[-1] != self.max_slots:
             raise ValueError(
                 f"decode_buckets must be ascending, positive and end at max_slots ({self.max_slots}), got {d}"
+            )
+        if self.decode_context_buckets is None:
+            object.__setattr__(
+                self, "decode_context_buckets", default_context_buckets(self.max_context, self.page_size)
+            )
+        c = tuple(self.decode_context_buckets)
+        if (
+            not c
+            or list(c) != sorted(set(c))
+            or c[-1] != self.max_context
+            or any(t < 1 or t % self.page_size for t in c)
+        ):
+            raise ValueError(
+                "decode_context_buckets must be ascending multiples of page_size "
+                f"({self.page_size}) ending at max_context ({self.max_context}), got {c}"
             )
         if self.prefill_rows is None:
             object.__setattr__(self, "prefill_rows", (min(4, self.max_slots),))

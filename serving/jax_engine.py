@@ -30,6 +30,12 @@ shapes, dtypes or shardings warm-up did not cover compiles, and shows in `compil
   decode batch size, rows bucketed like decode; its results come back already on the host. With
   K > 0 the engine is built with `dspark=True`, so prefill and the plain decode step (used when a
   row is within K of max_context) also insert the DSpark context.
+Every program above is compiled once per page-table width (`ServeConfig.decode_context_buckets`),
+and a call's page tables are cut to the smallest width that holds its rows' last position: the
+indexer scores every entry its table reaches, so tables of max_context would make every step cost
+what a max_context-token one does. Entries past a row's length are invisible to it at any width, and
+each indexer's top-k width is the same at every compiled width (checked at construction), so the
+tokens and log-probabilities are the same bit for bit (tests/serving/test_serving_jax.py).
 `prefill_async` and `decode_async` only dispatch their program (JAX runs it asynchronously); the
 returned `Pending` copies the results to the host when asked, so the scheduler overlaps host work
 with the device's.
@@ -63,6 +69,7 @@ not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 from collections.abc import Sequence
@@ -121,14 +128,17 @@ class _PrefillRows:
         )
 
     @classmethod
-    def idle(cls, size: int, engine: JaxEngine, slots: np.ndarray | None = None) -> _PrefillRows:
-        """`size` rows that bring nothing (slots 0.., or `slots`)."""
+    def idle(
+        cls, size: int, engine: JaxEngine, slots: np.ndarray | None = None, pages: int | None = None
+    ) -> _PrefillRows:
+        """`size` rows that bring nothing (slots 0.., or `slots`), page tables of `pages` pages (None:
+        pages_per_slot)."""
         return cls(
             slots=np.arange(size, dtype=np.int32) if slots is None else np.asarray(slots, np.int32),
             tokens=np.full((size, engine.prefill_chunk), engine.cfg.pad_token_id, np.int32),
             n=np.zeros(size, np.int32),
             start=np.zeros(size, np.int32),
-            page_tables=np.zeros((size, engine.spec.pages_per_slot), np.int32),
+            page_tables=np.zeros((size, pages or engine.spec.pages_per_slot), np.int32),
             temperature=np.zeros(size, np.float32),
             top_p=np.ones(size, np.float32),
             top_k=np.zeros(size, np.int32),
@@ -237,6 +247,23 @@ def _page_buckets(pages_per_slot: int) -> tuple[int, ...]:
     return (*out, pages_per_slot)
 
 
+def _context_pages(cfg, config: ServeConfig) -> tuple[int, ...]:
+    """`config.decode_context_buckets` in pages, checked against the model: at every width each
+    indexer's top-k width (min(index_topk, entries)) is the one of max_context, so a narrower table
+    selects the same entries into the same shapes."""
+    page_size, full = config.page_size, config.max_context
+    ratios = {cfg.compress_ratios[i] for i in cfg.index_source_layer_ids if cfg.compress_ratios[i] > 0}
+    for tokens in config.decode_context_buckets:
+        for r in sorted(ratios):
+            if min(cfg.index_topk, tokens // r) != min(cfg.index_topk, full // r):
+                raise ValueError(
+                    f"decode_context_buckets: {tokens} tokens hold {tokens // r} entries of compress "
+                    f"ratio {r}, fewer than the indexer's top-k {cfg.index_topk}: the smallest width "
+                    f"must be at least {cfg.index_topk * max(ratios)} tokens (or max_context)"
+                )
+    return tuple(t // page_size for t in config.decode_context_buckets)
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), n)
 
@@ -308,6 +335,10 @@ class JaxEngine:
         self.prefill_rows = tuple(config.prefill_rows)
         self.max_logprobs = max_logprobs
         self.dspark_widths = _dspark_widths(model, config)
+        self.context_pages = _context_pages(cfg, config)
+        # Steps per page-table width (pages), for tests and benchmarks.
+        self.decode_widths_used: collections.Counter[int] = collections.Counter()
+        self.prefill_widths_used: collections.Counter[int] = collections.Counter()
         self.engine = Engine(
             model,
             StateShapes(
@@ -380,8 +411,10 @@ class JaxEngine:
         except BaseException:
             self._warm = False
             raise
-        # Warm-up's own compiles are not "after warm-up".
+        # Warm-up's own compiles and steps are not "after warm-up".
         self._counter.count = 0
+        self.decode_widths_used.clear()
+        self.prefill_widths_used.clear()
 
     def _warm_up_programs(self) -> None:
         """Compiles every program by calling it as serving does, with the same argument types.
@@ -414,42 +447,48 @@ class JaxEngine:
             )
         )  # fmt: skip
         self.release(0)
-        for size in self.decode_buckets[1:]:  # the step above compiled the smallest; idle rows for the rest
-            self._decode_idle_rows(size)
-        for width in self.dspark_widths:  # every width and batch size, idle rows
+        for pages in self.context_pages:  # the step above compiled (smallest width, smallest size)
             for size in self.decode_buckets:
-                self._speculative_idle_rows(size, width)
-        for size in self.prefill_rows[1:]:  # likewise
-            self._prefill_rows(_PrefillRows.idle(size, self))
-        if self._spec.hidden_size:  # the image variant of every prefill row count (idle rows)
+                if (pages, size) != (self.context_pages[0], self.decode_buckets[0]):
+                    self._decode_idle_rows(size, pages)
+        for width in self.dspark_widths:  # every draft width, batch size and table width, idle rows
+            for size in self.decode_buckets:
+                for pages in self.context_pages:
+                    self._speculative_idle_rows(size, width, pages)
+        first = self.context_pages[0], self.prefill_rows[0]  # the prefill above (a one-token chunk)
+        for pages in self.context_pages:  # likewise every row count and table width
             for size in self.prefill_rows:
-                self._prefill_rows(_PrefillRows.idle(size, self).with_images(self))
+                if (pages, size) != first:
+                    self._prefill_rows(_PrefillRows.idle(size, self, pages=pages))
+                if self._spec.hidden_size:  # the image variant (idle rows)
+                    self._prefill_rows(_PrefillRows.idle(size, self, pages=pages).with_images(self))
         for n in self._page_buckets:  # KV tiers: every page-copy size (writes of dropped padding ids)
             with self._counter.watch():
                 self.engine.read_pages(np.zeros(n, np.int32))
                 self._write_bucket(np.full(n, spec.num_pages, np.int32), self._zero_pages(n))
 
-    def _decode_idle_rows(self, size: int) -> None:
-        """A decode step of `size` idle rows (length 0: nothing is written), with the argument types of
-        `decode`, to compile that batch size."""
+    def _decode_idle_rows(self, size: int, pages: int) -> None:
+        """A decode step of `size` idle rows (length 0: nothing is written) over page tables of `pages`
+        pages, with the argument types of `decode`, to compile that batch size and table width."""
         slots = np.arange(size, dtype=np.int32)
         tokens = np.full(size, self.cfg.pad_token_id, np.int32)
         self._decode_rows(
             slots, tokens, np.zeros(size, np.int32), np.zeros(size, bool),
-            np.zeros((size, self._spec.pages_per_slot), np.int32), np.zeros(size, np.float32),
+            np.zeros((size, pages), np.int32), np.zeros(size, np.float32),
             np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
         )  # fmt: skip
         for s in slots:  # idle rows moved no history, but the slots are free: leave them fresh
             self.engine.reset_history(int(s))
 
-    def _speculative_idle_rows(self, size: int, width: int) -> None:
-        """A speculative step of `size` idle rows at draft width `width` (nothing is written), with
-        the argument types of `_speculative`, to compile that program."""
+    def _speculative_idle_rows(self, size: int, width: int, pages: int) -> None:
+        """A speculative step of `size` idle rows at draft width `width` over page tables of `pages`
+        pages (nothing is written), with the argument types of `_speculative`, to compile that
+        program."""
         slots = np.arange(size, dtype=np.int32)
         self._speculative_rows(
             slots, np.full(size, self.cfg.pad_token_id, np.int32), np.zeros((size, width), np.int32),
             np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, bool),
-            np.zeros((size, self._spec.pages_per_slot), np.int32), np.zeros(size, np.float32),
+            np.zeros((size, pages), np.int32), np.zeros(size, np.float32),
             np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
             np.full((size, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32),
         )  # fmt: skip
@@ -536,7 +575,9 @@ class JaxEngine:
                 self.engine.reset_history(chunk.slot, history)
         size = next(r for r in self.prefill_rows if r >= len(chunks))
         rows = _PrefillRows.build(chunks, size, self)
-        out = self._prefill_rows(rows)
+        pages = self._table_width(max(c.start_pos + len(c.token_ids) - 1 for c in chunks))
+        self.prefill_widths_used[pages] += 1
+        out = self._prefill_rows(dataclasses.replace(rows, page_tables=rows.page_tables[:, :pages]))
         for chunk in chunks:
             self._pos[chunk.slot] = chunk.start_pos + len(chunk.token_ids)
             if chunk.is_last_chunk:
@@ -554,6 +595,9 @@ class JaxEngine:
             raise ValueError(f"chunk [{start}, {start + n}) is not page aligned or runs past max_context")
         if self._decoding[s]:
             raise ValueError(f"slot {s} is decoding")
+        if np.shape(chunk.page_table) != (spec.pages_per_slot,):
+            want = (spec.pages_per_slot,)
+            raise ValueError(f"page_table shape {np.shape(chunk.page_table)}, expected {want}")
         w = mask_words(self.cfg.vocab_size)
         if chunk.token_bitmask is not None and np.shape(chunk.token_bitmask) != (w,):
             raise ValueError(f"token_bitmask shape {np.shape(chunk.token_bitmask)}, expected {(w,)}")
@@ -616,6 +660,9 @@ class JaxEngine:
                 raise ValueError(f"slot {s}: decode at {positions[s]}, state is at {self._pos[s]}")
             if positions[s] + 1 > self._spec.max_context:
                 raise ValueError(f"slot {s}: decode past max_context")
+        tables = (len(active), self._spec.pages_per_slot)
+        if np.shape(batch.page_tables) != tables:
+            raise ValueError(f"page_tables shape {np.shape(batch.page_tables)}, expected {tables}")
         w = mask_words(self.cfg.vocab_size)
         if batch.token_bitmask is not None and np.shape(batch.token_bitmask) != (len(active), w):
             shape = np.shape(batch.token_bitmask)
@@ -631,8 +678,11 @@ class JaxEngine:
         size = next(b for b in self.decode_buckets if b >= n_active)
         slots = np.concatenate([np.flatnonzero(active), idle[: size - n_active]]).astype(np.int32)
         take = lambda a, dtype: np.asarray(a, dtype)[slots]
+        pages = self._table_width(int(positions[active].max()) if n_active else 0)
+        self.decode_widths_used[pages] += 1
         out = self._decode_rows(
-            slots, tokens[slots], positions[slots], active[slots], take(batch.page_tables, np.int32),
+            slots, tokens[slots], positions[slots], active[slots],
+            take(batch.page_tables, np.int32)[:, :pages],
             take(batch.temperature, np.float32),
             take(batch.top_p, np.float32), take(batch.top_k, np.int32), take(batch.seed, np.uint32),
             None if batch.token_bitmask is None else take(batch.token_bitmask, np.int32),
@@ -657,6 +707,9 @@ class JaxEngine:
                 raise ValueError(
                     f"slot {s}: draft block [{positions[s]}, {positions[s] + width}] past max_context"
                 )
+        if np.shape(batch.page_tables) != (S, spec.pages_per_slot):
+            shape = np.shape(batch.page_tables)
+            raise ValueError(f"page_tables shape {shape}, expected {(S, spec.pages_per_slot)}")
         mask = batch.token_bitmask
         if mask is None:
             mask = np.full((S, width + 1, W), -1, np.int32)
@@ -669,10 +722,12 @@ class JaxEngine:
         size = next(b for b in self.decode_buckets if b >= n_active)
         slots = np.concatenate([np.flatnonzero(active), idle[: size - n_active]]).astype(np.int32)
         take = lambda a, dtype: np.asarray(a, dtype)[slots]
+        pages = self._table_width(int(positions[active].max()) + width if n_active else 0)
+        self.decode_widths_used[pages] += 1
         out = self._speculative_rows(
             slots, tokens[slots].astype(np.int32), take(batch.drafts, np.int32),
             n_drafts[slots].astype(np.int32), positions[slots], active[slots],
-            take(batch.page_tables, np.int32),
+            take(batch.page_tables, np.int32)[:, :pages],
             take(batch.temperature, np.float32), take(batch.top_p, np.float32), take(batch.top_k, np.int32),
             take(batch.seed, np.uint32), take(mask, np.int32),
         )  # fmt: skip
@@ -689,6 +744,11 @@ class JaxEngine:
             token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp, emitted=emitted,
             next_drafts=next_drafts, next_confidence=next_conf,
         )  # fmt: skip
+
+    def _table_width(self, last_position: int) -> int:
+        """The page-table width (pages) of a step whose rows write up to `last_position`: the smallest
+        compiled width that holds it (module docstring)."""
+        return _bucket(last_position // self.page_size + 1, self.context_pages)
 
     def _decode_rows(
         self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,

@@ -194,12 +194,7 @@ def index_scores(
       buffer), scored by the XLA formula (`ops.index_scores_unpacked`) for every impl.
 
     -> scores [B, T, S] (f32 holding bf16 values)."""
-    n_heads, dk = cfg.index_n_heads, cfg.index_head_dim
-    q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"])
-    q = q.reshape(*q.shape[:-1], n_heads, dk)
-    q = apply_rope(q, positions[..., None], inv_freq)
-    q = fp4_fake_quant_ue8m0(q, 32)
-    w = round_bf16(bf16_linear(x, p["weights_proj"]["weight"]) * (dk**-0.5 * n_heads**-0.5))
+    q, w = index_queries(x, qr, p, positions, inv_freq, cfg)
     n_visible = ((positions + 1) // ratio).astype(jnp.int32)
     if index_k_mode == "reference":
         return ops.index_scores_unpacked(q, w, keys, n_visible)
@@ -207,11 +202,25 @@ def index_scores(
     return ops.index_scores(q, w, key_pages, page_tables, n_visible, impl=impl)
 
 
+def index_queries(x, qr, p: dict, positions, inv_freq, cfg: ModelConfig):
+    """The indexer's FP4-fake-quantised queries f32 [B, T, I, Dk] and bf16 head weights [B, T, I]
+    (softmax scale folded in)."""
+    n_heads, dk = cfg.index_n_heads, cfg.index_head_dim
+    q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"])
+    q = q.reshape(*q.shape[:-1], n_heads, dk)
+    q = apply_rope(q, positions[..., None], inv_freq)
+    q = fp4_fake_quant_ue8m0(q, 32)
+    w = round_bf16(bf16_linear(x, p["weights_proj"]["weight"]) * (dk**-0.5 * n_heads**-0.5))
+    return q, w
+
+
 def candidate_pool(
     scores: jax.Array, positions: jax.Array, ratio: int, top_blocks: int, block: int
 ) -> jax.Array:
-    """Level one of the two-level top-k: a bool mask [B, T, S] of the best `top_blocks` blocks of
-    `block` entries (by their best score), the block of the newest visible entry always kept."""
+    """Level one of the two-level top-k: the best `top_blocks` blocks of `block` entries (by their
+    best score), the block of the newest visible entry always kept. Returns (a bool mask [B, T, S] of
+    their entries, (block ids i32 [B, T, n] ascending, kept bool [B, T, n])): the mask for scores of
+    the whole row, the ids for scoring only the pool (`candidate_entries`)."""
     width = scores.shape[-1]
     pad = -width % block
     padded = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
@@ -222,17 +231,64 @@ def candidate_pool(
     values, ids = jax.lax.top_k(block_scores, min(top_blocks, n_blocks))
     keep = jnp.zeros(block_scores.shape, bool)
     keep = jnp.put_along_axis(keep, ids, values > -jnp.inf, axis=-1, inplace=False)
-    return jnp.repeat(keep, block, axis=-1)[..., :width]
+    order = jnp.argsort(ids, axis=-1)
+    blocks = (jnp.take_along_axis(ids, order, -1), jnp.take_along_axis(values > -jnp.inf, order, -1))
+    return jnp.repeat(keep, block, axis=-1)[..., :width], blocks
 
 
-def select_topk(scores: jax.Array, positions: jax.Array, ratio: int, top_k: int) -> jax.Array:
-    """Top-k entries by score (lower index first on ties), ascending, -1 = none. [B, T, X]."""
-    k = min(top_k, scores.shape[-1])
-    values, ids = jax.lax.top_k(scores, k)
+def candidate_entries(blocks, positions: jax.Array, ratio: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """The entries of a candidate pool's blocks (`candidate_pool`), ascending: ids i32 [B, T, n *
+    block] and valid bool (a kept block's entry visible to the query)."""
+    ids, kept = blocks
+    entries = (ids[..., None] * block + jnp.arange(block)).reshape(*ids.shape[:-1], -1).astype(jnp.int32)
+    visible = entries < ((positions + 1) // ratio)[..., None]
+    return entries, jnp.repeat(kept, block, axis=-1) & visible
+
+
+def select_topk(
+    scores: jax.Array, positions: jax.Array, ratio: int, top_k: int, entries: jax.Array | None = None,
+    width: int | None = None,
+) -> jax.Array:
+    """Top-k entries by score (lower index first on ties), ascending, -1 = none. [B, T, X].
+
+    entries None: scores [B, T, S] is the whole row (slot j = entry j). Else scores [B, T, C] are of
+    the entries `entries` i32 [B, T, C] (ascending, -inf for the others) out of a row of `width`: the
+    same selection as of the whole row with -inf everywhere else (k = min(top_k, width) either way;
+    ascending entries keep the lower-index-first tie rule)."""
+    if entries is None:
+        k = min(top_k, scores.shape[-1])
+        values, ids = jax.lax.top_k(scores, k)
+    else:
+        k = min(top_k, width)
+        short = k - scores.shape[-1]
+        if short > 0:  # fewer candidates than k: the rest are -inf, as in the whole row
+            pad = ((0, 0), (0, 0), (0, short))
+            scores = jnp.pad(scores, pad, constant_values=-jnp.inf)
+            entries = jnp.pad(entries, pad, constant_values=width)
+        values, picked = jax.lax.top_k(scores, k)
+        ids = jnp.take_along_axis(entries, picked, axis=-1)
     valid = (values > -jnp.inf) & (ids < ((positions + 1) // ratio)[..., None])
     big = jnp.iinfo(jnp.int32).max
     ordered = jnp.sort(jnp.where(valid, ids, big), axis=-1)
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
+
+
+def _pool_entries(
+    cfg: ModelConfig, layer: int, shared: dict, keys, positions, ratio: int, index_k_mode: str, impl: str
+):
+    """For a Reindex layer whose candidate pool is smaller than its row, (entry ids, valid) of the
+    pool (`candidate_entries`) to score alone; else None (score the row, then mask it). Only the
+    reference scoring of paged keys: the Pallas indexer kernels score whole rows through the page
+    tables, and the reference index-K mode's keys are not pages."""
+    reference = ops.parse_impl(impl)[0] == "reference"
+    if not cfg.uses_candidates(layer) or index_k_mode != "intended" or not reference:
+        return None
+    key_pages, page_tables = keys
+    row = page_tables.shape[1] * key_pages.shape[1]
+    ids, _ = shared["candidate_blocks"]
+    if positions.shape[1] * ids.shape[-1] * cfg.candidate_block_size >= row:
+        return None
+    return candidate_entries(shared["candidate_blocks"], positions, ratio, cfg.candidate_block_size)
 
 
 def write_compressed_kv(
@@ -344,17 +400,27 @@ def attention(
                 )
             else:
                 keys = (cache.index_k[str(src)], meta.page_tables)
-            scores = index_scores(
-                x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio,
-                index_k_mode=index_k_mode, impl=impl,
-            )  # fmt: skip
-            if layer == cfg.candidate_source_layer_id:
-                shared["candidates"] = candidate_pool(
-                    scores, positions, ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size
-                )
-            elif cfg.uses_candidates(layer):
-                scores = jnp.where(shared["candidates"], scores, -jnp.inf)
-            own_topk = select_topk(scores, positions, ratio, cfg.index_topk)
+            pool_entries = _pool_entries(cfg, layer, shared, keys, positions, ratio, index_k_mode, impl)
+            if pool_entries is not None:
+                # A Reindex layer picks only inside the candidate pool: score just the pool's entries
+                # (a fixed count) instead of the whole row (the context), with the same result.
+                entries, valid = pool_entries
+                index_q, index_w = index_queries(x, qr, p["indexer"], positions, inv_freq, cfg)
+                scores = ops.index_scores_at(index_q, index_w, *keys, entries, valid)
+                width = keys[1].shape[1] * keys[0].shape[1]
+                own_topk = select_topk(scores, positions, ratio, cfg.index_topk, entries, width)
+            else:
+                scores = index_scores(
+                    x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio,
+                    index_k_mode=index_k_mode, impl=impl,
+                )  # fmt: skip
+                if layer == cfg.candidate_source_layer_id:
+                    shared["candidates"], shared["candidate_blocks"] = candidate_pool(
+                        scores, positions, ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size
+                    )
+                elif cfg.uses_candidates(layer):
+                    scores = jnp.where(shared["candidates"], scores, -jnp.inf)
+                own_topk = select_topk(scores, positions, ratio, cfg.index_topk)
             shared["topk"] = own_topk if forced_topk is None else forced_topk
         topk = shared["topk"]
         segments.append(ops.KeySegment(cache.kv[str(src)], meta.page_tables, jnp.maximum(topk, 0), topk >= 0))

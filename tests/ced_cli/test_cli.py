@@ -122,6 +122,9 @@ def test_serve_bad_options_exit_2_before_loading(capsys):
         (["--prefill-chunk", "20"], "--prefill-chunk 20 must be a multiple of --page-size 16"),
         (["--max-context", "100"], "--max-context 100 must be a multiple of --page-size 16"),
         (["--max-slots", "0"], "--max-slots must be >= 1"),
+        (["--decode-context-buckets", "24"], "must be ascending multiples of --page-size 16"),
+        (["--decode-context-buckets", "512,a"], "must be comma-separated token counts"),
+        (["--decode-context-buckets", "4096"], "--decode-context-buckets 4096: at most --max-context 2048"),
         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "needs --mesh"),
     ]
     for extra, message in cases:

@@ -336,6 +336,48 @@ def test_prefix_hit_is_exact_alone_and_beside_other_requests(engine):
     assert engine.compiles_after_warmup == 0
 
 
+def test_narrow_page_tables_give_the_full_width_tokens_bit_for_bit(engine, model):
+    """`decode_context_buckets`: an engine whose steps read their page tables only up to 64 tokens
+    while every row is shorter (then the full 128) gives the module engine's tokens and log-probs
+    bit for bit: a prompt decoded across the 64-token boundary, then a second request prefilled at
+    both widths beside it. The narrow engine ran both widths (fails if it never cut a table, or
+    if it cut one too short: a row then misses its entries)."""
+    narrow = JaxEngine(model, _config(decode_context_buckets=(64, CONTEXT), decode_buckets=(8, SLOTS)))
+    narrow.warmup()
+    assert narrow.context_pages == (4, CONTEXT // PAGE)
+    first, second = _prompt(40), _prompt(90)
+    runs = []
+    for eng in (engine, narrow):
+        streams = {}
+        try:
+            token, _ = _prefill_chunks(eng, 30, first, 0)
+            streams[30] = (len(first), [token])
+            _decode_steps(eng, streams, 30)  # positions 40 .. 69: widths 4 pages, then 8
+            token, _ = _prefill_chunks(eng, 31, second, 0)  # chunks ending at 31, 63 (4 pages), 89 (8)
+            streams[31] = (len(second), [token])
+            _decode_steps(eng, streams, 6)
+        finally:
+            eng.release(30)
+            eng.release(31)
+        runs.append({s: _as_arrays(toks) for s, (_, toks) in streams.items()})
+    for s in (30, 31):
+        assert runs[1][s][0] == runs[0][s][0], f"slot {s}"
+        for a, b in zip(runs[1][s][1:], runs[0][s][1:], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"slot {s}")
+    assert narrow.decode_widths_used[4] == 24 and narrow.decode_widths_used[8] == 12
+    assert narrow.prefill_widths_used[4] == 4 and narrow.prefill_widths_used[8] == 1
+    assert set(engine.decode_widths_used) == {CONTEXT // PAGE}
+    assert narrow.compiles_after_warmup == 0 and engine.compiles_after_warmup == 0
+
+
+def test_decode_context_buckets_must_hold_the_indexer_top_k(model):
+    """A width whose entries are fewer than the indexer's top-k would change the selection's shape."""
+    with pytest.raises(ValueError, match="buckets: 16 tokens hold 8 entries of compress ratio 2"):
+        JaxEngine(model, _config(decode_context_buckets=(16, CONTEXT)))
+    with pytest.raises(ValueError, match="decode_context_buckets must be ascending multiples of page_size"):
+        _config(decode_context_buckets=(24, CONTEXT))
+
+
 def test_decode_segments_take_turns_with_the_uninterrupted_tokens(engine, model):
     """Output-side flow control on the real engine: one request at a time (max_running 1), segments
     of 6 tokens. The two requests take turns (the second's first token comes before the first
@@ -470,7 +512,7 @@ def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
     """The counter counts JAX's own compilation events, so it moves when a serving call compiles.
 
     A separate small engine, since this one is left with a compile on its record. A decode batch with
-    one page-table column more than warm-up used is a new input shape: jit compiles again."""
+    batch size warm-up did not compile is a new input shape: jit compiles again."""
     small = JaxEngine(
         model, ServeConfig(max_slots=2, page_size=PAGE, max_context=2 * PAGE, prefill_buckets=(PAGE,))
     )
@@ -487,9 +529,9 @@ def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
 
     small.decode(idle_batch(P))  # the warmed-up shapes: no compile
     assert small.compiles_after_warmup == 0
-    small.decode(idle_batch(P + 1))
+    small._decode_idle_rows(1, P)  # a batch size warm-up did not compile (the buckets are (2,))
     assert small.compiles_after_warmup == 1
-    small.decode(idle_batch(P + 1))  # now cached
+    small._decode_idle_rows(1, P)  # now cached
     assert small.compiles_after_warmup == 1
 
 
