@@ -16,6 +16,7 @@ suspecting a bug (tests/serving/test_serving_pallas.py measures how often ties m
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -47,7 +48,8 @@ def test_greedy_tokens_equal_reference():
 def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch):
     """The reference forward of the tiny model (the prompt above in chunks of 32, then 4 decode
     steps), with every sparse-attention, indexer-scoring and routed-expert call run a second time
-    through the kernels on the same inputs: each kernel output equals the reference's bit for bit.
+    through the kernels on the same inputs: each kernel output equals the reference's bit for bit
+    (for a Reindex layer's pool-only scores, the kernel's whole-row scores at the pool's entries).
 
     Before the kernels took the reference's order in interpret mode, one attention output element of
     this prompt's first chunk (layer 4) differed by one bf16 ulp: the kernel summed the softmax
@@ -63,6 +65,7 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch):
         return check
 
     sparse_attention, index_scores, expert_rows = ops.sparse_attention, ops.index_scores, moe._expert_rows
+    index_scores_at = ops.index_scores_at
 
     def attention_twice(q, segments, sink, scale, *, impl):
         ref = sparse_attention(q, segments, sink, scale, impl=impl)
@@ -77,6 +80,16 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch):
         jax.debug.callback(record("index_scores"), ref, got)
         return ref
 
+    def scores_at_twice(q, weights, pages, table, entry_ids, valid):
+        # A Reindex layer scores only its candidate pool (reference path only): the kernel scores the
+        # whole row, and its scores at the pool's entries must be the reference's.
+        ref = index_scores_at(q, weights, pages, table, entry_ids, valid)
+        width = table.shape[1] * pages.shape[1]
+        whole = index_scores(q, weights, pages, table, jnp.full(q.shape[:2], width, jnp.int32), impl=PALLAS)
+        at = jnp.take_along_axis(whole, jnp.clip(entry_ids, 0, width - 1), axis=-1)
+        jax.debug.callback(record("index_scores"), ref, jnp.where(valid, at, -jnp.inf))
+        return ref
+
     def expert_rows_twice(rows, eids, weights, experts, *, limit, impl, f_axis=None):
         ref = expert_rows(rows, eids, weights, experts, limit=limit, impl=impl, f_axis=f_axis)
         got = expert_rows(rows, eids, weights, experts, limit=limit, impl=PALLAS, f_axis=f_axis)
@@ -85,13 +98,15 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch):
 
     monkeypatch.setattr(ops, "sparse_attention", attention_twice)
     monkeypatch.setattr(ops, "index_scores", scores_twice)
+    monkeypatch.setattr(ops, "index_scores_at", scores_at_twice)
     monkeypatch.setattr(moe, "_expert_rows", expert_rows_twice)
     model = load("tiny", impl="reference")
     prompt = _prompt(model.cfg)
     model.logits(prompt, prompt[1:5], prefill_chunk=32)
     jax.effects_barrier()
     cfg = model.cfg
-    # Per call: every layer's attention and experts, the indexer on its source layers; 2 chunks + 4 steps.
+    # Per call: every layer's attention and experts, the indexer on its source layers (the whole row or
+    # a Reindex layer's pool); 2 chunks + 4 steps.
     per_call = {"sparse_attention": cfg.num_layers, "expert_rows": cfg.num_layers}
     per_call["index_scores"] = len(cfg.index_source_layer_ids)
     counts = {name: sum(m[0] == name for m in mismatches) for name in per_call}
