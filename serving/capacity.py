@@ -14,8 +14,9 @@ Four ledgers per device, each from the real layout rather than a bytes-per-param
 - activations: the live set of the reference path (impl="reference") in the server's two programs,
   the prefill (`prefill_rows` chunks, a page of each per loop iteration) and one decode batch, from
   the shapes the model materialises, the f32 copies the reference makes of its dense weights
-  included: in the prefill every one of them at once, since XLA hoists them out of the page loop
-  (see `activation_ledger` for the terms). `ced-jax plan --compile` (`serving.compile_proof`)
+  included, one sublayer's at a time in both programs (the prefill's page loop ties the parameters
+  to its counter, `ced_jax.engine._loop_params`, so XLA cannot hoist every copy out of it; see
+  `activation_ledger` for the terms). `ced-jax plan --compile` (`serving.compile_proof`)
   compiles both programs and sets XLA's memory analysis beside the ledgers;
 - KV: the serving engine's device state itself, `jax.eval_shape` of `ced_jax.cache.init_paged_cache`
   at the server's shapes (nothing allocated): the page buffers in the deployment formats (890 bytes
@@ -189,16 +190,13 @@ def _dequantised_weights(cfg: ModelConfig, mesh: dict[str, int], rules: sharding
     their sum ("all", the embedding and head included), and the largest single copy of each sublayer
     ("attention" with its indexer and compressor, "engram" its wkv, "moe" the shared expert and gate,
     "head"). Routed experts are dequantised one expert at a time inside the MoE (see `_step_activations`);
-    F32 weights need no copy; the embedding's rows are gathered before they are widened (a loop-invariant
-    hoist widens the whole table in the prefill program, so "all" counts it)."""
+    F32 weights need no copy; the embedding's rows are gathered before they are widened."""
     largest: dict[str, int] = defaultdict(int)
-    total = 0
     for path, shape, _itemsize, stored, part, axes in _resident_tensors(cfg):
         if stored not in ("BF16", "F8_E4M3") or part in ("engram_tables", "routed_experts", "dspark_stages"):
             continue
         spec = sharding.logical_to_spec(axes, rules, shape, mesh, name=f"parameter {path}")
         copy = math.prod(sharding.shard_shape(shape, spec, mesh)) * F32
-        total += copy
         if path.startswith("head."):
             site = "head"
         elif ".attn." in path:
@@ -210,7 +208,7 @@ def _dequantised_weights(cfg: ModelConfig, mesh: dict[str, int], rules: sharding
         else:
             continue  # the embedding (rows gathered first) and the norms (vectors)
         largest[site] = max(largest[site], copy)
-    return {"all": total, **largest}
+    return dict(largest)
 
 
 def _step_activations(
@@ -220,23 +218,20 @@ def _step_activations(
     n: int,
     chunk: int,
     context: int,
-    *,
-    hoisted: bool = False,
 ) -> dict:
     """Live bytes of one forward with n tokens on a device (chunk = tokens per sequence).
 
     The sublayers run one after another, so the peak is the residual streams plus the largest of
     attention, indexer, Engram, MoE and head, each with the f32 copy of its largest dense weight
-    (`_dequantised_weights`). hoisted: the program repeats the forward in a loop (the server's
-    prefill, a page per iteration), out of which XLA hoists every weight's f32 copy (they depend on
-    the parameters only: loop-invariant code motion), so all of them are live for the whole loop
-    beside the step's own activations (measured: the compiled prefill's temporaries are these copies
-    to within 0.01 %, `serving.compile_proof`)."""
+    (`_dequantised_weights`). In the server's prefill the forward repeats in a loop (a page per
+    iteration) whose parameters are tied to the loop counter (`ced_jax.engine._loop_params`): without
+    that, XLA hoisted every weight's f32 copy out of the loop and all of them were live through it
+    (30.8 GiB per device for v41-flash at expert=8, measured by `serving.compile_proof`)."""
     D, M, hd, W = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.sliding_window
     heads = _local(cfg.num_heads, "q_heads", rules, mesh, "attention heads")
     index_heads = _local(cfg.index_n_heads, "index_heads", rules, mesh, "indexer heads")
     copies = _dequantised_weights(cfg, mesh, rules)
-    weight = (lambda site: 0) if hoisted else (lambda site: copies.get(site, 0))
+    weight = lambda site: copies.get(site, 0)  # noqa: E731
     streams = 3 * n * M * D * F32  # input, residual, output of an mHC site
     # q and o; logits over window ring + chunk keys and over the selected compressed entries.
     attention = n * (2 * heads * hd + heads * (W + chunk + cfg.index_topk) + cfg.index_topk * hd) * F32
@@ -272,14 +267,12 @@ def _step_activations(
         "moe": buffers + dequant + weight("moe"),
         "head": head + weight("head"),
     }
-    hoisted_bytes = copies["all"] if hoisted else 0
     return {
         "tokens": n,
         "streams": streams,
         **parts,
         "moe_expert_dequant": dequant,
-        "hoisted_weight_copies": hoisted_bytes,
-        "peak": streams + hoisted_bytes + max(parts.values()),
+        "peak": streams + max(parts.values()),
     }
 
 
@@ -323,13 +316,13 @@ def activation_ledger(
 
     Prefill (`ced_jax.engine.prefill_batch`): `prefill_rows(max_seqs)` rows of `prefill_bucket`-token
     chunks, run a page of every row per loop iteration (rows x page_size tokens per forward, chunk
-    page_size), with every dense weight's f32 copy hoisted out of the loop (so the chunk length
-    does not change the peak; its outputs beside the state are only the samples). Decode: `max_seqs`
+    page_size; the chunk length does not change the peak; its outputs beside the state are only the
+    samples). Decode: `max_seqs`
     sequences split over the batch axis, one token each (with `dspark` K drafts the verify step:
     K + 1 tokens each)."""
     seqs = _sequences_per_device(mesh, rules, max_seqs)
     rows = prefill_rows(max_seqs)
-    prefill = _step_activations(cfg, mesh, rules, rows * page_size, page_size, context, hoisted=True)
+    prefill = _step_activations(cfg, mesh, rules, rows * page_size, page_size, context)
     prefill["rows"] = rows
     per_seq = dspark + 1
     decode = _step_activations(cfg, mesh, rules, seqs * per_seq, per_seq, context)

@@ -18,15 +18,18 @@ bytes appear both as argument and as output but are held once (`alias_size_in_by
 The comparison with the planner's ledgers (`compare`), per program and per device: the arguments
 are the parameters (weights ledger), the state (KV ledger) and the step's inputs (not a ledger;
 the gathered Engram rows of the step when the tables are on the host), less what jit drops as
-unused (the text programs never read `gate.bias_vl`: 4 x experts bytes per layer); the temporaries
+unused (the text decode program never reads `gate.bias_vl`: 4 x experts bytes per layer; the
+prefill keeps every parameter, passed through its page loop's barrier); the temporaries
 are XLA's buffer assignment for everything live inside the program, which the activations ledger
 estimates; outputs beside the donated state are the sampler's results. The temporaries are
 XLA:CPU's, with its memory-minimising scheduler by default (`SCHEDULERS`): what the program needs
 when scheduled for memory, as an accelerator backend schedules under its memory limit; an
-accelerator's fusion decisions differ, so its temporaries are not the same number. What the reference path holds, measured here on v41-flash: the prefill
-program keeps an f32 copy of every dense FP8 / BF16 weight (XLA hoists the dequantisation out of
-the page loop: it depends on the parameters only), the decode program the largest one (the head's)
-beside a small step; BENCHMARKS.md has the numbers.
+accelerator's fusion decisions differ, so its temporaries are not the same number. What the
+reference path holds, measured here on v41-flash: both programs one sublayer's f32 weight copy at a
+time (the largest is the head's) beside a small step;
+the prefill kept an f32 copy of every dense FP8 / BF16 weight until its page loop tied the
+parameters to the loop counter (XLA had hoisted the dequantisation out of the loop:
+`ced_jax.engine._loop_params`); BENCHMARKS.md has the numbers.
 
 Fake devices: `--xla_force_host_platform_device_count` (here `jax_num_cpu_devices`) must be set
 before JAX initialises its backends, so `run_compile` runs this module in fresh processes
@@ -347,9 +350,8 @@ def compare(candidate: dict, compiled: dict, device_bytes: int) -> dict:
             activations,
             prog["temporaries_bytes"],
             (
-                "activations ledger: the f32 copies of every dense weight, hoisted out of the page loop "
-                f"({_u(acts['prefill']['hoisted_weight_copies'])}), + the largest sublayer of a "
-                f"{acts['prefill']['tokens']}-token page step"
+                f"activations ledger: the largest sublayer of a {acts['prefill']['tokens']}-token page "
+                "step with its largest dense weight's f32 copy (made inside the loop iteration)"
                 if program == "prefill"
                 else f"activations ledger: the largest sublayer of a {acts['decode']['tokens']}-token step "
                 "with its largest dense weight's f32 copy"

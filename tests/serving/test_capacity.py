@@ -126,9 +126,11 @@ def test_activations_grow_with_the_buckets(flash):
     # indexer's per-head scores over every compressed entry so far grow with the context.
     assert big["prefill"]["tokens"] == 4 * 16 and big["prefill"]["rows"] == 4
     assert big["prefill"]["indexer"] == 4 * 16 * 32 * ((1 << 20) + 128) * 4
-    # Every dense weight's f32 copy is live through the page loop (hoisted by XLA), whatever the chunk.
-    assert big["prefill"]["hoisted_weight_copies"] == small["prefill"]["hoisted_weight_copies"] > 30 * GIB
-    assert big["decode"]["hoisted_weight_copies"] == 0
+    # The prefill makes its weights' f32 copies inside each page iteration, one sublayer's at a time as
+    # a decode step does (`ced_jax.engine._loop_params`; hoisted out of the loop they were 30.8 GiB
+    # per device here): at the small shapes its peak is within 1 GiB of the decode step's.
+    assert "hoisted_weight_copies" not in big["prefill"]
+    assert abs(small["prefill"]["peak"] - small["decode"]["peak"]) < GIB
 
 
 def test_mesh_candidates():
@@ -147,17 +149,10 @@ def test_article_example_8x80(flash):
     assert with_host["fits"]
     best = with_host["recommended"]
     assert best["engram_tables"] == "host"
-    # Not expert=8: the prefill holds an f32 copy of every dense weight (hoisted out of its page loop,
-    # as the compiled program shows: serving.compile_proof), which leaves expert=8 under 10 % free;
-    # tensor=2 halves those copies.
-    assert best["mesh"] == {"data": 1, "expert": 4, "tensor": 2}
+    # expert=8: the routed experts split eight ways. (Before the prefill's page loop stopped XLA from
+    # hoisting every dense weight's f32 copy out of it, those copies left expert=8 under 10 % free.)
+    assert best["mesh"] == {"data": 1, "expert": 8, "tensor": 1}
     assert best["per_device_total"] <= 0.9 * 80 * GIB
-    ep8 = next(
-        c
-        for c in with_host["candidates"]
-        if c["mesh"] == {"data": 1, "expert": 8, "tensor": 1} and c["engram_tables"] == "host"
-    )
-    assert ep8["fits"] and ep8["per_device_total"] > 0.9 * 80 * GIB
     assert best["host_total"] == sum(ENGRAM_TABLES.values())
     # Without a host memory budget the tables are still memory-mapped on the host (the engine's
     # default), so the same layout is recommended; on device they would fit nowhere.

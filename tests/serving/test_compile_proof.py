@@ -77,20 +77,25 @@ def test_plan_compile_json_agrees_with_the_ledgers(model_dir, capsys):
     led = out["recommended"]["ledgers"]
     rows = {(r["program"], r["line"]): r for r in out["comparison"]}
     # The text programs never read gate.bias_vl (the image-span routing bias, f32 [E] per layer,
-    # replicated), and jit drops unused arguments: that is all the arguments differ by.
+    # replicated), and jit drops unused arguments: that is all the decode's arguments differ by. The
+    # prefill passes every parameter through its page loop's barrier (`ced_jax.engine._loop_params`),
+    # so it keeps them all.
     cfg = one_layer_config()
-    unused = cfg.num_layers * cfg.n_routed_experts * 4
+    unused = {"prefill": 0, "decode": cfg.num_layers * cfg.n_routed_experts * 4}
     for program in ("prefill", "decode"):
         args = rows[(program, "arguments")]
         weights_and_state = led["weights"]["per_device"] + led["kv"]["per_device"]
-        assert weights_and_state + compiled[program]["inputs_bytes"] - args["compiled_bytes"] == unused
+        dropped = weights_and_state + compiled[program]["inputs_bytes"] - args["compiled_bytes"]
+        assert dropped == unused[program], program
         assert abs(args["difference"]) <= TOLERANCE
-    # Decode: the ledger's largest sublayer with its weight's f32 copy (measured -3.6 %). Prefill: at
-    # least every dense weight's f32 copy is live (hoisted out of the page loop); tiny's own
-    # activations beside them are what the ledger prices coarsely (measured +16 % on this model).
+    # Decode: the ledger's largest sublayer with its weight's f32 copy (measured -3.6 %). Prefill: the
+    # same per page step, the weight copies made inside each loop iteration; the ledger prices tiny's
+    # page step coarsely and from above (measured -21 %). Were the copies hoisted out of the loop
+    # again, every dense weight's f32 copy would be live at once: 5.79 MB on this model, above the
+    # ledger's 5.24 MB (measured with `ced_jax.engine._loop_params` made an identity).
     assert abs(rows[("decode", "temporaries")]["difference"]) <= TOLERANCE, rows[("decode", "temporaries")]
-    hoisted = led["activations"]["prefill"]["hoisted_weight_copies"]
-    assert compiled["prefill"]["temporaries_bytes"] >= hoisted > 0
+    prefill = rows[("prefill", "temporaries")]
+    assert prefill["ledger_bytes"] / 2 <= prefill["compiled_bytes"] <= prefill["ledger_bytes"], prefill
 
 
 def test_a_mesh_the_devices_cannot_hold_is_refused():
