@@ -178,6 +178,7 @@ def index_scores(
     n_visible: jax.Array,
     *,
     impl: str = "reference",
+    block_entries: int = 8192,
 ) -> jax.Array:
     """The indexer's bf16 score of every key slot of each row, read from the paged FP4 index keys.
 
@@ -191,7 +192,13 @@ def index_scores(
     kernel and sums the heads in order 0..I-1: in interpret mode with the reference's products (the
     TPU kernel then equals this path bit for bit), on hardware with its own accumulation inside each
     head's dot, so the two may differ by one bf16 ulp where a score straddles a rounding tie. The
-    contract (and the shapes each kernel supports) is `pallas_kernels.indexer.common`."""
+    contract (and the shapes each kernel supports) is `pallas_kernels.indexer.common`.
+
+    block_entries (impl reference): the row is unpacked and scored in blocks of about this many key
+    slots (whole pages), one after another, so a block's f32 keys stay in the CPU's cache instead of
+    the whole row's (64 MB per row at 128K tokens and ratio 1). Every slot's score is its own dot
+    product, so the scores are the same bit for bit whatever the blocks
+    (tests/ced_jax/test_indexer_candidates.py)."""
     from pallas_kernels import indexer
 
     kind, backend, interpret = parse_impl(impl)
@@ -203,8 +210,26 @@ def index_scores(
         )  # fmt: skip
     from pallas_kernels import formats
 
-    keys = formats.unpack_index_keys(key_pages[page_table].reshape(b, -1, key_pages.shape[-1]))
-    return index_scores_unpacked(q, weights, keys, n_visible)
+    if block_entries < 1:
+        raise ValueError(f"block_entries must be >= 1, got {block_entries}")
+    keys_of = lambda table: formats.unpack_index_keys(  # noqa: E731
+        key_pages[table].reshape(b, -1, key_pages.shape[-1])
+    )
+    width, per_page = page_table.shape[1], key_pages.shape[1]
+    block = max(1, block_entries // per_page)  # pages per block
+    if width <= block:
+        return index_scores_unpacked(q, weights, keys_of(page_table), n_visible)
+    blocks = -(-width // block)
+    # The last block is padded with page 0; its slots lie past the row and are cut off below.
+    table = jnp.pad(page_table, ((0, 0), (0, blocks * block - width)))
+
+    def score_block(i):
+        pages = jax.lax.dynamic_slice_in_dim(table, i * block, block, axis=1)
+        return index_scores_unpacked(q, weights, keys_of(pages), n_visible - i * block * per_page)
+
+    scores = jax.lax.map(score_block, jnp.arange(blocks, dtype=jnp.int32))  # [blocks, B, T, block * S]
+    scores = jnp.moveaxis(scores, 0, 2).reshape(*scores.shape[1:3], blocks * block * per_page)
+    return scores[..., : width * per_page]
 
 
 def index_scores_at(

@@ -61,3 +61,24 @@ def test_pool_scores_and_selection_equal_the_masked_whole_row(queries, top_block
     # Ties exist among the pool's scores, so the tie rule was exercised.
     finite = np.asarray(got_scores)[np.isfinite(np.asarray(got_scores))]
     assert len(np.unique(finite)) < len(finite)
+
+
+@pytest.mark.parametrize("queries", [1, 16])
+def test_whole_row_scores_are_the_same_in_blocks(queries):
+    """`ops.index_scores` (impl reference) scores a long row in blocks of pages: the same scores bit
+    for bit as the row in one piece, for blocks that divide the row and one that does not (the last
+    block padded past the row), with rows that see all, part, or none of their slots."""
+    rng = np.random.default_rng(7 + queries)
+    rows, pages = 3, 10
+    width = pages * PER_PAGE
+    q, w, key_pages, table, positions = _case(
+        rng, rows=rows, queries=queries, pages=pages, first_position=np.array([width - queries, 37, -queries])
+    )
+    n_visible = jnp.maximum(positions + 1, 0)
+    whole = np.asarray(ops.index_scores(q, w, key_pages, table, n_visible, block_entries=width))
+    assert np.isfinite(whole).any() and np.isneginf(whole).any()
+    for block_entries in (PER_PAGE, 2 * PER_PAGE, 3 * PER_PAGE):  # 10 pages: blocks of 1, 2, 3 pages
+        got = ops.index_scores(q, w, key_pages, table, n_visible, block_entries=block_entries)
+        np.testing.assert_array_equal(np.asarray(got), whole, err_msg=f"block_entries={block_entries}")
+    with pytest.raises(ValueError, match="block_entries must be >= 1"):
+        ops.index_scores(q, w, key_pages, table, n_visible, block_entries=0)
