@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from ced_jax.quant import dequant_fp4_weight, exact_div, max_fenced, round_bf16, sum_last, sum_small
 
 IMPLS = ("reference", "pallas")
+# Key slots the reference indexer scores at a time (`index_scores`): a block's f32 keys stay in a
+# CPU's cache (measured best at 4,096-8,192 slots, BENCHMARKS.md).
+INDEX_SCORE_BLOCK = 8192
 
 
 def parse_impl(impl: str) -> tuple[str, str | None, bool]:
@@ -178,7 +181,7 @@ def index_scores(
     n_visible: jax.Array,
     *,
     impl: str = "reference",
-    block_entries: int = 8192,
+    block_entries: int = INDEX_SCORE_BLOCK,
 ) -> jax.Array:
     """The indexer's bf16 score of every key slot of each row, read from the paged FP4 index keys.
 

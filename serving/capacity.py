@@ -58,7 +58,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import sharding
+from ced_jax import ops, sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.model import flatten_specs, param_specs
@@ -187,7 +187,7 @@ def _local(size: int, axis: str, rules: sharding.Rules, mesh: dict[str, int], wh
 def _dequantised_weights(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) -> dict:
     """The f32 copies of the dense weights one device makes (the reference path dequantises every
     FP8 weight and widens every BF16 one before its f32 matmul: `ced_jax.layers.common`), per device:
-    their sum ("all", the embedding and head included), and the largest single copy of each sublayer
+    the largest single copy of each sublayer
     ("attention" with its indexer and compressor, "engram" its wkv, "moe" the shared expert and gate,
     "head"). Routed experts are dequantised one expert at a time inside the MoE (see `_step_activations`);
     F32 weights need no copy; the embedding's rows are gathered before they are widened."""
@@ -235,10 +235,14 @@ def _step_activations(
     streams = 3 * n * M * D * F32  # input, residual, output of an mHC site
     # q and o; logits over window ring + chunk keys and over the selected compressed entries.
     attention = n * (2 * heads * hd + heads * (W + chunk + cfg.index_topk) + cfg.index_topk * hd) * F32
-    # Per-head indexer scores before the head reduction, over every compressed entry so far.
+    # Per-head indexer scores before the head reduction, over every compressed entry so far; a longer
+    # row is scored a block at a time (`ced_jax.ops.index_scores`), so the per-head scores are one
+    # block's, beside the row's scores and their copy as the blocks are joined.
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids] or [1]
     entries = -(-context // min(ratios))
-    indexer = n * index_heads * (entries + cfg.index_head_dim) * F32
+    block = min(entries, ops.INDEX_SCORE_BLOCK)
+    joined = 2 * entries if entries > block else 0
+    indexer = n * (index_heads * (block + cfg.index_head_dim) + joined) * F32
     # Engram: the step's rows dequantised (C per token), then key and value for every stream.
     engram = (
         n * (cfg.engram_hash_cols * cfg.engram_head_dim + (M + 1) * D) * F32 if cfg.engram_layer_ids else 0
