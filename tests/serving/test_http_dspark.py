@@ -208,7 +208,11 @@ def test_thinking_response_is_the_chat_layers_split_of_the_engines_tokens(served
         end = hf.token_to_id("</think>")
         cut = tokens.index(end) if end in tokens else len(tokens)
         reasoning = hf.decode(tokens[:cut], skip_special_tokens=False).lstrip("\n")
-        content = hf.decode(tokens[cut + 1 :], skip_special_tokens=False).lstrip("\n")
+        # deepseek-recipe's stream parser drops a later `</think>` from the content too (and keeps
+        # every other special token, `<think>` included: measured with its StreamProcessor, token by
+        # token and in chunks of 3); a sampled tiny model emits one now and then.
+        after = [t for t in tokens[cut + 1 :] if t != end]
+        content = hf.decode(after, skip_special_tokens=False).lstrip("\n")
         assert got["reasoning_content"] == reasoning.rstrip("\ufffd"), k
         assert (got["content"] or "") == content.rstrip("\ufffd"), k
         assert got["completion_tokens"] == engine["completion_tokens"], k
