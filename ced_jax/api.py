@@ -582,13 +582,18 @@ class Session:
         self.model, self.batch, self.max_len = model, batch, max_len
         page = session_page_size(model.cfg)
         context = _round_up(max_len, page)
+        # Under data-parallel attention (`dp_ep`) every device runs an equal block of rows: the
+        # session's rows are padded with idle ones (0 tokens: they write nothing) to a multiple of
+        # the devices, and every result is cut back to `batch` rows.
+        layout = sharding.make_layout(model.mesh, model.rules)
+        self.rows = _round_up(batch, layout.attention_shards if layout is not None else 1)
         shapes = StateShapes(
-            max_slots=batch, page_size=page, num_pages=batch * (context // page), max_context=context
+            max_slots=self.rows, page_size=page, num_pages=self.rows * (context // page), max_context=context
         )
         self.engine = Engine(model, shapes, dspark=dspark)
-        self.slots = np.arange(batch, dtype=np.int32)
-        self.page_tables = cache_lib.contiguous_page_tables(batch, shapes.pages_per_slot)
-        self.positions = np.zeros(batch, np.int32)
+        self.slots = np.arange(self.rows, dtype=np.int32)
+        self.page_tables = cache_lib.contiguous_page_tables(self.rows, shapes.pages_per_slot)
+        self.positions = np.zeros(self.rows, np.int32)
 
     def _check(self, tokens, lens):
         tokens = np.asarray(tokens, np.int32)
@@ -596,23 +601,44 @@ class Session:
         if b != self.batch:
             raise ValueError(f"tokens: expected {self.batch} rows, got {b}")
         lens = np.full(b, t, np.int32) if lens is None else np.asarray(lens, np.int32)
-        if np.any(self.positions + lens > self.max_len):
+        if np.any(self.positions[:b] + lens > self.max_len):
             raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
-        return tokens, lens
+        return self._pad(tokens), self._pad(lens)
+
+    def _pad(self, a, axis: int = 0, value=0):
+        """Rows [batch, ...] (along `axis`) -> [rows, ...], the idle rows filled with `value`."""
+        if a is None or self.rows == self.batch:
+            return a
+        a = np.asarray(a)
+        width = [(0, 0)] * a.ndim
+        width[axis] = (0, self.rows - self.batch)
+        return np.pad(a, width, constant_values=value)
+
+    def _cut(self, tree, second: tuple[str, ...] = ()):
+        """Results over `rows` -> over `batch` (keys in `second` carry the rows on axis 1)."""
+        if self.rows == self.batch or tree is None:
+            return tree
+        b = self.batch
+        if isinstance(tree, dict):
+            return {
+                k: jax.tree.map(lambda a: a[:, :b], v) if k in second else jax.tree.map(lambda a: a[:b], v)
+                for k, v in tree.items()
+            }
+        return jax.tree.map(lambda a: a[:b], tree)
 
     def step_and_sample(self, tokens: np.ndarray, temperature: float, seed: int) -> np.ndarray:
         """Feed one token per row [B, 1] and draw each row's next token with `ced_jax.sampling`
         (keyed by seed and the new token's position, top-p / top-k off) in the engine's decode
         program, the server's: int32 [B]."""
         tokens, lens = self._check(tokens, None)
-        b = self.batch
+        b = self.rows
         tok, *_ = self.engine.decode(
-            self.slots, tokens[:, 0], self.positions, np.ones(b, bool), self.page_tables,
+            self.slots, tokens[:, 0], self.positions, self._pad(np.ones(self.batch, bool)), self.page_tables,
             np.full(b, temperature, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32),
             np.full(b, seed, np.uint32), max_logprobs=0,
         )  # fmt: skip
         self.positions = self.positions + lens
-        return np.asarray(tok)
+        return np.asarray(tok)[: self.batch]
 
     def speculative_step(self, token: int, drafts: np.ndarray, n_drafts: int, temperature: float, seed: int):
         """One speculative decode step of a one-row session: feed `token` (the last emitted one) and
@@ -621,14 +647,17 @@ class Session:
         if self.batch != 1:
             raise ValueError("speculative_step: sessions of one row only")
         drafts = np.asarray(drafts, np.int32)
-        if np.any(self.positions + drafts.shape[1] + 1 > self.max_len):
+        if np.any(self.positions[:1] + drafts.shape[1] + 1 > self.max_len):
             raise ValueError(f"sequence would exceed the session's max_len={self.max_len}")
+        r, live = self.rows, self._pad(np.ones(1, bool))
         out = self.engine.speculative_decode(
-            self.slots, np.array([token], np.int32), drafts, np.array([n_drafts], np.int32), self.positions,
-            np.ones(1, bool), self.page_tables, np.full(1, temperature, np.float32), np.ones(1, np.float32),
-            np.zeros(1, np.int32), np.full(1, seed, np.uint32), max_logprobs=0,
+            self.slots, self._pad(np.array([token], np.int32)), self._pad(drafts),
+            self._pad(np.array([n_drafts], np.int32)), self.positions, live, self.page_tables,
+            np.full(r, temperature, np.float32), np.ones(r, np.float32), np.zeros(r, np.int32),
+            np.full(r, seed, np.uint32), max_logprobs=0,
         )  # fmt: skip
-        self.positions = self.positions + out.accepted + 1
+        out = type(out)(*(np.asarray(a)[:1] for a in out))
+        self.positions = self.positions + self._pad(out.accepted + 1)
         return out
 
     def step(
@@ -651,15 +680,23 @@ class Session:
         None); decoder_from i32 [B]: the rows' decoder layers see no SWA key before it (the start of
         the prompt's last window, where their bounded replay begins)."""
         tokens, lens = self._check(tokens, lens)
-        floor = None if decoder_from is None else self.engine.decoder_floor(self.batch, decoder_from)
+        floor = (
+            None if decoder_from is None else self.engine.decoder_floor(self.rows, self._pad(decoder_from))
+        )
+        if forced is not None:
+            forced = {
+                k: jax.tree.map(lambda a, k=k: self._pad(a, axis=1 if k == "experts" else 0), v)
+                for k, v in forced.items()
+            }
         logits, aux = self.engine.step(
             tokens, self.positions, lens, self.slots, self.page_tables, forced=forced,
             capture_blocks=capture_blocks, index_k_mode=index_k_mode,
-            token_types=token_types, span_embeds=span_embeds, window_floor=floor,
-            stop_at_layer=self.model.cfg.ced_boundary if encoder_only else None,
+            token_types=self._pad(token_types, value=-1), span_embeds=self._pad(span_embeds),
+            window_floor=floor, stop_at_layer=self.model.cfg.ced_boundary if encoder_only else None,
         )  # fmt: skip
         self.positions = self.positions + lens
-        return (None if logits is None else np.asarray(logits)), jax.tree.map(np.asarray, aux)
+        aux = self._cut(jax.tree.map(np.asarray, aux), second=("experts", "block_output"))
+        return (None if logits is None else np.asarray(logits)[: self.batch]), aux
 
 
 PREFILL_MODES = ("exact", "ced")

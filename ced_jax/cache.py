@@ -448,15 +448,16 @@ def init_paged_cache(
 def paged_cache_axes(cache: PagedCache) -> PagedCache:
     """The logical axes of every buffer (a PagedCache of axis tuples), for `ced_jax.sharding`.
 
-    Per-slot state goes with the sequences ("batch"). The page buffers are replicated: a page is not
-    owned by one sequence (the prefix cache shares it between slots), so it cannot follow a
-    sequence's data shard."""
+    Per-slot state goes with the sequences ("batch"); the page buffers are split along the pool
+    ("pages"). The shipped tables other than `dp_ep` replicate the pages: a prefix page may then serve
+    sequences on any data shard. Under `dp_ep` each device holds the pages of its own slots (the
+    allocator hands a slot pages from its device's block: `ced_jax.model.forward`)."""
     per_slot = lambda a: ("batch",) + (None,) * (a.ndim - 1)
-    whole = lambda a: (None,) * a.ndim
+    pool = lambda a: ("pages",) + (None,) * (a.ndim - 1)
     return PagedCache(
         window={k: per_slot(v) for k, v in cache.window.items()},
-        kv={k: whole(v) for k, v in cache.kv.items()},
-        index_k={k: whole(v) for k, v in cache.index_k.items()},
+        kv={k: pool(v) for k, v in cache.kv.items()},
+        index_k={k: pool(v) for k, v in cache.index_k.items()},
         state_kv={k: per_slot(v) for k, v in cache.state_kv.items()},
         state_score={k: per_slot(v) for k, v in cache.state_score.items()},
         draft_window={k: per_slot(v) for k, v in cache.draft_window.items()},

@@ -525,6 +525,10 @@ class Engine:
         self.mesh, self.rules = model.mesh, model.rules
         self.state = new_state(self.cfg, shapes, self.mesh, self.rules, dspark=dspark)
         self.history = self.empty_history(shapes.max_slots)
+        layout = sharding.make_layout(self.mesh, self.rules)
+        # Data-parallel attention (`dp_ep`): row block d of every call must use slots and pages of
+        # block d (`ced_jax.model.forward`); `metadata` checks it.
+        self.attention_shards = 1 if layout is None else layout.attention_shards
 
     # ---- host inputs
     def put(self, arr):
@@ -605,6 +609,8 @@ class Engine:
 
     def metadata(self, start, lens, slots, page_tables, window_floor=None) -> StepMetadata:
         """window_floor: i32 [B, L] (`StepMetadata.window_floor`) or None."""
+        if self.attention_shards > 1:
+            self._check_blocks(start, lens, slots, page_tables)
         put = self.put
         return StepMetadata(
             start=put(np.asarray(start, np.int32)),
@@ -613,6 +619,33 @@ class Engine:
             page_tables=put(np.asarray(page_tables, np.int32)),
             window_floor=None if window_floor is None else put(np.asarray(window_floor, np.int32)),
         )
+
+    def _check_blocks(self, start, lens, slots, page_tables) -> None:
+        """Under data-parallel attention: every working row's slot, and the pages holding its
+        positions so far, lie in its device's block (else its writes would be dropped: a bug in the
+        client's allocation, named here rather than found as wrong tokens)."""
+        shards, shapes = self.attention_shards, self.shapes
+        slots, lens = np.asarray(slots), np.asarray(lens)
+        start, tables = np.asarray(start), np.asarray(page_tables)
+        rows = len(slots)
+        if rows % shards:
+            raise ValueError(f"data-parallel attention over {shards} devices: {rows} rows is not a multiple")
+        per_rows, per_slots = rows // shards, shapes.max_slots // shards
+        per_pages = shapes.num_pages // shards
+        for b in np.nonzero(lens > 0)[0]:
+            block = b // per_rows
+            if slots[b] // per_slots != block:
+                raise ValueError(
+                    f"row {b} (device block {block}) uses slot {slots[b]}, which lives in block "
+                    f"{slots[b] // per_slots}: under data-parallel attention a row's slot is on its device"
+                )
+            used = tables[b, : -(-int(start[b] + lens[b]) // shapes.page_size)]
+            wrong = used[used // per_pages != block]
+            if wrong.size:
+                raise ValueError(
+                    f"row {b} (device block {block}) addresses page {wrong[0]} of block "
+                    f"{wrong[0] // per_pages}: under data-parallel attention a row's pages are on its device"
+                )
 
     def decoder_floor(self, rows: int, decoder_from) -> np.ndarray:
         """i32 [rows, L] window floors of rows whose decoder layers run from decoder_from [rows] on
@@ -775,6 +808,8 @@ class Engine:
         per_row = lambda a: zeros if a is None else np.asarray(a, np.int32)
         if decoder_from is not None and np.any(np.asarray(decoder_from) > np.asarray(start)):
             self.cfg.ced_boundary  # noqa: B018 (raises for a model without the CED layout)
+        if self.attention_shards > 1:
+            self._check_blocks(start, n, slots, page_tables)
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(slots, tokens, n, dead)
         put = self.put
@@ -884,4 +919,3 @@ class Engine:
             self.state = self.programs.write_pages(
                 self.state, self.put(np.asarray(pages, np.int32)), jax.tree.map(self.put, contents)
             )
-

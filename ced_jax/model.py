@@ -14,6 +14,7 @@ X experts (or top-k entries) per token.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from ced_jax import sharding
-from ced_jax.cache import PagedCache, StepMetadata
+from ced_jax.cache import PagedCache, StepMetadata, paged_cache_axes
 from ced_jax.config import ModelConfig
 from ced_jax.layers import moe as moe_lib
 from ced_jax.layers.attention import attention, write_compressed_kv
@@ -288,7 +289,18 @@ def forward(
     projection (`ced_jax.layers.attention.write_compressed_kv`, if it is a KV source): the state is
     what later tokens need from the chunk when the layers from stop_at_layer on are not run for it
     (CED prefill's encoder pass, `cfg.ced_boundary`); logits are then None and aux holds the
-    decisions of the blocks that ran. None: every layer and the head."""
+    decisions of the blocks that ran. None: every layer and the head.
+
+    Under a layout whose page pool is split (`dp_ep`, `sharding.Layout.attention_axes`), each device
+    runs its own rows (`_forward_per_device`): the rows, the state's slots and its pages are split
+    into as many equal blocks as devices, row block d addressing only slots and pages of block d."""
+    if layout is not None and layout.attention_axes and not layout.manual:
+        return _forward_per_device(
+            params, cfg, tokens, state, meta, engram_rows, forced, token_types=token_types,
+            span_embeds=span_embeds, capture_blocks=capture_blocks,
+            capture_main_hidden=capture_main_hidden, capture_chunk_state=capture_chunk_state,
+            index_k_mode=index_k_mode, impl=impl, layout=layout, stop_at_layer=stop_at_layer,
+        )  # fmt: skip
     if index_k_mode not in ("intended", "reference"):
         raise ValueError(f"index_k_mode must be 'intended' or 'reference', got {index_k_mode!r}")
     forced = forced or {}
@@ -379,3 +391,99 @@ def forward(
     if capture_chunk_state:
         aux["chunk_state"] = shared.get("chunk_state", {"window": {}, "compressor": {}})
     return logits, cache, aux
+
+
+# ------------------------------------------------------------------ data-parallel attention (dp_ep)
+def _block_index(ids: jax.Array, first: jax.Array, size: int) -> jax.Array:
+    """Global slot / page ids -> ids within the device's block [first, first + size); an id outside
+    it becomes `size` (out of range: its reads clamp to a page no visible position uses, its writes
+    are dropped). The host puts every slot and written page of a row in the row's block
+    (`ced_jax.engine.Engine.metadata` checks it), so only padding entries of a page table map there."""
+    local = ids - first
+    return jnp.where((local >= 0) & (local < size), local, size)
+
+
+def _forward_per_device(params, cfg, tokens, state, meta, engram_rows, forced, *, layout, **options):
+    """`forward` with attention data-parallel: a shard_map over every mesh axis in which each device
+    runs its block of rows against its block of slots and pages (page tables and slots translated to
+    the block), the MoE exchanging tokens by all-to-all (`ced_jax.layers.moe`). Parameters enter as
+    the rules lay them out (the routed experts split over `expert`, the rest replicated)."""
+    axes, shards = layout.attention_axes, layout.attention_shards
+    rows = tokens.shape[0]
+    max_slots = next(iter(state.window.values())).shape[0]
+    pools = [*state.kv.values(), *state.index_k.values()]
+    num_pages = pools[0].shape[0] if pools else shards
+    for what, n in (("the step's rows", rows), ("max_slots", max_slots), ("num_pages", num_pages)):
+        if n % shards:
+            raise sharding.ShardingError(
+                f"data-parallel attention over mesh axes {axes} ({shards} devices): {what} ({n}) must be "
+                f"a multiple of {shards}, each device running an equal block"
+            )
+    by_row = lambda a: layout.row_spec(a.ndim)
+    by_second = lambda a: layout.row_spec(a.ndim, axis=1)
+    mesh, rules = layout.mesh, layout.rules
+    state_specs = jax.tree.map(
+        lambda ax, a: sharding.logical_to_spec(ax, rules, a.shape, mesh, name="state"),
+        paged_cache_axes(state),
+        state,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    specs = param_specs(cfg)
+    used = {k: params[k] for k in ("embed", "layers", "norm", "head")}
+
+    def param_spec(path, a):
+        node = specs
+        for key in path:
+            node = node[key.key]
+        return sharding.logical_to_spec(node.axes, rules, a.shape, mesh, name=sharding._path_name(path))
+
+    param_in = jax.tree_util.tree_map_with_path(param_spec, used)
+    forced_in = None
+    if forced is not None:
+        forced_in = {k: jax.tree.map(by_second if k == "experts" else by_row, v) for k, v in forced.items()}
+    stopped = options["stop_at_layer"] is not None
+    # Prefixes of the outputs' trees (a spec of one dimension covers every row-leading leaf below).
+    rows_first, rows_second = layout.row_spec(1), layout.row_spec(2, axis=1)
+    aux_out = {"topk": rows_first, "experts": rows_second}
+    if options["capture_blocks"] and not stopped:
+        aux_out["block_output"] = rows_second
+    if options["capture_main_hidden"] and not stopped:
+        aux_out["main_hidden"] = rows_first
+    if options["capture_chunk_state"]:
+        aux_out["chunk_state"] = rows_first
+    local_slots, local_pages = max_slots // shards, num_pages // shards
+    inner = dataclasses.replace(layout, manual=True)
+
+    def body(params, tokens, state, meta, engram_rows, forced, token_types, span_embeds):
+        shard = jax.lax.axis_index(axes)
+        meta = dataclasses.replace(
+            meta,
+            slots=_block_index(meta.slots, shard * local_slots, local_slots),
+            page_tables=_block_index(meta.page_tables, shard * local_pages, local_pages),
+        )
+        return forward(
+            params, cfg, tokens, state, meta, engram_rows, forced, token_types=token_types,
+            span_embeds=span_embeds, layout=inner, **options,
+        )  # fmt: skip
+
+    token_types, span_embeds = options.pop("token_types"), options.pop("span_embeds")
+    rowwise = lambda tree: jax.tree.map(by_row, tree)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(
+            param_in,
+            by_row(tokens),
+            state_specs,
+            rowwise(meta),
+            rowwise(engram_rows),
+            forced_in,
+            rowwise(token_types),
+            rowwise(span_embeds),
+        ),  # fmt: skip
+        out_specs=(None if stopped else rows_first, state_specs, aux_out),
+        # Replicated parameters are read, never combined across devices; the MoE's all-to-alls are
+        # the only collectives.
+        check_vma=False,
+    )
+    return fn(used, tokens, state, meta, engram_rows, forced, token_types, span_embeds)

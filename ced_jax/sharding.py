@@ -20,6 +20,18 @@ Logical axes:
 - mlp          shared-expert hidden width
 - engram_rows  Engram hash-table rows
 - batch        sequences (cache and activations)
+- pages        the KV page pool (`ced_jax.cache.paged_cache_axes`): None keeps every page on every
+               device (a prefix page may serve sequences on any device); a mesh axis (only the same
+               as `batch`'s) gives each device the pages of its own sequences: data-parallel attention
+
+A rule is a mesh axis, a tuple of mesh axes (the dimension split over their product, in that order),
+or None.
+
+Data-parallel attention (`dp_ep`). When `pages` is split, `ced_jax.model.forward` runs each device's
+sequences on that device alone (a shard_map over the batch's mesh axes): its rows, their slots' rings
+and partial groups, and their pages, addressed through page tables translated to the device's block.
+Only the routed experts are split otherwise (over `expert`), and the MoE exchanges tokens with the
+devices holding their experts by all-to-all, as DeepSeek-style deployments do (DP attention + EP).
 
 A rules table is a complete, explicit decision: `None` replicates a logical axis on purpose. A spec
 is never quietly weaker than its rules: a dimension that its mesh axis does not divide, or two
@@ -53,9 +65,10 @@ LOGICAL_AXES = (
     "mlp",
     "engram_rows",
     "batch",
+    "pages",
 )
 
-Rules = Mapping[str, str | None]
+Rules = Mapping[str, str | tuple[str, ...] | None]
 
 # Expert parallelism for the routed experts, tensor parallelism for attention heads and the
 # vocabulary, data parallelism over sequences.
@@ -72,18 +85,24 @@ EP_TP_RULES: Rules = {
     # are gathered per token (spec 5.5); conversion.plan accounts for both placements.
     "engram_rows": None,
     "batch": "data",
+    "pages": None,
 }
 # Pure tensor parallelism: experts split along their hidden width, everything else as above.
 TP_RULES: Rules = {**EP_TP_RULES, "experts": None}
 # Everything replicated (single device, or a reference run on a mesh).
 REPLICATED_RULES: Rules = dict.fromkeys(LOGICAL_AXES)
 
-RULES = {"ep_tp": EP_TP_RULES, "tp": TP_RULES, "replicated": REPLICATED_RULES}
+# Data-parallel attention + expert parallelism: every device runs attention for its own sequences
+# (batch, slots and pages split over all mesh axes), the routed experts are split over `expert`, and
+# every other parameter is replicated (attention has no tensor split to share).
+DP_EP_RULES: Rules = {**REPLICATED_RULES, "experts": "expert", "batch": MESH_AXES, "pages": MESH_AXES}
+
+RULES = {"ep_tp": EP_TP_RULES, "tp": TP_RULES, "replicated": REPLICATED_RULES, "dp_ep": DP_EP_RULES}
 DEFAULT_RULES = "ep_tp"
 
 
 def get_rules(rules: str | Rules) -> Rules:
-    """A rules table by name ('ep_tp', 'tp', 'replicated') or as given, checked."""
+    """A rules table by name ('ep_tp', 'tp', 'replicated', 'dp_ep') or as given, checked."""
     if isinstance(rules, str):
         if rules not in RULES:
             raise ValueError(f"unknown sharding rules {rules!r}; known: {sorted(RULES)}")
@@ -107,9 +126,26 @@ def check_rules(rules: Rules) -> None:
             f"sharding rules give no rule for logical axes {missing}; map each to a mesh axis or to "
             "None (replicated)"
         )
-    bad = sorted({v for v in rules.values() if v is not None} - set(MESH_AXES))
+    named = [a for v in rules.values() for a in _mesh_axes_of(v)]
+    bad = sorted(set(named) - set(MESH_AXES))
     if bad:
         raise ShardingError(f"sharding rules name unknown mesh axes {bad}; known: {MESH_AXES}")
+    for axis, value in rules.items():
+        parts = _mesh_axes_of(value)
+        if len(set(parts)) != len(parts):
+            raise ShardingError(f"sharding rule {axis!r}: {value!r} names a mesh axis twice")
+    if rules["pages"] is not None and _mesh_axes_of(rules["pages"]) != _mesh_axes_of(rules["batch"]):
+        raise ShardingError(
+            f"sharding rules split 'pages' over {rules['pages']!r} but 'batch' over {rules['batch']!r}: "
+            "a device holds the pages of its own sequences, so both must name the same mesh axes"
+        )
+
+
+def _mesh_axes_of(value) -> tuple[str, ...]:
+    """A rule's mesh axes: () for None, (axis,) for a name, the tuple as given."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -177,27 +213,27 @@ def logical_to_spec(
     for i, axis in enumerate(axes):
         if axis is not None and axis not in rules:
             raise ShardingError(f"{name}: logical axis {axis!r} has no rule (known: {sorted(rules)})")
-        mesh_axis = None if axis is None else rules[axis]
-        if mesh_axis is None:
+        wanted = () if axis is None else _mesh_axes_of(rules[axis])
+        for mesh_axis in wanted:
+            if mesh_axis in used:
+                raise ShardingError(
+                    f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} (of {axes}) both map to mesh "
+                    f"axis {mesh_axis!r}; an array can be split over a mesh axis once: fix the rules table"
+                )
+            used[mesh_axis] = axis
+        kept = tuple(a for a in wanted if (1 if sizes is None else sizes.get(a, 1)) > 1)
+        if not kept:
             out.append(None)
             continue
-        if mesh_axis in used:
-            raise ShardingError(
-                f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} (of {axes}) both map to mesh "
-                f"axis {mesh_axis!r}; an array can be split over a mesh axis once: fix the rules table"
-            )
-        used[mesh_axis] = axis
-        size = 1 if sizes is None else sizes.get(mesh_axis, 1)
-        if size == 1:
-            out.append(None)
-            continue
+        size = int(np.prod([sizes[a] for a in kept]))
         if shape is not None and shape[i] % size:
+            over = kept[0] if len(kept) == 1 else kept
             raise ShardingError(
                 f"{name} {tuple(shape)}: dimension {i} (logical axis {axis!r}, size {shape[i]}) does "
-                f"not divide over mesh axis {mesh_axis!r} of size {size}; use a mesh whose {mesh_axis} "
+                f"not divide over mesh axis {over!r} of size {size}; use a mesh whose {over} "
                 f"axis divides {shape[i]}, or rules with {axis!r}: None to replicate it"
             )
-        out.append(mesh_axis)
+        out.append(kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*out)
 
 
@@ -263,15 +299,37 @@ class Layout:
 
     mesh: Mesh | jax.sharding.AbstractMesh
     rules: Rules
+    # True inside the shard_map of data-parallel attention (`ced_jax.model.forward`): every array the
+    # program sees is its device's block, and code that lays out its own work (the MoE) calls the
+    # collectives directly instead of opening another shard_map.
+    manual: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
         return mesh_sizes(self.mesh)
 
+    @property
+    def attention_axes(self) -> tuple[str, ...]:
+        """The mesh axes (of size > 1) over which attention is data-parallel: each device holds the
+        pages of its own sequences (the `pages` rule). () when the pages are replicated."""
+        return tuple(a for a in _mesh_axes_of(self.rules["pages"]) if self.sizes.get(a, 1) > 1)
+
+    def row_spec(self, ndim: int, axis: int = 0) -> PartitionSpec:
+        """An array of `ndim` dimensions whose dimension `axis` is the rows (sequences), split over
+        the attention axes (the in/out specs of data-parallel attention's shard_map)."""
+        axes = self.attention_axes
+        entry = axes[0] if len(axes) == 1 else axes
+        return PartitionSpec(*(entry if i == axis else None for i in range(ndim)))
+
+    @property
+    def attention_shards(self) -> int:
+        return int(np.prod([self.sizes[a] for a in self.attention_axes])) if self.attention_axes else 1
+
     def spec(
         self, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None, *, name: str = "array"
     ) -> PartitionSpec:
-        return logical_to_spec(axes, self.rules, shape, self.mesh, name=name)
+        # Inside the shard_map an array is its device's block: its shape says nothing about division.
+        return logical_to_spec(axes, self.rules, None if self.manual else shape, self.mesh, name=name)
 
 
 def make_layout(mesh: Mesh | None, rules: str | Rules = DEFAULT_RULES) -> Layout | None:

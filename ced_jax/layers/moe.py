@@ -167,14 +167,16 @@ def routed_experts(
 
 
 def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, impl: str) -> jax.Array:
-    """`routed_experts` under shard_map: dropless padded all_to_all dispatch and combine."""
+    """`routed_experts` under shard_map: dropless padded all_to_all dispatch and combine. Inside the
+    shard_map of data-parallel attention (`layout.manual`) the tokens and experts are already this
+    device's block, and the dispatch runs in place."""
     ml = sharding.moe_layout(layout, EXPERT_AXES, experts)
     n, top_k = ids.shape
-    num_experts = experts["w1"]["weight"].shape[0]
     ep = ml.sizes[ml.ep_axis] if ml.ep_axis is not None else 1
-    local_experts = num_experts // ep
+    held = experts["w1"]["weight"].shape[0]  # the whole stack, or this device's block when manual
+    local_experts = held if layout.manual else held // ep
     # Pad the tokens to a multiple of the token shards; padding entries are never dispatched.
-    pad = -n % ml.token_shards
+    pad = 0 if layout.manual else -n % ml.token_shards
     valid = jnp.arange(n + pad) < n
     x = jnp.pad(x, ((0, pad), (0, 0)))
     ids = jnp.pad(ids, ((0, pad), (0, 0)))
@@ -213,6 +215,8 @@ def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, i
             total = jax.lax.all_gather(total, ml.d_axis, axis=1, tiled=True)
         return total
 
+    if layout.manual:
+        return body(x, ids, weights, valid, experts)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,

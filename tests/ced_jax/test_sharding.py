@@ -275,30 +275,81 @@ def _check_against_single(got: dict, want: dict) -> None:
 # The mode-A run is one sequence, so a data axis cannot split it: (2, 2, 2) replicates the batch on
 # purpose (its data axis still splits the MoE's tokens). Pure tensor parallelism runs (1, 2, 4) under
 # the shipped "tp" table: tiny-a's 4 heads cannot fill tensor=8 (see
-# test_param_shardings_name_the_parameter_a_mesh_cannot_split).
+# test_param_shardings_name_the_parameter_a_mesh_cannot_split). Under "dp_ep" (data-parallel
+# attention + EP) the session pads its one row with idle rows, one per device: the sequence runs on
+# the first device alone, its tokens reaching the experts of the others by all-to-all.
 MESH_RULES = {
-    (1, 8, 1): sharding.EP_TP_RULES,
-    (1, 4, 2): sharding.EP_TP_RULES,
-    (2, 2, 2): {**sharding.EP_TP_RULES, "batch": None},
-    (1, 2, 4): sharding.TP_RULES,
+    "1x8x1": ((1, 8, 1), sharding.EP_TP_RULES),
+    "1x4x2": ((1, 4, 2), sharding.EP_TP_RULES),
+    "2x2x2": ((2, 2, 2), {**sharding.EP_TP_RULES, "batch": None}),
+    "1x2x4": ((1, 2, 4), sharding.TP_RULES),
+    "dp_ep-2x2x2": ((2, 2, 2), sharding.DP_EP_RULES),
+    "dp_ep-1x8x1": ((1, 8, 1), sharding.DP_EP_RULES),
 }
 
 
 @pytest.mark.parametrize(
-    "shape",
+    "case",
     [
-        pytest.param((1, 8, 1), marks=pytest.mark.slow),
-        (1, 4, 2),
-        pytest.param((2, 2, 2), marks=pytest.mark.slow),
-        pytest.param((1, 2, 4), marks=pytest.mark.slow),
+        pytest.param("1x8x1", marks=pytest.mark.slow),
+        "1x4x2",
+        pytest.param("2x2x2", marks=pytest.mark.slow),
+        pytest.param("1x2x4", marks=pytest.mark.slow),
+        pytest.param("dp_ep-2x2x2", marks=pytest.mark.slow),
+        pytest.param("dp_ep-1x8x1", marks=pytest.mark.slow),
     ],
-    ids=lambda s: "x".join(map(str, s)),
 )
-def test_mesh_mode_a_matches_single_device(golden, single, shape):
-    model = load(str(GOLDEN_TINY_A), mesh=_mesh(*shape), rules=MESH_RULES[shape])
+def test_mesh_mode_a_matches_single_device(golden, single, case):
+    shape, rules = MESH_RULES[case]
+    model = load(str(GOLDEN_TINY_A), mesh=_mesh(*shape), rules=rules)
     w1 = model.params["layers"]["0"]["ffn"]["experts"]["w1"]["weight"]
     assert len(w1.sharding.device_set) == 8
     got = mode_a_run(model, golden, MODE)
     _check_against_single(got, single)
+    if rules is sharding.DP_EP_RULES:  # each device holds an eighth of the pages: its own slot's
+        session = model.new_session(1, 64)
+        pool = next(iter(session.engine.state.kv.values()))
+        assert session.rows == 8
+        assert pool.sharding.shard_shape(pool.shape)[0] * 8 == pool.shape[0]
     # And the sharded run passes PARITY.md's mode-A gate against DeepSeek's reference itself.
     assert_mode_a_gate(mode_a_metrics(model, golden, MODE, res=got))
+
+
+def test_dp_ep_runs_every_devices_rows_as_one_device_does():
+    """Eight sequences of different lengths under dp_ep on (2, 2, 2): each on its own device with its
+    own slot and pages (slots and page ids translated to the device's block), against the same
+    session on one device. Same greedy token of every row after the prompts and after two decode
+    steps, logits within the mode-A tolerance (the rows' products run in other batch shapes)."""
+    rng = np.random.default_rng(7)
+    lens = np.array([37, 5, 16, 29, 1, 48, 22, 9], np.int32)
+    prompt = rng.integers(1, 400, size=(8, 48)).astype(np.int32)
+    runs = []
+    for mesh, rules in ((None, sharding.DEFAULT_RULES), (_mesh(2, 2, 2), "dp_ep")):
+        model = load(str(GOLDEN_TINY_A), mesh=mesh, rules=rules)
+        session = model.new_session(8, 64)
+        logits, _ = session.step(prompt, lens)
+        out = [logits[np.arange(8), lens - 1]]
+        tok = out[-1].argmax(-1)
+        for _ in range(2):
+            logits, _ = session.step(tok[:, None].astype(np.int32))
+            out.append(logits[:, 0])
+            tok = out[-1].argmax(-1)
+        runs.append(np.stack(out))
+    one, dp = runs
+    np.testing.assert_array_equal(dp.argmax(-1), one.argmax(-1))
+    np.testing.assert_allclose(dp, one, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_dp_ep_refuses_a_row_whose_slot_or_pages_are_on_another_device():
+    model = load(str(GOLDEN_TINY_A), mesh=_mesh(1, 8, 1), rules="dp_ep")
+    session = model.new_session(8, 32)
+    engine, tables = session.engine, session.page_tables
+    tokens, start = np.zeros((8, 4), np.int32), np.zeros(8, np.int32)
+    lens = np.full(8, 4, np.int32)
+    slots = np.roll(np.arange(8, dtype=np.int32), 1)
+    with pytest.raises(ValueError, match="row 0 .*slot 7"):
+        engine.step(tokens, start, lens, slots, tables)
+    swapped = tables.copy()
+    swapped[[2, 3]] = swapped[[3, 2]]
+    with pytest.raises(ValueError, match="row 2 .*page"):
+        engine.step(tokens, start, lens, np.arange(8, dtype=np.int32), swapped)
