@@ -505,9 +505,11 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--rules",
-        choices=("ep_tp", "tp", "replicated"),
+        choices=("ep_tp", "tp", "replicated", "dp_ep"),
         default="ep_tp",
-        help="sharding rules (ced_jax.sharding): expert + tensor parallel, pure tensor parallel, or none",
+        help="sharding rules (ced_jax.sharding): expert + tensor parallel, pure tensor parallel, none, "
+        "or data-parallel attention + expert parallel (each device serves its own sequences and pages; "
+        "max_slots, num_pages, decode buckets and prefill rows must divide by the devices)",
     )
     g.add_argument(
         "--engram-placement",

@@ -174,6 +174,10 @@ class EngineSpec:
     # move pages: no KV tiers), and what identifies their layout and weights (16 bytes).
     kv_page_bytes: int = 0
     kv_fingerprint: bytes = b""
+    # Data-parallel attention: the slots and the pages form `kv_blocks` equal blocks, one per device,
+    # and a slot's pages must come from its own block (slot s is in block s // (max_slots /
+    # kv_blocks), page p in block p // (num_pages / kv_blocks)). 1 = any page serves any slot.
+    kv_blocks: int = 1
 
     def __post_init__(self):
         check_shapes(
@@ -183,6 +187,11 @@ class EngineSpec:
             max_context=self.max_context,
             prefill_buckets=self.prefill_buckets,
         )
+        if self.kv_blocks < 1 or self.max_slots % self.kv_blocks or self.num_pages % self.kv_blocks:
+            raise ValueError(
+                f"max_slots ({self.max_slots}) and num_pages ({self.num_pages}) must be multiples of the "
+                f"{self.kv_blocks} devices attention is data-parallel over (one equal block each)"
+            )
         if self.replay_tokens < 0 or self.replay_tokens % self.page_size:
             raise ValueError(
                 f"replay_tokens must be a multiple of page_size {self.page_size} (>= 0), "

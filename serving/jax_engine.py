@@ -151,12 +151,26 @@ class _PrefillRows:
 
     @classmethod
     def build(cls, chunks: Sequence[PrefillChunk], size: int, engine: JaxEngine) -> _PrefillRows:
+        """The chunks' rows in a batch of `size`, the rest idle rows on distinct other slots. Under
+        data-parallel attention row block d holds the chunks of block d's slots, then idle slots of
+        block d."""
+        blocks, max_slots = engine.kv_blocks, engine.spec.max_slots
+        per_slot, per_row = max_slots // blocks, size // blocks
         used = {c.slot for c in chunks}
-        others = [s for s in range(engine.spec.max_slots) if s not in used][: size - len(chunks)]
-        rows = cls.idle(size, engine, [c.slot for c in chunks] + others)
+        row_of: dict[int, int] = {}
+        slots = []
+        for d in range(blocks):
+            mine = [i for i, c in enumerate(chunks) if c.slot // per_slot == d]
+            others = [s for s in range(d * per_slot, (d + 1) * per_slot) if s not in used]
+            for i in mine:
+                row_of[i] = len(slots)
+                slots.append(chunks[i].slot)
+            slots.extend(others[: per_row - len(mine)])
+        rows = cls.idle(size, engine, slots)
         if any(c.token_types is not None for c in chunks):
             rows = rows.with_images(engine)
-        for r, c in enumerate(chunks):
+        for i, c in enumerate(chunks):
+            r = row_of[i]
             rows.tokens[r, : len(c.token_ids)] = c.token_ids
             rows.n[r] = len(c.token_ids)
             rows.start[r] = c.start_pos
@@ -198,8 +212,8 @@ class _PendingPrefill:
     """A dispatched prefill batch: `result()` copies the first token of last chunks to the host and
     makes the chunks' `PrefillResult`s (once)."""
 
-    def __init__(self, chunks: list[PrefillChunk], out):
-        self._chunks, self._out = chunks, out
+    def __init__(self, chunks: list[PrefillChunk], out, row_of: list[int]):
+        self._chunks, self._out, self._row_of = chunks, out, row_of
         self._results: list[PrefillResult] | None = None
 
     def result(self) -> list[PrefillResult]:
@@ -210,7 +224,7 @@ class _PendingPrefill:
         for r, chunk in enumerate(self._chunks):
             token = None
             if chunk.is_last_chunk:
-                tok, lp, ids, tlp = (a[r] for a in out)
+                tok, lp, ids, tlp = (a[self._row_of[r]] for a in out)
                 token = SampledToken(token_id=int(tok), logprob=float(lp), top_ids=ids, top_logprobs=tlp)
             results.append(PrefillResult(token=token))
         self._results = results
@@ -339,6 +353,8 @@ class JaxEngine:
         # Steps per page-table width (pages), for tests and benchmarks.
         self.decode_widths_used: collections.Counter[int] = collections.Counter()
         self.prefill_widths_used: collections.Counter[int] = collections.Counter()
+        # Prefill chunks per device block (data-parallel attention; block 0 otherwise).
+        self.blocks_used: collections.Counter[int] = collections.Counter()
         self.engine = Engine(
             model,
             StateShapes(
@@ -346,6 +362,15 @@ class JaxEngine:
             ),
             dspark=bool(self.dspark_widths),
         )
+        # Data-parallel attention (`dp_ep`): slots, pages and every step's rows form one equal block
+        # per device; a row runs in its slot's block (`_place_rows`, `_PrefillRows.build`).
+        self.kv_blocks = self.engine.attention_shards
+        for name, sizes in (("decode_buckets", self.decode_buckets), ("prefill_rows", self.prefill_rows)):
+            if any(n % self.kv_blocks for n in sizes):
+                raise ValueError(
+                    f"{name} {list(sizes)}: under data-parallel attention every size must be a multiple "
+                    f"of the {self.kv_blocks} devices (each runs an equal block of rows)"
+                )
         if cluster is not None:
             from serving.multihost import LeaderEngine
 
@@ -376,6 +401,7 @@ class JaxEngine:
             ced_window=cfg.sliding_window if ced_boundary(cfg) is not None else 0,
             kv_page_bytes=self.page_layout.page_bytes if tiers else 0,
             kv_fingerprint=self.page_layout.fingerprint(weights_id(model.params)) if tiers else b"",
+            kv_blocks=self.kv_blocks,
             config_summary={
                 "layers": str(cfg.num_layers),
                 "hidden_size": str(cfg.hidden_size),
@@ -415,6 +441,7 @@ class JaxEngine:
         self._counter.count = 0
         self.decode_widths_used.clear()
         self.prefill_widths_used.clear()
+        self.blocks_used.clear()
 
     def _warm_up_programs(self) -> None:
         """Compiles every program by calling it as serving does, with the same argument types.
@@ -573,8 +600,16 @@ class JaxEngine:
                 dead = None if chunk.history_types is None else np.asarray(chunk.history_types) >= 0
                 history = self.engine.history_after(chunk.history, dead) if chunk.start_pos else None
                 self.engine.reset_history(chunk.slot, history)
-        size = next(r for r in self.prefill_rows if r >= len(chunks))
-        rows = _PrefillRows.build(chunks, size, self)
+        per_slot = self._spec.max_slots // self.kv_blocks
+        busiest = max(collections.Counter(c.slot // per_slot for c in chunks).values())
+        fits = [r for r in self.prefill_rows if r >= busiest * self.kv_blocks]
+        if not fits:  # only under data-parallel attention: one device block got too many chunks
+            raise ValueError(
+                f"prefill batch: {busiest} chunks on one device block, at most "
+                f"{self.prefill_rows[-1] // self.kv_blocks} (prefill_rows / devices)"
+            )
+        rows = _PrefillRows.build(chunks, fits[0], self)
+        self.blocks_used.update(c.slot // per_slot for c in chunks)
         pages = self._table_width(max(c.start_pos + len(c.token_ids) - 1 for c in chunks))
         self.prefill_widths_used[pages] += 1
         out = self._prefill_rows(dataclasses.replace(rows, page_tables=rows.page_tables[:, :pages]))
@@ -582,7 +617,8 @@ class JaxEngine:
             self._pos[chunk.slot] = chunk.start_pos + len(chunk.token_ids)
             if chunk.is_last_chunk:
                 self._decoding[chunk.slot] = True
-        return _PendingPrefill(list(chunks), out)
+        row_of = [int(np.flatnonzero(rows.slots == c.slot)[0]) for c in chunks]
+        return _PendingPrefill(list(chunks), out, row_of)
 
     def _check_chunk(self, chunk: PrefillChunk) -> None:
         spec = self._spec
@@ -673,10 +709,8 @@ class JaxEngine:
         # The step runs the smallest decode bucket that holds the active rows: the active slots, then
         # distinct idle ones (length 0: they write nothing; distinct, so no two rows of the step
         # scatter into one slot). Results go back to their slots' rows; idle rows are garbage.
-        idle = np.flatnonzero(~active)
-        n_active = len(active) - len(idle)
-        size = next(b for b in self.decode_buckets if b >= n_active)
-        slots = np.concatenate([np.flatnonzero(active), idle[: size - n_active]]).astype(np.int32)
+        slots = self._place_rows(active)
+        n_active = int(active.sum())
         take = lambda a, dtype: np.asarray(a, dtype)[slots]
         pages = self._table_width(int(positions[active].max()) if n_active else 0)
         self.decode_widths_used[pages] += 1
@@ -717,10 +751,8 @@ class JaxEngine:
             raise ValueError(f"token_bitmask shape {np.shape(mask)}, expected {(S, width + 1, W)}")
         positions = np.where(active, positions, 0).astype(np.int32)
         tokens = np.where(active, np.asarray(batch.token_ids, np.int32), self.cfg.pad_token_id)
-        idle = np.flatnonzero(~active)
-        n_active = len(active) - len(idle)
-        size = next(b for b in self.decode_buckets if b >= n_active)
-        slots = np.concatenate([np.flatnonzero(active), idle[: size - n_active]]).astype(np.int32)
+        slots = self._place_rows(active)
+        n_active = int(active.sum())
         take = lambda a, dtype: np.asarray(a, dtype)[slots]
         pages = self._table_width(int(positions[active].max()) + width if n_active else 0)
         self.decode_widths_used[pages] += 1
@@ -744,6 +776,21 @@ class JaxEngine:
             token_ids=tok, logprobs=lp, top_ids=ids, top_logprobs=tlp, emitted=emitted,
             next_drafts=next_drafts, next_confidence=next_conf,
         )  # fmt: skip
+
+    def _place_rows(self, active: np.ndarray) -> np.ndarray:
+        """The slots of a decode step's rows, i32 [size]: the smallest decode bucket that holds the
+        active slots, each followed by distinct idle slots (length 0: they write nothing; distinct, so
+        no two rows of the step scatter into one slot). Under data-parallel attention row block d
+        holds block d's active slots, then idle slots of block d (each device runs its own)."""
+        blocks, S = self.kv_blocks, len(active)
+        per = S // blocks
+        groups = [np.arange(d * per, (d + 1) * per) for d in range(blocks)]
+        busiest = max(int(active[g].sum()) for g in groups)
+        size = next(b for b in self.decode_buckets if b >= busiest * blocks)
+        rows = []
+        for g in groups:
+            rows.append(np.concatenate([g[active[g]], g[~active[g]]])[: size // blocks])
+        return np.concatenate(rows).astype(np.int32)
 
     def _table_width(self, last_position: int) -> int:
         """The page-table width (pages) of a step whose rows write up to `last_position`: the smallest

@@ -102,14 +102,25 @@ class PagePool:
         *,
         enable_prefix_cache: bool = True,
         on_evict: Callable[[CacheEntry], None] | None = None,
+        blocks: int = 1,
     ):
+        """blocks: the pool is `blocks` equal blocks of consecutive pages (data-parallel attention: one
+        per device, `EngineSpec.kv_blocks`); `allocate` then names the block to take pages from, and
+        evicts only that block's cached pages. The prefix cache spans the blocks (a hit may be on
+        another device's block: `block_of` says where)."""
+        if blocks < 1 or num_pages % blocks:
+            raise ValueError(f"num_pages {num_pages} is not a multiple of blocks {blocks}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self._on_evict = on_evict
+        self.blocks = blocks
+        self.block_pages = num_pages // blocks
         self._refcount = np.zeros(num_pages, np.int32)
-        # Popped from the end; reversed so that pages are handed out in ascending order at first.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # Per block, popped from the end; reversed so that pages are handed out in ascending order at first.
+        self._free_by_block: list[list[int]] = [
+            list(range((b + 1) * self.block_pages - 1, b * self.block_pages - 1, -1)) for b in range(blocks)
+        ]
         self._entries: dict[bytes, CacheEntry] = {}
         self._page_entry: dict[int, CacheEntry] = {}  # page -> its cache entry, if registered
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached unreferenced pages, oldest first
@@ -119,7 +130,25 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free_by_block)
+
+    @property
+    def _free(self) -> list[int]:
+        """Every free page (read-only view for counts and checks)."""
+        return [p for f in self._free_by_block for p in f]
+
+    def block_of(self, page: int) -> int:
+        return page // self.block_pages
+
+    def num_available_in(self, block: int) -> int:
+        """Pages an allocation from `block` can obtain now (its free pages plus its evictable ones)."""
+        if self.blocks == 1:
+            return self.num_available
+        cached = sum(1 for p in self._lru if p // self.block_pages == block)
+        return len(self._free_by_block[block]) + cached
+
+    def _release_page(self, page: int) -> None:
+        self._free_by_block[page // self.block_pages].append(page)
 
     @property
     def num_cached(self) -> int:
@@ -140,15 +169,25 @@ class PagePool:
 
     # ---- allocation ---------------------------------------------------------------------------
 
-    def allocate(self, n: int) -> list[int]:
-        """n fresh pages with refcount 1, evicting least recently used cached pages if needed."""
-        if n > self.num_available:
-            raise OutOfPages(f"need {n} pages, {self.num_available} available")
+    def allocate(self, n: int, block: int | None = None) -> list[int]:
+        """n fresh pages with refcount 1, evicting least recently used cached pages if needed. With
+        several blocks the pages come from `block` (required), evicting only its cached pages."""
+        if block is None:
+            if self.blocks > 1:
+                raise ValueError(f"allocate: the pool has {self.blocks} blocks; name the block")
+            block = 0
+        if not 0 <= block < self.blocks:
+            raise ValueError(f"allocate: block {block} outside 0..{self.blocks - 1}")
+        available = self.num_available_in(block)
+        if n > available:
+            where = f" in block {block}" if self.blocks > 1 else ""
+            raise OutOfPages(f"need {n} pages, {available} available{where}")
+        free = self._free_by_block[block]
         out = []
         for _ in range(n):
-            if not self._free:
-                self._evict_one()
-            page = self._free.pop()
+            if not free:
+                self._evict_one(block)
+            page = free.pop()
             self._refcount[page] = 1
             out.append(page)
         return out
@@ -176,7 +215,7 @@ class PagePool:
                 if page in self._page_entry:
                     self._lru[page] = None
                 else:
-                    self._free.append(page)
+                    self._release_page(page)
 
     # ---- prefix cache -------------------------------------------------------------------------
 
@@ -281,8 +320,11 @@ class PagePool:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _evict_one(self) -> None:
-        page = next(iter(self._lru))
+    def _evict_one(self, block: int = 0) -> None:
+        if self.blocks == 1:
+            page = next(iter(self._lru))
+        else:
+            page = next(p for p in self._lru if p // self.block_pages == block)
         self.evictions += 1
         self._drop_entry(self._page_entry[page], evicted=True)
 
@@ -299,13 +341,15 @@ class PagePool:
             del self._page_entry[e.page]
             if self._refcount[e.page] == 0:
                 del self._lru[e.page]
-                self._free.append(e.page)
+                self._release_page(e.page)
             stack.extend(self._entries[c] for c in e.children if c in self._entries)
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the page states are inconsistent (used by tests)."""
         free = set(self._free)
         assert len(free) == len(self._free), "duplicate page on the free list"
+        for b, pages in enumerate(self._free_by_block):
+            assert all(p // self.block_pages == b for p in pages), f"block {b} lists another's page"
         lru = set(self._lru)
         assert not (free & lru), "page both free and cached"
         for page in range(self.num_pages):

@@ -113,7 +113,7 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -300,6 +300,7 @@ class Scheduler:
             spec.page_size,
             enable_prefix_cache=config.enable_prefix_cache,
             on_evict=self._evicted.append if self.tiers is not None else None,
+            blocks=spec.kv_blocks,
         )
         self._eos = frozenset(spec.eos_token_ids)
         S, P = spec.max_slots, spec.pages_per_slot
@@ -640,7 +641,8 @@ class Scheduler:
         while self._waiting and self._free_slots and self.num_running < limit:
             seq = self._waiting[0]
             n = len(seq.prompt)
-            entries, chain = self._tier_match(seq)
+            block = self._pick_block(seq)
+            entries, chain = self._tier_match(seq, block)
             hit_pages = [e.page for e in entries]
             # KV is written for every position but the last sampled token's; with DSpark the engine
             # may write up to K positions past a row's last token (module docstring).
@@ -648,16 +650,17 @@ class Scheduler:
             total = min(-(-(n + left - 1 + self._dspark) // ps), self.spec.pages_per_slot)
             self.pool.acquire(hit_pages)
             need = total - len(hit_pages)
-            if self.pool.num_available < need:
+            available = self.pool.num_available if block is None else self.pool.num_available_in(block)
+            if available < need:
                 self.pool.release(hit_pages)
                 break  # strict FIFO: the head waits for pages rather than being overtaken
-            seq.pages = hit_pages + self.pool.allocate(need)
+            seq.pages = hit_pages + self.pool.allocate(need, block)
             if self._evicted:  # their pages are rewritten by this step's prefill: read them first
                 self._demote(self.tiers, self._evicted)
                 self._evicted.clear()
             restored = self._restore(chain, seq.pages[len(hit_pages) :])
             self._waiting.popleft()
-            slot = self._free_slots.pop(0)
+            slot = self._take_slot(block)
             seq.slot = slot
             self._slots[slot] = seq
             self.page_tables[slot] = 0
@@ -686,15 +689,50 @@ class Scheduler:
                 self.metrics.observe_prefix(seq.cached_tokens, n)
                 self.metrics.prompt_tokens.inc(n)
 
-    def _tier_match(self, seq: _Seq):
-        """(the device cache's entries for the prompt's leading blocks, the lower tiers' blocks that
-        continue them). Never the block holding the last prompt token (its logits are needed)."""
+    def _device_match(self, seq: _Seq) -> list[CacheEntry]:
+        """The device cache's entries for the prompt's leading blocks (never the block holding the
+        last prompt token: its logits are needed)."""
         ps, n = self.spec.page_size, len(seq.prompt)
         extras = [_block_extra(seq.images, i * ps, ps) for i in range(n // ps)]
         match = self.pool.match(
             seq.prompt, max_blocks=(n - 1) // ps, scope=seq.cache_scope, block_extras=extras
         )
-        entries = list(match.entries)
+        return list(match.entries)
+
+    def _pick_block(self, seq: _Seq) -> int | None:
+        """Under data-parallel attention (`EngineSpec.kv_blocks` > 1) the device block the request
+        runs on: the block holding its cached prefix if that block has a free slot, else the block
+        with a free slot and the most available pages. None with one block."""
+        blocks = self.spec.kv_blocks
+        if blocks == 1:
+            return None
+        per = self.spec.max_slots // blocks
+        open_blocks = sorted({s // per for s in self._free_slots})
+        entries = self._device_match(seq)
+        if entries and self.pool.block_of(entries[0].page) in open_blocks:
+            return self.pool.block_of(entries[0].page)
+        return max(open_blocks, key=lambda b: (self.pool.num_available_in(b), -b))
+
+    def _take_slot(self, block: int | None) -> int:
+        """The lowest free slot (of `block`, under data-parallel attention)."""
+        if block is None:
+            return self._free_slots.pop(0)
+        per = self.spec.max_slots // self.spec.kv_blocks
+        slot = next(s for s in self._free_slots if s // per == block)
+        self._free_slots.remove(slot)
+        return slot
+
+    def _tier_match(self, seq: _Seq, block: int | None = None):
+        """(the device cache's entries for the prompt's leading blocks, the lower tiers' blocks that
+        continue them). Never the block holding the last prompt token (its logits are needed). With
+        `block` (data-parallel attention) only the leading entries whose pages are in that device
+        block count: a slot reads only its own device's pages."""
+        ps, n = self.spec.page_size, len(seq.prompt)
+        extras = [_block_extra(seq.images, i * ps, ps) for i in range(n // ps)]
+        entries = self._device_match(seq)
+        if block is not None:
+            inside = [self.pool.block_of(e.page) == block for e in entries]
+            entries = entries[: inside.index(False) if False in inside else len(entries)]
         if self.tiers is None:
             return entries, []
         parent = entries[-1].key if entries else ROOT_KEY
@@ -794,6 +832,15 @@ class Scheduler:
         rows = max(self.config.prefill_rows)
         budget = self.config.prefill_token_budget
         seqs = self._prefilling[:rows]
+        blocks = self.spec.kv_blocks
+        if blocks > 1:  # data-parallel attention: each device block runs rows / blocks of them
+            per_slot, per_rows = self.spec.max_slots // blocks, rows // blocks
+            taken: Counter[int] = Counter()
+            seqs = []
+            for seq in self._prefilling:
+                if taken[seq.slot // per_slot] < per_rows:
+                    taken[seq.slot // per_slot] += 1
+                    seqs.append(seq)
         ends = [s.prefilled for s in seqs]
         progress = True
         while progress and budget > 0:
