@@ -1265,7 +1265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "are memory-mapped files, read from disk when cold)",
     )
     p.add_argument("--mesh", help="evaluate this mesh (data=D,expert=E,tensor=T) instead of recommending one")
-    p.add_argument("--rules", choices=("ep_tp", "tp", "replicated"), default="ep_tp")
+    p.add_argument("--rules", choices=("ep_tp", "tp", "replicated", "dp_ep"), default="ep_tp")
     p.add_argument("--max-seqs", type=int, help="concurrent sequences (default: the server's max_slots)")
     p.add_argument("--context", type=int, help="tokens per sequence (default: the server's max_context)")
     p.add_argument(

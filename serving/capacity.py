@@ -218,8 +218,10 @@ def _step_activations(
     n: int,
     chunk: int,
     context: int,
+    step_tokens: int | None = None,
 ) -> dict:
-    """Live bytes of one forward with n tokens on a device (chunk = tokens per sequence).
+    """Live bytes of one forward with n tokens on a device (chunk = tokens per sequence); step_tokens:
+    the step's tokens over all devices (None: n), which the MoE splits over its token shards.
 
     The sublayers run one after another, so the peak is the residual streams plus the largest of
     attention, indexer, Engram, MoE and head, each with the f32 copy of its largest dense weight
@@ -252,7 +254,7 @@ def _step_activations(
     # and dequantises one expert's w1, w3, w2 at a time; with fewer rows it gathers each row's expert
     # matrix (one of w1/w3/w2 at a time); with experts split along their width, the dequantised stack.
     ml = _moe_split(cfg, mesh, rules)
-    n_loc = -(-n // ml["token_shards"])
+    n_loc = -(-(n if step_tokens is None else step_tokens) // ml["token_shards"])
     rows = ml["ep"] * n_loc * cfg.num_experts_per_tok
     F, f_loc, d_loc, e_loc = cfg.moe_intermediate_size, ml["f_local"], ml["d_local"], ml["e_local"]
     buffers = rows * (2 * D + 3 * f_loc + F + 2 * d_loc) * F32
@@ -326,12 +328,28 @@ def activation_ledger(
     K + 1 tokens each)."""
     seqs = _sequences_per_device(mesh, rules, max_seqs)
     rows = prefill_rows(max_seqs)
-    prefill = _step_activations(cfg, mesh, rules, rows * page_size, page_size, context)
+    # Data-parallel attention (dp_ep): the prefill's rows are a multiple of the devices (the server
+    # refuses others) and each device runs its block of them.
+    shards = _attention_shards(mesh, rules)
+    rows = -(-rows // shards) * shards
+    prefill = _step_activations(
+        cfg, mesh, rules, rows // shards * page_size, page_size, context, step_tokens=rows * page_size
+    )
     prefill["rows"] = rows
+    prefill["rows_per_device"] = rows // shards
     per_seq = dspark + 1
-    decode = _step_activations(cfg, mesh, rules, seqs * per_seq, per_seq, context)
+    decode = _step_activations(
+        cfg, mesh, rules, seqs * per_seq, per_seq, context, step_tokens=max_seqs * per_seq
+    )
     decode["tokens_per_sequence"] = per_seq
     return {"prefill": prefill, "decode": decode, "per_device": max(prefill["peak"], decode["peak"])}
+
+
+def _attention_shards(mesh: dict[str, int], rules: sharding.Rules) -> int:
+    """Devices attention is data-parallel over (each with its own rows, slots and pages): > 1 only
+    under rules that split the page pool (dp_ep)."""
+    layout = sharding.make_layout(mesh, rules)
+    return 1 if layout is None else layout.attention_shards
 
 
 def _sequences_per_device(mesh: dict[str, int], rules: sharding.Rules, max_seqs: int) -> int:
@@ -408,6 +426,7 @@ def kv_ledger(
         "bytes_per_token": cache_lib.kv_bytes_per_token(state),
         "page_size": page_size,
         "pages": max_seqs * (max_context // page_size),
+        "pages_per_device": max_seqs * (max_context // page_size) // _attention_shards(mesh, rules),
         "per_sequence": per_seq,
         "per_sequence_total": sum(per_seq.values()),
         "sequences_per_device": _sequences_per_device(mesh, rules, max_seqs),
@@ -681,8 +700,13 @@ def format_plan(p: dict) -> str:
         )
         + ")",
         f"  KV           {_g(led['kv']['per_device'])} per device "
-        f"({led['kv']['bytes_per_token']:g} B/token in {led['kv']['pages']} pages on every device + "
-        f"{led['kv']['per_sequence']['swa_rings'] / 2**20:.2f} MiB "
+        f"({led['kv']['bytes_per_token']:g} B/token in "
+        + (
+            f"{led['kv']['pages']} pages on every device + "
+            if led["kv"]["pages_per_device"] == led["kv"]["pages"]
+            else f"{led['kv']['pages_per_device']} of {led['kv']['pages']} pages per device + "
+        )
+        + f"{led['kv']['per_sequence']['swa_rings'] / 2**20:.2f} MiB "
         f"SWA rings per sequence, {led['kv']['sequences_per_device']} sequences' slots per device)",
     ]
     per_seq = led["kv"]["per_sequence"]

@@ -224,6 +224,9 @@ def compile_in_process(
         max_context=max_context,
     )
     rows = min(4, max_seqs) if prefill_rows is None else prefill_rows
+    layout = sharding.make_layout(mesh, table)
+    if prefill_rows is None and layout is not None:  # dp_ep: a block of rows per device, as the planner
+        rows = -(-rows // layout.attention_shards) * layout.attention_shards
     if prefill_bucket % page_size:
         raise ValueError(f"--prefill-bucket {prefill_bucket} is not a multiple of --page-size {page_size}")
     params = abstract_params(cfg, mesh, table, engram_on_host=engram_on_host)

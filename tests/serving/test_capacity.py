@@ -314,3 +314,19 @@ def test_plan_with_dspark(flash, capsys):
     assert out["recommended"]["per_device_total"] == spec["recommended"]["per_device_total"]
     assert main([*argv, "--dspark", "-1"]) == 2
     assert "--dspark must be >= 0" in capsys.readouterr().err
+
+
+def test_dp_ep_splits_the_pages_and_the_rows_over_every_device():
+    """Under dp_ep each device holds its own slots' pages (an eighth of the pool on 8 devices) and runs
+    its block of the prefill's rows, whose count is rounded up to the devices as the server needs."""
+    cfg = preset("v41-flash")
+    mesh = {"data": 1, "expert": 8, "tensor": 1}
+    kw = dict(max_seqs=32, context=2048)
+    ep = kv_ledger(cfg, mesh, sharding.EP_TP_RULES, **kw)
+    dp = kv_ledger(cfg, mesh, sharding.DP_EP_RULES, **kw)
+    assert ep["pages_per_device"] == ep["pages"] == dp["pages"] == 8 * dp["pages_per_device"]
+    assert dp["per_device"] * 8 == dp["total"]  # every buffer, pages and per-slot state, split 8 ways
+    assert ep["per_device"] > dp["per_device"]
+    act = activation_ledger(cfg, mesh, sharding.DP_EP_RULES, prefill_bucket=128, **kw)
+    assert act["prefill"]["rows"] == 8 and act["prefill"]["rows_per_device"] == 1
+    assert act["prefill"]["tokens"] == 16 and act["decode"]["tokens"] == 4  # one 16-token page; 32 / 8
