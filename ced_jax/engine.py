@@ -36,7 +36,8 @@ Clients: `ced_jax.api.Model` (a `Session` is an `Engine` of `batch` slots with c
 and `serving.jax_engine.JaxEngine` (an `Engine` whose page tables come from the scheduler).
 
 On a device mesh the programs run under the model's sharding rules; the state is laid out by
-`ced_jax.cache.paged_cache_axes` (per-slot state over `batch`, page buffers replicated) and every
+`ced_jax.cache.paged_cache_axes` (per-slot state over `batch`, page buffers over `pages`: replicated,
+or under `dp_ep` a block per device, whose rows must use that block's slots and pages) and every
 program pins that layout on its output, so a donated state never changes layout; what the host
 reads comes back replicated, so every process of a multi-host run holds all of it.
 """
