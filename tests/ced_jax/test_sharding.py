@@ -283,7 +283,6 @@ MESH_RULES = {
     "1x4x2": ((1, 4, 2), sharding.EP_TP_RULES),
     "2x2x2": ((2, 2, 2), {**sharding.EP_TP_RULES, "batch": None}),
     "1x2x4": ((1, 2, 4), sharding.TP_RULES),
-    "dp_ep-2x2x2": ((2, 2, 2), sharding.DP_EP_RULES),
     "dp_ep-1x8x1": ((1, 8, 1), sharding.DP_EP_RULES),
 }
 
@@ -295,7 +294,6 @@ MESH_RULES = {
         "1x4x2",
         pytest.param("2x2x2", marks=pytest.mark.slow),
         pytest.param("1x2x4", marks=pytest.mark.slow),
-        pytest.param("dp_ep-2x2x2", marks=pytest.mark.slow),
         pytest.param("dp_ep-1x8x1", marks=pytest.mark.slow),
     ],
 )
