@@ -409,6 +409,8 @@ def _forward_per_device(params, cfg, tokens, state, meta, engram_rows, forced, *
     the block), the MoE exchanging tokens by all-to-all (`ced_jax.layers.moe`). Parameters enter as
     the rules lay them out (the routed experts split over `expert`, the rest replicated)."""
     axes, shards = layout.attention_axes, layout.attention_shards
+    # Image-span inputs are per-row arguments of the shard_map; the other options pass through.
+    token_types, span_embeds = options.pop("token_types"), options.pop("span_embeds")
     rows = tokens.shape[0]
     max_slots = next(iter(state.window.values())).shape[0]
     pools = [*state.kv.values(), *state.index_k.values()]
@@ -435,7 +437,7 @@ def _forward_per_device(params, cfg, tokens, state, meta, engram_rows, forced, *
         node = specs
         for key in path:
             node = node[key.key]
-        return sharding.logical_to_spec(node.axes, rules, a.shape, mesh, name=sharding._path_name(path))
+        return sharding.logical_to_spec(node.axes, rules, a.shape, mesh, name=sharding.path_name(path))
 
     param_in = jax.tree_util.tree_map_with_path(param_spec, used)
     forced_in = None
@@ -466,7 +468,6 @@ def _forward_per_device(params, cfg, tokens, state, meta, engram_rows, forced, *
             span_embeds=span_embeds, layout=inner, **options,
         )  # fmt: skip
 
-    token_types, span_embeds = options.pop("token_types"), options.pop("span_embeds")
     rowwise = lambda tree: jax.tree.map(by_row, tree)
     fn = jax.shard_map(
         body,

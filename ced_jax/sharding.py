@@ -237,7 +237,7 @@ def logical_to_spec(
     return PartitionSpec(*out)
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
     """A pytree key path as the dotted name the project uses for parameters ('layers.0.attn.wq_b')."""
     parts = []
     for key in path:
@@ -268,7 +268,7 @@ def logical_shardings(axes, arrays, mesh: Mesh, rules: Rules):
     tuples (e.g. `ced_jax.cache.paged_cache_axes`)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, ax, a: NamedSharding(
-            mesh, logical_to_spec(ax, rules, a.shape, mesh, name=f"cache {_path_name(path)}")
+            mesh, logical_to_spec(ax, rules, a.shape, mesh, name=f"cache {path_name(path)}")
         ),
         axes,
         arrays,
