@@ -1,7 +1,7 @@
 """Prefill and decode throughput of ced_jax on one model, with the memory-bandwidth roofline.
 
     python bench/decode.py MODEL [--prefill 128 512] [--batch 1 8] [--decode-steps 16] [--repeats 3]
-                                 [--generate-tokens 64]
+                                 [--generate-tokens 64] [--weight-layout stored|f32-dense|f32]
 
 MODEL is a preset ('tiny') or a checkpoint directory (e.g. the `mid` checkpoint made by
 `python bench/make_mid_weights.py --out /tmp/mid-ckpt`). Reports, as one JSON document:
@@ -76,12 +76,24 @@ def decode_weight_bytes(cfg, expert_ids: np.ndarray) -> float:
 
 
 def bench(
-    model_name: str, prefill_lens, batches, decode_steps: int, repeats: int, generate_tokens: int
+    model_name: str,
+    prefill_lens,
+    batches,
+    decode_steps: int,
+    repeats: int,
+    generate_tokens: int,
+    weight_layout: str | None = None,
 ) -> dict:
-    model = load(model_name)
+    model = load(model_name, weight_layout=weight_layout)
     cfg = model.cfg
     rng = np.random.default_rng(0)
-    result: dict = {"model": model_name, "load_average_start": os.getloadavg(), "prefill": {}, "decode": {}}
+    result: dict = {
+        "model": model_name,
+        "weight_layout": model.weight_layout,
+        "load_average_start": os.getloadavg(),
+        "prefill": {},
+        "decode": {},
+    }
     for length in prefill_lens:
         prompt = np.concatenate([[cfg.bos_token_id], rng.integers(8, cfg.vocab_size, length - 1)])[None]
         times = []
@@ -157,9 +169,21 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--generate-tokens", type=int, default=64, help="0 skips the generate measurement")
+    parser.add_argument(
+        "--weight-layout",
+        choices=("stored", "f32-dense", "f32"),
+        default=None,
+        help="ced_jax.weight_layout (default: the backend's default)",
+    )
     args = parser.parse_args()
     result = bench(
-        args.model, args.prefill, args.batch, args.decode_steps, args.repeats, args.generate_tokens
+        args.model,
+        args.prefill,
+        args.batch,
+        args.decode_steps,
+        args.repeats,
+        args.generate_tokens,
+        weight_layout=args.weight_layout,
     )
     print(json.dumps(result, indent=2))
 

@@ -202,7 +202,12 @@ def _load_sharded(args):
     from ced_jax.api import load
 
     return load(
-        args.model, impl=args.impl, mesh=_mesh(args), rules=args.rules, engram_placement=args.engram_placement
+        args.model,
+        impl=args.impl,
+        mesh=_mesh(args),
+        rules=args.rules,
+        engram_placement=args.engram_placement,
+        weight_layout=args.weight_layout,
     )
 
 
@@ -517,6 +522,15 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="where the Engram tables live: host (memory-mapped or in RAM; each step's rows are gathered "
         "there and sent with its inputs, no device memory) or device (in the parameters); default: host",
+    )
+    g.add_argument(
+        "--weight-layout",
+        choices=("stored", "f32-dense", "f32"),
+        default=None,
+        help="how the FP8/FP4 weights are kept (ced_jax.weight_layout): as released, the FP8 linears "
+        "dequantised to f32 once at load, or those and the routed experts; same values, dequantised "
+        "once instead of at every step. Default: f32 on one CPU device when the experts' f32 copy "
+        "stays under 1 GiB (and not with --impl pallas), else stored",
     )
     g.add_argument("--coordinator", help="multi-host: jax.distributed coordinator address HOST:PORT")
     g.add_argument("--num-processes", type=int, help="multi-host: number of processes")

@@ -65,6 +65,7 @@ from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw,
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sampling import jitted_sample
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
+from ced_jax.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
 
 
 def _to_device(
@@ -190,11 +191,18 @@ class Model:
         vision_params: dict[str, np.ndarray] | None = None,
         engram_placement: str = "device",
         engram_store: EngramStore | None = None,
+        weight_layout: str | None = None,
     ):
         """engram_placement: "host" (the tables in `engram_store`, or taken out of `flat_params`
-        into one) or "device" (in `params`, from `flat_params` or, when given, `engram_store`)."""
+        into one) or "device" (in `params`, from `flat_params` or, when given, `engram_store`).
+        weight_layout: how the quantised weights are kept (`ced_jax.weight_layout`); None:
+        `default_weight_layout` for this backend, mesh and impl."""
         ops.parse_impl(impl)  # an unknown kernel choice fails here, not when a program is first traced
         self.cfg = cfg
+        if weight_layout is None:
+            weight_layout = default_weight_layout(cfg, backend=jax.default_backend(), mesh=mesh, impl=impl)
+        check_compatible(weight_layout, mesh=mesh, impl=impl)
+        self.weight_layout = weight_layout
         if bf16_as_f32 is None:
             bf16_as_f32 = jax.default_backend() == "cpu"
         self.mesh = mesh
@@ -205,8 +213,10 @@ class Model:
         self.engram_placement = check_placement(engram_placement)
         self.engram_store = _place_engram(cfg, backbone, engram_placement, engram_store)
         shardings = None if mesh is None else _flat_param_shardings(cfg, backbone, mesh, self.rules)
-        self.params = _to_device(backbone, bf16_as_f32, shardings)
-        if draft:
+        self.params = apply_weight_layout(
+            _to_device(backbone, bf16_as_f32, shardings), weight_layout, block=cfg.weight_block_size
+        )
+        if draft:  # the DSpark stages stay stored: `ced_jax.dspark_train` starts from their stored pairs
             self.params["mtp"] = _dspark_to_device(cfg, draft, mesh)
         self.hasher = hasher
         self.tokenizer_path = tokenizer_path
@@ -927,6 +937,7 @@ def load(
     rules: str | dict = sharding.DEFAULT_RULES,
     dspark: bool | None = None,
     engram_placement: str | None = None,
+    weight_layout: str | None = None,
 ) -> Model:
     """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
     directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
@@ -943,7 +954,13 @@ def load(
     naming what is missing); False: skip them.
     engram_placement: where the Engram tables live (module docstring): "host" or "device"; None:
     `default_engram_placement`. A converted checkpoint's raw table files (`engram_raw/`, written by
-    `convert_weights`) are memory-mapped for "host", its Orbax Engram item read otherwise."""
+    `convert_weights`) are memory-mapped for "host", its Orbax Engram item read otherwise.
+    weight_layout: "stored", "f32-dense" or "f32" (`ced_jax.weight_layout`: the FP8 linears, and for
+    "f32" the routed experts too, dequantised once here instead of at every step; same values);
+    None: `ced_jax.weight_layout.default_weight_layout` ("f32" on one CPU device when the experts
+    fit in 1 GiB as f32, else "stored")."""
+    if weight_layout is not None:
+        check_compatible(weight_layout, mesh=mesh, impl=impl)
     if dspark not in (None, True, False):
         raise ValueError(f"dspark: expected None, True or False, got {dspark!r}")
     if engram_placement is not None:
@@ -969,6 +986,7 @@ def load(
             mesh=mesh,
             rules=rules,
             engram_placement=engram_placement or default_engram_placement(name),
+            weight_layout=weight_layout,
         )
     directory = Path(name)
     if not directory.is_dir():
@@ -1031,6 +1049,7 @@ def load(
         vision_params=load_vision_params(directory, cfg, required=False),
         engram_placement=placement,
         engram_store=store,
+        weight_layout=weight_layout,
     )
 
 

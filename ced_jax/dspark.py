@@ -130,7 +130,7 @@ def main_hidden(cfg: ModelConfig, block_output: jax.Array) -> jax.Array:
 def main_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array) -> jax.Array:
     """[..., n_targets * D] -> [..., D]: main_norm(main_proj(main_hidden)), bf16 values."""
     first = stage_params(params, 0)
-    x = fp8_linear(main_hidden, first["main_proj"]["weight"], first["main_proj"]["scale"])
+    x = fp8_linear(main_hidden, first["main_proj"])
     return rms_norm(x, first["main_norm"]["weight"], cfg.rms_norm_eps)
 
 
@@ -142,9 +142,7 @@ def _inv_freq(cfg: ModelConfig):
 def _window_kv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
     """kv_norm(wkv(x)), RoPE'd at `positions` and FP8-fake-quantised (block 32): window KV [..., Dh]."""
     a = p["attn"]
-    kv = rms_norm(
-        fp8_linear(x, a["wkv"]["weight"], a["wkv"]["scale"]), a["kv_norm"]["weight"], cfg.rms_norm_eps
-    )
+    kv = rms_norm(fp8_linear(x, a["wkv"]), a["kv_norm"]["weight"], cfg.rms_norm_eps)
     return fp8_fake_quant(apply_rope(kv, positions, _inv_freq(cfg)), 32)
 
 
@@ -185,8 +183,8 @@ def _stage_attention(
     H, Dh = cfg.num_heads, cfg.head_dim
     positions = position[:, None] + 1 + jnp.arange(b)[None, :]
     a = p["attn"]
-    qr = rms_norm(fp8_linear(x, a["wq_a"]["weight"], a["wq_a"]["scale"]), a["q_norm"]["weight"], eps)
-    q = fp8_linear(qr, a["wq_b"]["weight"], a["wq_b"]["scale"]).reshape(n, b, H, Dh)
+    qr = rms_norm(fp8_linear(x, a["wq_a"]), a["q_norm"]["weight"], eps)
+    q = fp8_linear(qr, a["wq_b"]).reshape(n, b, H, Dh)
     q = apply_rope(q, positions[..., None], inv_freq)
     block_kv = _window_kv(p, cfg, x, positions)
     period = ring.shape[1]
@@ -212,7 +210,7 @@ def _stage_attention(
     o = o.reshape(n, b, groups, H * Dh // groups)
     wo_a = a["wo_a"]["weight"].astype(jnp.float32).reshape(groups, cfg.o_lora_rank, -1)
     o = round_bf16(jnp.einsum("btgd,grd->btgr", o, wo_a, precision=jax.lax.Precision.HIGHEST))
-    return fp8_linear(o.reshape(n, b, -1), a["wo_b"]["weight"], a["wo_b"]["scale"])
+    return fp8_linear(o.reshape(n, b, -1), a["wo_b"])
 
 
 def _stage_moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids: jax.Array | None):

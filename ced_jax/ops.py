@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ced_jax.quant import dequant_fp4_weight, exact_div, max_fenced, round_bf16, sum_last, sum_small
+from ced_jax.quant import exact_div, expert_weight, max_fenced, round_bf16, sum_last, sum_small
 
 IMPLS = ("reference", "pallas")
 # Key slots the reference indexer scores at a time (`index_scores`): a block's f32 keys stay in a
@@ -40,7 +40,8 @@ def parse_impl(impl: str) -> tuple[str, str | None, bool]:
 def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str = "reference") -> jax.Array:
     """rows [M, K] (FP8-dequantised activations) times each row's expert weight^T -> f32 [M, N].
 
-    w: {'weight': u8 packed FP4 [E, N, K/2], 'scale': u8 e8m0 [E, N, K/32]}.
+    w: {'weight': u8 packed FP4 [E, N, K/2], 'scale': u8 e8m0 [E, N, K/32]}, or {'weight': f32
+    [E, N, K]} in the dequantised layout (`ced_jax.weight_layout`; not for the Pallas kernel).
     Few rows (decode) gather only the touched experts; many rows sort by expert and use
     `lax.ragged_dot` over the dequantised expert stack. Both compute the same products in f32.
     impl="pallas..." sorts the rows by expert and runs the FP4 grouped-matmul kernel, which
@@ -50,6 +51,11 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     if kind == "pallas":
         from pallas_kernels.grouped_matmul import gmm
 
+        if "scale" not in w:
+            raise ValueError(
+                "impl='pallas': the FP4 grouped-matmul kernel reads packed experts, and these are "
+                "dequantised (weight_layout='f32'); load with weight_layout='f32-dense' or 'stored'"
+            )
         order = jnp.argsort(expert_ids, stable=True)
         group_sizes = jnp.bincount(expert_ids, length=num_experts).astype(jnp.int32)
         out_sorted = gmm(
@@ -63,7 +69,7 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
         return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     m = rows.shape[0]
     if m < num_experts:
-        weight = dequant_fp4_weight(w["weight"][expert_ids], w["scale"][expert_ids])  # [M, N, K]
+        weight = expert_weight(w, expert_ids)  # [M, N, K]
         # Each row as a two-row product (the second row zero): a one-row product sums in another
         # order than the per-expert tiles of many rows (`ced_jax.quant.matmul_rows`), and a token
         # must get the same expert outputs in a decode step and in a chunk.
@@ -72,7 +78,7 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
         return out[:, 0]
     order = jnp.argsort(expert_ids)
     group_sizes = jnp.bincount(expert_ids, length=num_experts).astype(jnp.int32)
-    weight = dequant_fp4_weight(w["weight"], w["scale"])  # [E, N, K]
+    weight = expert_weight(w)  # [E, N, K]
     out_sorted = jax.lax.ragged_dot(
         rows[order], jnp.swapaxes(weight, 1, 2), group_sizes, precision=jax.lax.Precision.HIGHEST
     )

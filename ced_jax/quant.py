@@ -51,7 +51,9 @@ __all__ = [
     "fp4_fake_quant_e4m3",
     "fp4_fake_quant_ue8m0",
     "fp8_fake_quant",
+    "expert_weight",
     "fp8_quantize",
+    "linear_weight",
     "matmul_rows",
     "max_axis",
     "max_fenced",
@@ -79,6 +81,28 @@ def pow2_scale_ceil(amax: jax.Array, max_inv: np.float32) -> jax.Array:
     mantissa_nonzero = (bits & 0x7FFFFF) != 0
     log2_ceil = exponent - 127 + mantissa_nonzero.astype(jnp.int32)
     return jax.lax.bitcast_convert_type((log2_ceil + 127) << 23, jnp.float32)
+
+
+# ------------------------------------------------------------------ weights in either layout
+# A quantised weight is a dict: {'weight', 'scale'} as released, or {'weight'} in f32 when the model
+# was loaded with a dequantised layout (`ced_jax.weight_layout`). Both give the same f32 values.
+
+
+def linear_weight(p: dict, block: int = 32) -> jax.Array:
+    """An FP8 linear's weight as f32 [N, K]: dequantised from e4m3 + ue8m0 block scales, or the f32
+    weight a dequantised layout holds."""
+    if "scale" in p:
+        return dequant_fp8_weight(p["weight"], p["scale"], block)
+    return p["weight"]
+
+
+def expert_weight(p: dict, index=None) -> jax.Array:
+    """Routed-expert weights as f32 [..., N, K], `index` (an int, ids or None for all) into the
+    expert axis: dequantised from packed FP4 + ue8m0 scales, or taken from a dequantised layout's f32."""
+    pick = (lambda a: a) if index is None else (lambda a: a[index])
+    if "scale" in p:
+        return dequant_fp4_weight(pick(p["weight"]), pick(p["scale"]))
+    return pick(p["weight"])
 
 
 # ------------------------------------------------------------ row-invariant f32 sums and products

@@ -206,7 +206,7 @@ def index_queries(x, qr, p: dict, positions, inv_freq, cfg: ModelConfig):
     """The indexer's FP4-fake-quantised queries f32 [B, T, I, Dk] and bf16 head weights [B, T, I]
     (softmax scale folded in)."""
     n_heads, dk = cfg.index_n_heads, cfg.index_head_dim
-    q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"])
+    q = fp8_linear(qr, p["wq_b"])
     q = q.reshape(*q.shape[:-1], n_heads, dk)
     q = apply_rope(q, positions[..., None], inv_freq)
     q = fp4_fake_quant_ue8m0(q, 32)
@@ -365,11 +365,11 @@ def attention(
     positions = meta.positions(x.shape[1])
     shared = dict(shared)
 
-    qr = rms_norm(fp8_linear(x, p["wq_a"]["weight"], p["wq_a"]["scale"]), p["q_norm"]["weight"], eps)
-    q = fp8_linear(qr, p["wq_b"]["weight"], p["wq_b"]["scale"]).reshape(*x.shape[:-1], n_heads, head_dim)
+    qr = rms_norm(fp8_linear(x, p["wq_a"]), p["q_norm"]["weight"], eps)
+    q = fp8_linear(qr, p["wq_b"]).reshape(*x.shape[:-1], n_heads, head_dim)
     q = apply_rope(q, positions[..., None], inv_freq)
 
-    kv = rms_norm(fp8_linear(x, p["wkv"]["weight"], p["wkv"]["scale"]), p["kv_norm"]["weight"], eps)
+    kv = rms_norm(fp8_linear(x, p["wkv"]), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
     packed_kv = cache_lib.pack_fp8_ue8m0(kv)
     by_position = ops.parse_impl(impl)[0] == "reference"
@@ -431,5 +431,5 @@ def attention(
     o = o.reshape(*x.shape[:-1], groups, n_heads * head_dim // groups)
     wo_a = p["wo_a"]["weight"].astype(jnp.float32).reshape(groups, cfg.o_lora_rank, -1)
     o = round_bf16(grouped_linear(o, wo_a))
-    out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"]["weight"], p["wo_b"]["scale"])
+    out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"])
     return out, own_topk, cache, shared

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ced_jax.quant import dequant_fp8_weight, fp8_fake_quant, matmul_rows, mean_last, round_bf16
+from ced_jax.quant import fp8_fake_quant, linear_weight, matmul_rows, mean_last, round_bf16
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -26,10 +26,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return round_bf16(weight.astype(jnp.float32) * (x * jax.lax.rsqrt(var + eps)))
 
 
-def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, block: int = 32) -> jax.Array:
-    """y = act_quant(x) @ dequant(W)^T, rounded to bf16. W: FP8 [N, K] with ue8m0 block scales."""
-    w = dequant_fp8_weight(weight, scale, block)
-    return round_bf16(matmul_rows(fp8_fake_quant(x, block), w))
+def fp8_linear(x: jax.Array, p: dict, block: int = 32) -> jax.Array:
+    """y = act_quant(x) @ dequant(W)^T, rounded to bf16. p: {'weight': FP8 [N, K], 'scale': ue8m0
+    block scales}, or {'weight': f32 [N, K]} already dequantised (`ced_jax.weight_layout`)."""
+    return round_bf16(matmul_rows(fp8_fake_quant(x, block), linear_weight(p, block)))
 
 
 def bf16_linear(x: jax.Array, weight: jax.Array) -> jax.Array:

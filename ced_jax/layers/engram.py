@@ -47,7 +47,7 @@ def engram(
         if "embed" not in p:
             raise ValueError("engram: row ids given, but the parameters hold no table (placement host)")
         emb = engram_lookup(p["embed"]["weight"], p["embed"]["scale"], rows)
-    kv = fp8_linear(emb.reshape(*emb.shape[:-2], -1), p["wkv"]["weight"], p["wkv"]["scale"])
+    kv = fp8_linear(emb.reshape(*emb.shape[:-2], -1), p["wkv"])
     key = kv[..., : hc * dim].reshape(*kv.shape[:-1], hc, dim)
     value = kv[..., hc * dim :]
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)

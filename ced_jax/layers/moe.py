@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ced_jax import ops, sharding
 from ced_jax.layers.common import f32_linear, fp8_linear
-from ced_jax.quant import dequant_fp4_weight, exact_div, fp8_fake_quant, round_bf16, sum_small
+from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16, sum_small
 
 
 def router_scores(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
@@ -105,10 +105,7 @@ def _expert_rows_by_expert(rows, eids, weights, experts: dict, *, limit: float, 
 
     def expert_step(e, out):
         def run(out):
-            w = {
-                k: dequant_fp4_weight(experts[k]["weight"][e], experts[k]["scale"][e])
-                for k in ("w1", "w2", "w3")
-            }
+            w = {k: expert_weight(experts[k], e) for k in ("w1", "w2", "w3")}
 
             def tile_step(i, out):
                 start = starts[e] + i * tile
@@ -152,7 +149,8 @@ def routed_experts(
 ) -> jax.Array:
     """sum over the X selected experts of w2(weight * swiglu(w1 x, w3 x)), f32 [N, D].
 
-    experts: {'w1'|'w2'|'w3': {'weight': u8 packed FP4 [E, out, in/2], 'scale': u8 e8m0 [E, out, in/32]}}."""
+    experts: {'w1'|'w2'|'w3': {'weight': u8 packed FP4 [E, out, in/2], 'scale': u8 e8m0 [E, out, in/32]}}
+    (or {'weight': f32 [E, out, in]}, dequantised at load: `ced_jax.weight_layout`)."""
     n, top_k = ids.shape
     # Ascending expert order per token reproduces the reference's summation order.
     order = jnp.argsort(ids, axis=-1)
@@ -230,6 +228,6 @@ def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, i
 
 
 def shared_expert(x: jax.Array, p: dict, *, limit: float) -> jax.Array:
-    gate = fp8_linear(x, p["w1"]["weight"], p["w1"]["scale"])
-    up = fp8_linear(x, p["w3"]["weight"], p["w3"]["scale"])
-    return fp8_linear(round_bf16(swiglu(gate, up, limit)), p["w2"]["weight"], p["w2"]["scale"])
+    gate = fp8_linear(x, p["w1"])
+    up = fp8_linear(x, p["w3"])
+    return fp8_linear(round_bf16(swiglu(gate, up, limit)), p["w2"])
