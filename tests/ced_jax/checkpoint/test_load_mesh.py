@@ -68,7 +68,9 @@ def tiny_converted(tmp_path_factory) -> Path:
 
 def test_tiny_a_on_mesh_matches_host_path(tiny_converted):
     mesh = sharding.make_mesh(MESH)
-    host = _leaves(ced_jax.load(GOLDEN_TINY_A).params)
+    host = _leaves(
+        ced_jax.load(GOLDEN_TINY_A, weight_layout="stored").params
+    )  # a mesh holds the stored leaves
     for source in (GOLDEN_TINY_A, tiny_converted):
         model = ced_jax.load(source, mesh=mesh)
         targets = _mesh_targets(model.cfg, mesh, model.rules)
