@@ -100,7 +100,8 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch):
     monkeypatch.setattr(ops, "index_scores", scores_twice)
     monkeypatch.setattr(ops, "index_scores_at", scores_at_twice)
     monkeypatch.setattr(moe, "_expert_rows", expert_rows_twice)
-    model = load("tiny", impl="reference")
+    # The stored layout: the grouped-matmul kernel reads packed experts, which the reference also reads.
+    model = load("tiny", impl="reference", weight_layout="stored")
     prompt = _prompt(model.cfg)
     model.logits(prompt, prompt[1:5], prefill_chunk=32)
     jax.effects_barrier()
