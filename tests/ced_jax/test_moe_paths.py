@@ -62,3 +62,23 @@ def test_expert_loop_matches_the_gather_path(tile):
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=0)
     assert np.mean(got == want) > 0.95
+
+
+@pytest.mark.parametrize("entries", [5, ops.EXPERT_DECODE_GROUP, 12, 2 * ops.EXPERT_DECODE_GROUP + 1])
+def test_decode_entries_in_groups_equal_each_entry_alone(entries):
+    """A decode step's (row, expert) entries are dequantised a group at a time (a loop over groups
+    past ops.EXPERT_DECODE_GROUP): every entry's product is bit for bit what it is alone."""
+    rng = np.random.default_rng(1)
+    num_experts, n, k = 32, 48, 64
+    w = {
+        "weight": jnp.asarray(rng.integers(0, 256, (num_experts, n, k // 2), dtype=np.uint8)),
+        "scale": jnp.asarray(rng.integers(120, 128, (num_experts, n, k // 32), dtype=np.uint8)),
+    }
+    rows = fp8_fake_quant(jnp.asarray(rng.standard_normal((entries, k)), jnp.float32))
+    eids = jnp.asarray(rng.integers(0, num_experts, entries).astype(np.int32))
+    matmul = jax.jit(ops.expert_matmul)
+    got = np.asarray(matmul(rows, eids, w))
+    assert got.shape == (entries, n) and np.abs(got).max() > 0
+    for i in range(entries):
+        alone = np.asarray(matmul(rows[i : i + 1], eids[i : i + 1], w))[0]
+        assert np.array_equal(got[i].view(np.uint32), alone.view(np.uint32)), i
