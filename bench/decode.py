@@ -153,7 +153,8 @@ def bench(
     result["load_average_end"] = os.getloadavg()
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["machine"] = {
-        "cpus": jax.device_count(),
+        "cpus": os.cpu_count(),
+        "devices": jax.device_count(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "backend": jax.default_backend(),
