@@ -105,7 +105,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cfg = _load_config(args.model)
+    try:
+        cfg = _load_config(args.model)
+    except (OSError, ValueError) as err:
+        ap.error(f"model {args.model!r}: {err}")
     num_moe_layers = cfg.num_layers  # every layer's FFN is a MoE (shared + routed experts)
     d, f, e, topk = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     rng = np.random.default_rng(0)
