@@ -208,6 +208,8 @@ def _load_sharded(args):
         rules=args.rules,
         engram_placement=args.engram_placement,
         weight_layout=args.weight_layout,
+        compilation_cache=not args.no_compilation_cache,
+        compilation_cache_dir=args.compilation_cache_dir,
     )
 
 
@@ -501,6 +503,24 @@ def _add_prefill_mode_option(p, default: str, *, per_request: bool = False) -> N
     )
 
 
+def _add_compilation_cache_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("compilation cache")
+    g.add_argument(
+        "--compilation-cache-dir",
+        metavar="DIR",
+        default=None,
+        help="JAX's persistent compilation cache: compiled programs are kept here and loaded by the next "
+        "start with the same flags, JAX / XLA version and device kind (default: $JAX_COMPILATION_CACHE_DIR "
+        "if set, else the per-user cache directory: ~/.cache/ced-jax/xla on Linux, ~/Library/Caches/ced-jax/"
+        "xla on macOS)",
+    )
+    g.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program, read and write no cache (default: the cache is on)",
+    )
+
+
 def _add_mesh_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("devices and hosts")
     g.add_argument(
@@ -625,12 +645,11 @@ def _dspark_options(args) -> dict:
     return {"dspark": args.dspark, "dspark_confidence": args.dspark_confidence}
 
 
-def cmd_serve(args) -> int:
-    """`ced-jax serve MODEL`: bind the ports, load, compile the engine's programs, serve gRPC until
-    SIGTERM. Options are checked and ports bound before anything slow (JAX is imported by the loader)."""
+def _serve_config(args):
+    """The `ServeConfig` of the serve flags (shared by `serve` and `compile`), checked before anything
+    slow: every number, key file, port and the KV disk directory."""
     _check_serve_options(args)
     from serving.config import ServeConfig
-    from serving.server import serve
     from serving.tenants import ApiKeys
 
     api_keys = None
@@ -694,6 +713,16 @@ def cmd_serve(args) -> int:
         grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
+    return config
+
+
+def cmd_serve(args) -> int:
+    """`ced-jax serve MODEL`: bind the ports, load, compile the engine's programs, serve gRPC until
+    SIGTERM. Options are checked and ports bound before anything slow (JAX is imported by the loader)."""
+    from serving.server import serve
+
+    config = _serve_config(args)
+    chunk = args.prefill_chunk
     cluster = None
     if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
         if args.mesh is None:
@@ -735,6 +764,59 @@ def cmd_serve(args) -> int:
             f"{cluster.compile_barriers} compile barriers, {cluster.barrier_seconds:.1f} s waiting there",
             flush=True,
         )
+
+
+def cmd_compile(args) -> int:
+    """`ced-jax compile MODEL [serve flags]`: the server's start-up without serving. Every program the
+    server would build for these flags goes into the persistent compilation cache; a table of them
+    (fresh compiles, cache loads, seconds) and the cache's size are printed. Multi-host: every
+    process runs it, as `serve` (process 0 drives the others' programs, as it does there)."""
+    import time
+
+    config = _serve_config(args)
+    if args.no_compilation_cache:
+        raise ValueError("--no-compilation-cache: compile writes the compilation cache; drop the flag")
+    cluster = None
+    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
+        if args.mesh is None:
+            raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
+        _setup_distributed(args, recoverable=True)
+        from serving.multihost import Cluster
+
+        cluster = Cluster()
+        if not cluster.is_leader:
+            return _serve_follower(args, config, cluster)
+    from ced_jax import compile_cache
+    from serving.jax_engine import JaxEngine
+
+    started = time.perf_counter()
+    try:
+        model = _load_sharded(args)
+        loaded = time.perf_counter()
+        engine = JaxEngine(model, config, cluster=cluster)
+        engine.warmup()
+    finally:
+        if cluster is not None:
+            cluster.stop_followers()
+    done = time.perf_counter()
+    report = engine.warmup_report
+    width = max(len(e.program) for e in report)
+    print(f"{'program':<{width}}  compiled  from cache  compile s  load s  wall s")
+    for e in report:
+        print(
+            f"{e.program:<{width}}  {e.compiled:8d}  {e.from_cache:10d}  {e.compile_seconds:9.1f}  "
+            f"{e.load_seconds:6.1f}  {e.seconds:6.1f}"
+        )
+    entries, size = compile_cache.cache_bytes()
+    compiled = sum(e.compiled for e in report)
+    cached = sum(e.from_cache for e in report)
+    print(
+        f"ced-jax compile: {len(report)} program calls, {compiled} executables compiled and {cached} loaded "
+        f"from the cache in {done - loaded:.1f} s (model load {loaded - started:.1f} s); cache "
+        f"{compile_cache.current_dir()}: {entries} entries, {size / 2**20:.1f} MiB",
+        flush=True,
+    )
+    return 0
 
 
 def _serve_follower(args, config, cluster) -> int:
@@ -977,72 +1059,8 @@ def _add_train_draft_parser(sub) -> None:
     p.set_defaults(func=cmd_train_draft)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ced-jax", description="DeepSeek-V4.1-Flash in JAX")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("describe", help="config summary, parameter counts, KV bytes per token (JSON)")
-    p.add_argument("model", help="preset name (tiny, v41-flash) or checkpoint directory")
-    p.set_defaults(func=cmd_describe)
-
-    p = sub.add_parser("logits", help="teacher-forced logits, with capture / replay / patching")
-    p.add_argument("model")
-    p.add_argument("--prompt-ids", help="JSON list of token ids, prefilled from position 0")
-    p.add_argument(
-        "--request",
-        help="the prompt as a JSON request like a vision fixture's inputs.json: prompt_text (encoded as "
-        "is, no BOS added) with image_files (next to the JSON), or prompt_ids with token_types and "
-        "image_files; its decode_ids unless --decode-ids",
-    )
-    p.add_argument("--decode-ids", help="JSON list of token ids fed one decode step at a time")
-    p.add_argument("--index-k-mode", choices=("intended", "reference"), default="intended")
-    p.add_argument(
-        "--capture", help="write the decisions taken (top-k rows, expert ids) to this safetensors file"
-    )
-    p.add_argument("--replay", help="force the decisions in this safetensors file (fixture names)")
-    p.add_argument("--patch", help="override block inputs from this safetensors file (fixture names)")
-    p.add_argument(
-        "--patch-layers",
-        help="comma-separated layer ids whose block inputs --patch overrides (default: every layer)",
-    )
-    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
-    _add_prefill_mode_option(p, "exact")
-    _add_impl_options(p)
-    p.add_argument("--out", required=True)
-    _add_mesh_options(p)
-    p.set_defaults(func=cmd_logits)
-
-    p = sub.add_parser("generate", help="text in, text out")
-    p.add_argument("model")
-    p.add_argument("--prompt", required=True)
-    p.add_argument(
-        "--image",
-        action="append",
-        help="an image file for the next <｜deepseek_image｜> placeholder of --prompt (repeat in order)",
-    )
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--dspark",
-        type=int,
-        default=0,
-        metavar="K",
-        help="speculative decoding with up to K DSpark drafts per step (0 = off; the checkpoint needs its "
-        "mtp.* stages); --json then reports steps / proposed / accepted drafts",
-    )
-    _add_prefill_mode_option(p, "exact")
-    _add_impl_options(p)
-    p.add_argument("--json", action="store_true", help="print ids and text as JSON")
-    _add_mesh_options(p)
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser(
-        "serve",
-        help="gRPC server (ced.v1.InferenceService, health, reflection, Prometheus metrics)",
-        description="Continuous batching over a static-shape paged KV cache; every program is compiled "
-        "at start-up. SIGTERM stops admitting, lets streams finish for --grace-period, then exits 0.",
-    )
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    """The flags of `serve`, shared by `compile` (the same flags build the same programs)."""
     p.add_argument("model", help="preset name (tiny) or checkpoint directory")
     serve = _serve_defaults()  # every default below is ServeConfig's (serving/config.py)
     g = p.add_argument_group("shapes (static: compiled at start-up)")
@@ -1255,7 +1273,91 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_impl_options(p)
     _add_mesh_options(p)
+    _add_compilation_cache_options(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ced-jax", description="DeepSeek-V4.1-Flash in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("describe", help="config summary, parameter counts, KV bytes per token (JSON)")
+    p.add_argument("model", help="preset name (tiny, v41-flash) or checkpoint directory")
+    p.set_defaults(func=cmd_describe)
+
+    p = sub.add_parser("logits", help="teacher-forced logits, with capture / replay / patching")
+    p.add_argument("model")
+    p.add_argument("--prompt-ids", help="JSON list of token ids, prefilled from position 0")
+    p.add_argument(
+        "--request",
+        help="the prompt as a JSON request like a vision fixture's inputs.json: prompt_text (encoded as "
+        "is, no BOS added) with image_files (next to the JSON), or prompt_ids with token_types and "
+        "image_files; its decode_ids unless --decode-ids",
+    )
+    p.add_argument("--decode-ids", help="JSON list of token ids fed one decode step at a time")
+    p.add_argument("--index-k-mode", choices=("intended", "reference"), default="intended")
+    p.add_argument(
+        "--capture", help="write the decisions taken (top-k rows, expert ids) to this safetensors file"
+    )
+    p.add_argument("--replay", help="force the decisions in this safetensors file (fixture names)")
+    p.add_argument("--patch", help="override block inputs from this safetensors file (fixture names)")
+    p.add_argument(
+        "--patch-layers",
+        help="comma-separated layer ids whose block inputs --patch overrides (default: every layer)",
+    )
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
+    _add_prefill_mode_option(p, "exact")
+    _add_impl_options(p)
+    p.add_argument("--out", required=True)
+    _add_mesh_options(p)
+    _add_compilation_cache_options(p)
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("generate", help="text in, text out")
+    p.add_argument("model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--image",
+        action="append",
+        help="an image file for the next <｜deepseek_image｜> placeholder of --prompt (repeat in order)",
+    )
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dspark",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with up to K DSpark drafts per step (0 = off; the checkpoint needs its "
+        "mtp.* stages); --json then reports steps / proposed / accepted drafts",
+    )
+    _add_prefill_mode_option(p, "exact")
+    _add_impl_options(p)
+    p.add_argument("--json", action="store_true", help="print ids and text as JSON")
+    _add_mesh_options(p)
+    _add_compilation_cache_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "serve",
+        help="gRPC server (ced.v1.InferenceService, health, reflection, Prometheus metrics)",
+        description="Continuous batching over a static-shape paged KV cache; every program is compiled "
+        "at start-up. SIGTERM stops admitting, lets streams finish for --grace-period, then exits 0.",
+    )
+    _add_serve_options(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "compile",
+        help="compile every program `serve` would for these flags into the compilation cache, then exit",
+        description="Builds the programs a `ced-jax serve` with the same flags builds at start-up (every "
+        "prefill and decode bucket, table width, DSpark width and image variant) into the persistent "
+        "compilation cache, prints each with its time and the cache's size, and exits without serving. "
+        "A server started afterwards with the same flags and cache compiles nothing. On a multi-host "
+        "mesh run it on every process, as serve.",
+    )
+    _add_serve_options(p)
+    p.set_defaults(func=cmd_compile)
 
     # Listed for --help only: main() hands `client ...` to serving.client.main before parsing.
     sub.add_parser("client", help="stream a completion from a ced-jax server (ced-jax client --help)")

@@ -46,7 +46,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import ops, sharding
+from ced_jax import compile_cache, ops, sharding
 from ced_jax.checkpoint.converted import (
     included_parts,
     is_converted_checkpoint,
@@ -224,7 +224,7 @@ class Model:
         self.impl = impl
         self.prefill_chunk = prefill_chunk
         # One set of programs over the one step function, shared by every Session and serving engine.
-        self.programs = Programs(cfg, impl=impl, mesh=mesh, rules=self.rules)
+        self.programs = Programs.shared(cfg, impl=impl, mesh=mesh, rules=self.rules)
         # The ViT + aligner (`ced_jax.vision.VisionEncoder`), None without a vision tower.
         self.vision = None
         if vision_params is not None:
@@ -241,7 +241,7 @@ class Model:
     def draft_programs(self) -> Programs:
         """The programs of speculative engines (`Engine(..., dspark=True)`): the prefill also inserts
         the DSpark context, and `speculative_decode` exists. Built on first use."""
-        return Programs(self.cfg, impl=self.impl, mesh=self.mesh, rules=self.rules, dspark=True)
+        return Programs.shared(self.cfg, impl=self.impl, mesh=self.mesh, rules=self.rules, dspark=True)
 
     def _put_input(self, arr) -> jax.Array:
         """A host input of a step: on one device as is, on a mesh replicated (global array)."""
@@ -938,6 +938,8 @@ def load(
     dspark: bool | None = None,
     engram_placement: str | None = None,
     weight_layout: str | None = None,
+    compilation_cache: bool = True,
+    compilation_cache_dir: str | Path | None = None,
 ) -> Model:
     """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
     directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
@@ -958,7 +960,11 @@ def load(
     weight_layout: "stored", "f32-dense" or "f32" (`ced_jax.weight_layout`: the FP8 linears, and for
     "f32" the routed experts too, dequantised once here instead of at every step; same values);
     None: `ced_jax.weight_layout.default_weight_layout` ("f32" on one CPU device when the experts
-    fit in 1 GiB as f32, else "stored")."""
+    fit in 1 GiB as f32, else "stored").
+    compilation_cache / compilation_cache_dir: JAX's persistent compilation cache for this process
+    (`ced_jax.compile_cache`): on by default, in the directory already in use or the per-user one
+    (`~/.cache/ced-jax/xla` on Linux), so a second process compiles nothing it compiled before."""
+    compile_cache.configure(compilation_cache, compilation_cache_dir)
     if weight_layout is not None:
         check_compatible(weight_layout, mesh=mesh, impl=impl)
     if dspark not in (None, True, False):

@@ -45,6 +45,7 @@ reads comes back replicated, so every process of a multi-host run holds all of i
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import partial
 from typing import NamedTuple
 
@@ -490,6 +491,24 @@ class Programs:
         )
         self.read_pages = jax.jit(page_io.read_pages)
         self.write_pages = jax.jit(partial(write_pages, mesh=mesh, rules=rules), donate_argnames=("state",))
+
+    @classmethod
+    def shared(cls, cfg: ModelConfig, *, impl: str, mesh=None, rules=None, dspark: bool = False) -> Programs:
+        """The process's one `Programs` for these static choices: a second model of the same config
+        (another `load`, another test module) reuses the compiled executables instead of tracing and
+        compiling again. The parameters and state are arguments, so their shapes, dtypes and weight
+        layout still pick the executable."""
+        frozen_rules = None if rules is None else tuple(sorted((k, repr(v)) for k, v in rules.items()))
+        key = (cfg, impl, mesh, frozen_rules, dspark)
+        with _SHARED_LOCK:
+            programs = _SHARED.get(key)
+            if programs is None:
+                programs = _SHARED[key] = cls(cfg, impl=impl, mesh=mesh, rules=rules, dspark=dspark)
+        return programs
+
+
+_SHARED: dict[tuple, Programs] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 # ------------------------------------------------------------------------------------ host side

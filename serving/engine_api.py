@@ -408,22 +408,36 @@ class Engine(Protocol):
 
 
 class CompileCounter:
-    """Counts XLA compilations that happen on this thread inside `watch()`.
+    """Counts the executables JAX builds on this thread inside `watch()`: fresh compiles and loads from
+    the persistent compilation cache alike (`count`), and of those the loads (`loaded`).
 
-    JAX reports every executable it builds (fresh compile or persistent-cache load) through the
-    `/jax/core/compile/backend_compile_duration` monitoring event on the compiling thread. Engines wrap
-    their serving calls in `watch()`, so compiles from other threads (tests, other engines) are not
-    counted. One process-wide listener dispatches to the counter active on the current thread.
+    JAX reports every executable it builds through the `/jax/core/compile/backend_compile_duration`
+    monitoring event on the compiling thread, a cache load after a `/jax/compilation_cache/cache_hits`
+    event. Engines wrap their serving calls in `watch()`, so compiles from other threads (tests, other
+    engines) are not counted. One process-wide listener dispatches to the counter active on the thread.
     """
 
     _EVENT = "/jax/core/compile/backend_compile_duration"
+    _HIT = "/jax/compilation_cache/cache_hits"
     _active = threading.local()
     _installed = False
     _install_lock = threading.Lock()
 
     def __init__(self):
         self.count = 0
+        self.loaded = 0
+        self.compile_seconds = 0.0  # building the fresh executables
+        self.load_seconds = 0.0  # loading the others from the cache
         self._install()
+
+    @property
+    def fresh(self) -> int:
+        """Executables compiled (not loaded from the cache)."""
+        return self.count - self.loaded
+
+    def reset(self) -> None:
+        self.count = self.loaded = 0
+        self.compile_seconds = self.load_seconds = 0.0
 
     @classmethod
     def _install(cls):
@@ -432,12 +446,23 @@ class CompileCounter:
                 return
             import jax.monitoring
 
-            def listener(event: str, duration: float, **kwargs):
+            def on_duration(event: str, duration: float, **kwargs):
                 counter = getattr(cls._active, "counter", None)
                 if event == cls._EVENT and counter is not None:
                     counter.count += 1
+                    if getattr(cls._active, "hit", False):  # the cache-hit event came just before
+                        cls._active.hit = False
+                        counter.loaded += 1
+                        counter.load_seconds += duration
+                    else:
+                        counter.compile_seconds += duration
 
-            jax.monitoring.register_event_duration_secs_listener(listener)
+            def on_event(event: str, **kwargs):
+                if event == cls._HIT:
+                    cls._active.hit = True
+
+            jax.monitoring.register_event_duration_secs_listener(on_duration)
+            jax.monitoring.register_event_listener(on_event)
             cls._installed = True
 
     @contextmanager

@@ -72,7 +72,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import time
 from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -94,6 +97,18 @@ from serving.engine_api import (
     SamplingParams,
     mask_words,
 )
+
+
+class WarmupEntry(NamedTuple):
+    """One program call of `JaxEngine.warmup`: executables compiled and loaded from the persistent
+    cache, the seconds JAX spent building them, and the call's wall time."""
+
+    program: str
+    compiled: int
+    from_cache: int
+    compile_seconds: float
+    load_seconds: float
+    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +432,7 @@ class JaxEngine:
         self._decoding = np.zeros(max_slots, bool)
         self._counter = CompileCounter()
         self._warm = False
+        self.warmup_report: list[WarmupEntry] = []  # what warmup() built, one entry per program call
 
     # ---- Engine protocol ----------------------------------------------------------------------
 
@@ -432,16 +448,32 @@ class JaxEngine:
         if self._warm:
             return
         self._warm = True
+        self.warmup_report = []
         try:
             self._warm_up_programs()
         except BaseException:
             self._warm = False
             raise
         # Warm-up's own compiles and steps are not "after warm-up".
-        self._counter.count = 0
+        self._counter.reset()
         self.decode_widths_used.clear()
         self.prefill_widths_used.clear()
         self.blocks_used.clear()
+
+    @contextmanager
+    def _warm_step(self, program: str):
+        """Records one warm-up call: what it built, fresh or from the persistent cache, and how long."""
+        c = self._counter
+        count, loaded, compile_s, load_s = c.count, c.loaded, c.compile_seconds, c.load_seconds
+        start = time.perf_counter()
+        yield
+        from_cache = c.loaded - loaded
+        self.warmup_report.append(
+            WarmupEntry(
+                program, c.count - count - from_cache, from_cache, c.compile_seconds - compile_s,
+                c.load_seconds - load_s, time.perf_counter() - start,
+            )
+        )  # fmt: skip
 
     def _warm_up_programs(self) -> None:
         """Compiles every program by calling it as serving does, with the same argument types.
@@ -452,12 +484,14 @@ class JaxEngine:
         spec = self._spec
         table = np.zeros(spec.pages_per_slot, np.int32)
         greedy = SamplingParams(temperature=0.0)
-        first = self.prefill(
-            PrefillChunk(
-                token_ids=np.array([self.cfg.bos_token_id], np.int32), start_pos=0, slot=0,
-                page_table=table, history=np.zeros(0, np.int32), sampling=greedy, is_last_chunk=True,
-            )
-        )  # fmt: skip
+        first_pages, first_rows = self.context_pages[0], self.prefill_rows[0]
+        with self._warm_step(f"prefill rows={first_rows} pages={first_pages}"):
+            first = self.prefill(
+                PrefillChunk(
+                    token_ids=np.array([self.cfg.bos_token_id], np.int32), start_pos=0, slot=0,
+                    page_table=table, history=np.zeros(0, np.int32), sampling=greedy, is_last_chunk=True,
+                )
+            )  # fmt: skip
         S = spec.max_slots
         active = np.zeros(S, bool)
         active[0] = True
@@ -465,32 +499,36 @@ class JaxEngine:
         tokens[0] = first.token.token_id
         positions = np.zeros(S, np.int32)
         positions[0] = 1
-        self.decode(
-            DecodeBatch(
-                token_ids=tokens, positions=positions, active=active,
-                page_tables=np.zeros((S, spec.pages_per_slot), np.int32),
-                temperature=np.zeros(S, np.float32), top_p=np.ones(S, np.float32),
-                top_k=np.zeros(S, np.int32), seed=np.zeros(S, np.uint32),
-            )
-        )  # fmt: skip
+        with self._warm_step(f"decode rows={self.decode_buckets[0]} pages={first_pages}"):
+            self.decode(
+                DecodeBatch(
+                    token_ids=tokens, positions=positions, active=active,
+                    page_tables=np.zeros((S, spec.pages_per_slot), np.int32),
+                    temperature=np.zeros(S, np.float32), top_p=np.ones(S, np.float32),
+                    top_k=np.zeros(S, np.int32), seed=np.zeros(S, np.uint32),
+                )
+            )  # fmt: skip
         self.release(0)
         for pages in self.context_pages:  # the step above compiled (smallest width, smallest size)
             for size in self.decode_buckets:
-                if (pages, size) != (self.context_pages[0], self.decode_buckets[0]):
-                    self._decode_idle_rows(size, pages)
+                if (pages, size) != (first_pages, self.decode_buckets[0]):
+                    with self._warm_step(f"decode rows={size} pages={pages}"):
+                        self._decode_idle_rows(size, pages)
         for width in self.dspark_widths:  # every draft width, batch size and table width, idle rows
             for size in self.decode_buckets:
                 for pages in self.context_pages:
-                    self._speculative_idle_rows(size, width, pages)
-        first = self.context_pages[0], self.prefill_rows[0]  # the prefill above (a one-token chunk)
+                    with self._warm_step(f"speculative width={width} rows={size} pages={pages}"):
+                        self._speculative_idle_rows(size, width, pages)
         for pages in self.context_pages:  # likewise every row count and table width
             for size in self.prefill_rows:
-                if (pages, size) != first:
-                    self._prefill_rows(_PrefillRows.idle(size, self, pages=pages))
+                if (pages, size) != (first_pages, first_rows):
+                    with self._warm_step(f"prefill rows={size} pages={pages}"):
+                        self._prefill_rows(_PrefillRows.idle(size, self, pages=pages))
                 if self._spec.hidden_size:  # the image variant (idle rows)
-                    self._prefill_rows(_PrefillRows.idle(size, self, pages=pages).with_images(self))
+                    with self._warm_step(f"prefill+images rows={size} pages={pages}"):
+                        self._prefill_rows(_PrefillRows.idle(size, self, pages=pages).with_images(self))
         for n in self._page_buckets:  # KV tiers: every page-copy size (writes of dropped padding ids)
-            with self._counter.watch():
+            with self._warm_step(f"page copy pages={n}"), self._counter.watch():
                 self.engine.read_pages(np.zeros(n, np.int32))
                 self._write_bucket(np.full(n, spec.num_pages, np.int32), self._zero_pages(n))
 

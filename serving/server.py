@@ -44,6 +44,7 @@ import secrets
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -810,8 +811,11 @@ async def serve_async(
     watch = None
     try:
         try:
+            started = time.perf_counter()
             engine, tokenizer = await asyncio.to_thread(load)
+            loaded = time.perf_counter()
             await server.attach(engine, tokenizer)
+            print(startup_line(loaded - started, time.perf_counter() - loaded, engine), flush=True)
         except BaseException:
             await server.shutdown(grace_period_s=0.0)
             raise
@@ -851,6 +855,23 @@ async def serve_async(
         loop.remove_signal_handler(signal.SIGTERM)
         loop.remove_signal_handler(signal.SIGINT)
         signal.signal(signal.SIGINT, previous_sigint)
+
+
+def startup_line(load_s: float, warmup_s: float, engine: Engine) -> str:
+    """Where start-up went: loading the model, then warm-up, split into executables compiled and loaded
+    from the persistent compilation cache (`JaxEngine.warmup_report`)."""
+    line = f"ced-jax: started in {load_s + warmup_s:.1f} s: load {load_s:.1f} s, warm-up {warmup_s:.1f} s"
+    report = getattr(engine, "warmup_report", None)
+    if report:
+        compiled = sum(e.compiled for e in report)
+        cached = sum(e.from_cache for e in report)
+        compile_s = sum(e.compile_seconds for e in report)
+        cache_s = sum(e.load_seconds for e in report)
+        line += (
+            f" ({len(report)} program calls: {compiled} executables compiled in {compile_s:.1f} s, {cached} "
+            f"loaded from the compilation cache in {cache_s:.1f} s, the rest tracing and running)"
+        )
+    return line
 
 
 def serve(config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, cluster=None) -> int:

@@ -1,19 +1,24 @@
-"""Test setup: 8 fake CPU devices and JAX's persistent compilation cache.
+"""Test setup: 8 fake CPU devices and one persistent compilation cache for the whole run.
 
-Both must be configured before the first JAX operation, so this runs at import time.
+Both must be configured before the first JAX operation, so this runs at import time. The cache is
+`ced_jax.compile_cache`'s (checked entries), in `$JAX_COMPILATION_CACHE_DIR` when set (CI points the
+default suite and the slow gates at one directory), else `.jax_cache/` in the repository. The variable
+is exported, so every server, CLI run and multi-host worker a test starts shares it.
 """
 
+import os
 from pathlib import Path
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-_CACHE = Path(__file__).resolve().parent.parent / ".jax_cache"
-jax.config.update("jax_compilation_cache_dir", str(_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
 REPO = Path(__file__).resolve().parent.parent
+_CACHE = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or REPO / ".jax_cache")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_CACHE)
+
+from ced_jax import compile_cache  # noqa: E402  (after the device count: it imports the package)
+
+compile_cache.enable(_CACHE)
 # DeepSeek's reference outputs on a tiny checkpoint (a copy of shared/golden/tiny-a).
 GOLDEN_TINY_A = REPO / "tests" / "golden" / "tiny-a"
 
@@ -45,3 +50,9 @@ def pytest_addoption(parser):
         help="directory of a text checkpoint in the format of shared/golden/tiny-a (the CED prefill "
         "measurements run on it: a hidden fixture with other shapes works the same way)",
     )
+
+
+def pytest_configure(config):
+    from tests.compile_stats import CompileStatsPlugin
+
+    config.pluginmanager.register(CompileStatsPlugin(), "ced_compile_stats")

@@ -15,6 +15,7 @@ N aligner tokens (padded likewise).
 from __future__ import annotations
 
 import math
+import threading
 from functools import partial
 
 import jax
@@ -23,8 +24,11 @@ import numpy as np
 
 from ced_jax.config import ModelConfig, VisionConfig
 from ced_jax.layers.common import HIGHEST, rope_inv_freq
-from ced_jax.quant import mean_last, round_bf16
+from ced_jax.quant import mean_last, round_bf16, sum_small
 from ced_jax.vision.preprocess import PreparedImage, span_length
+
+_PROGRAMS: dict[tuple, object] = {}
+_PROGRAMS_LOCK = threading.Lock()
 
 VIT_NORM_EPS = 1e-6
 # torch's CPU flash attention splits keys into blocks of 512 (kvSplitSize) for long sequences.
@@ -98,24 +102,26 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> 
 def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> jax.Array:
     """`_attention` for one chunk of queries q [Q, H, Dh] against all keys k, v [P, H, Dh]."""
     num_keys, _, head_dim = k.shape
-    scores = jnp.einsum("qhd,khd->hqk", q, k, precision=HIGHEST) * jnp.float32(1.0 / math.sqrt(head_dim))
-    valid = jnp.arange(num_keys) < n_valid
-    scores = jnp.where(valid[None, None, :], scores, -jnp.inf)
     n_blocks = -(-num_keys // ATTN_KV_BLOCK)
     pad = n_blocks * ATTN_KV_BLOCK - num_keys
-    if pad:
-        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-        v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
-    blocks = scores.reshape(*scores.shape[:2], n_blocks, ATTN_KV_BLOCK)  # [H, Q, J, Kb]
+    kb = jnp.pad(k, ((0, pad), (0, 0), (0, 0))).reshape(n_blocks, ATTN_KV_BLOCK, *k.shape[1:])
+    vb = jnp.pad(v, ((0, pad), (0, 0), (0, 0))).reshape(n_blocks, ATTN_KV_BLOCK, *v.shape[1:])  # J Kb H D
+    # Scores block by block: one product's width would be the key count, and XLA:CPU's dot rounds a
+    # column differently at another width (an image padded to a larger bucket), a block's never.
+    scale = jnp.float32(1.0 / math.sqrt(head_dim))
+    blocks = jnp.einsum("qhd,jkhd->hqjk", q, kb, precision=HIGHEST) * scale
+    valid = (jnp.arange(n_blocks * ATTN_KV_BLOCK) < n_valid).reshape(n_blocks, ATTN_KV_BLOCK)
+    blocks = jnp.where(valid, blocks, -jnp.inf)  # [H, Q, J, Kb]
     running_max = jax.lax.cummax(jnp.max(blocks, axis=-1), axis=2)  # [H, Q, J]
     # A block of masked keys before any valid one cannot occur: padding is at the end.
     exps = jnp.exp(blocks - running_max[..., None])
     final_max = running_max[..., -1:]
     rescale = jnp.exp(running_max - final_max)  # [H, Q, J]
-    denom = jnp.sum(jnp.sum(exps, axis=-1) * rescale, axis=-1)  # [H, Q]
-    vb = v.reshape(n_blocks, ATTN_KV_BLOCK, *v.shape[1:])  # [J, Kb, H, Dh]
+    # The blocks are summed in order (sum_small): a reduce over J would pick its order by J, so the
+    # rows of an image padded to a larger bucket (more, all-masked blocks) would round differently.
+    denom = sum_small(jnp.sum(exps, axis=-1) * rescale, -1)  # [H, Q]
     partial_out = jnp.einsum("hqjk,jkhd->hqjd", exps, vb, precision=HIGHEST)
-    out = jnp.sum(partial_out * rescale[..., None], axis=2) / denom[..., None]  # [H, Q, Dh]
+    out = sum_small(partial_out * rescale[..., None], 2) / denom[..., None]  # [H, Q, Dh]
     return round_bf16(jnp.transpose(out, (1, 0, 2)))
 
 
@@ -267,7 +273,6 @@ class VisionEncoder:
         self.params = {k: jnp.asarray(np.asarray(flat_vision_params[k])) for k in specs}
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(self.vcfg)
         self.runs = 0
-        self._programs: dict[tuple[int, bool], object] = {}
         self._start = np.asarray(self.params["image_start"], np.float32)
         self._newline = np.asarray(self.params["image_newline"], np.float32)
         self._end = np.asarray(self.params["image_end"], np.float32)
@@ -279,12 +284,14 @@ class VisionEncoder:
         raise ValueError(f"image has {num_patches} patches, more than the largest bucket {self.buckets[-1]}")
 
     def _program(self, bucket: int, keep_block_inputs: bool):
-        key = (bucket, keep_block_inputs)
-        if key not in self._programs:
-            tokens = min(bucket, max(self.vcfg.max_image_tokens - 3, 1))
-            fn = partial(_encode, vcfg=self.vcfg, num_tokens=tokens, keep_block_inputs=keep_block_inputs)
-            self._programs[key] = jax.jit(fn)
-        return self._programs[key]
+        # Shared by every encoder of this vision config in the process (a second load compiles nothing).
+        key = (self.vcfg, bucket, keep_block_inputs)
+        with _PROGRAMS_LOCK:
+            if key not in _PROGRAMS:
+                tokens = min(bucket, max(self.vcfg.max_image_tokens - 3, 1))
+                fn = partial(_encode, vcfg=self.vcfg, num_tokens=tokens, keep_block_inputs=keep_block_inputs)
+                _PROGRAMS[key] = jax.jit(fn)
+            return _PROGRAMS[key]
 
     def features(
         self, image: PreparedImage, *, bucket: int | None = None, keep_block_inputs: bool = False

@@ -58,7 +58,7 @@ def _run_two_processes(argv: list[str], tmp_path) -> list[subprocess.CompletedPr
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": "4",
-        "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),  # on: see the module docstring
+        "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],  # on: see the module docstring
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "PYTHONPATH": str(REPO),

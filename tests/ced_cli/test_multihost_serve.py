@@ -52,7 +52,7 @@ def _env(devices: int) -> dict:
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": str(devices),
-        "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),  # the persistent cache, on
+        "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],  # the persistent cache, on
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "PYTHONPATH": str(REPO),

@@ -712,7 +712,7 @@ def test_ced_jax_serve_and_client_then_sigterm(engine, tmp_path):
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": "8",
-        "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),
+        "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "PYTHONPATH": str(REPO),

@@ -72,7 +72,7 @@ def _start(impl_args: list[str], log_path):
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": "8",  # as tests/conftest.py, so the persistent cache entries match
-        "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),
+        "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
