@@ -81,10 +81,10 @@ class CheckedCache(CacheInterface):
             return None
         head = len(_MAGIC) + _DIGEST
         if len(blob) < head or not blob.startswith(_MAGIC):
-            return self._reject(key, "not written by ced-jax (or truncated)")
+            return self._reject(key, "not a ced-jax entry, or truncated")
         payload = blob[head:]
         if blob[len(_MAGIC) : head] != _digest(key, payload):
-            return self._reject(key, "its digest does not match its key and bytes (corrupt or foreign)")
+            return self._reject(key, "its digest does not match its key and bytes (corrupt, or another's)")
         return payload
 
     def put(self, key: str, value: bytes) -> None:
@@ -95,7 +95,17 @@ class CheckedCache(CacheInterface):
 
     def _reject(self, key: str, why: str) -> None:
         self.rejected.append(key)
-        log.warning("compilation cache entry %s in %s is %s: compiling it again", key, self._path, why)
+        log.warning("compilation cache entry %s in %s: %s; compiling it again", key, self._path, why)
+        # JAX's file cache never overwrites an entry: remove this one (ours by name: the key JAX asked
+        # for) so that the fresh compile's entry takes its place.
+        directory = Path(getattr(self._base, "path", self._path))
+        for suffix in ("-cache", "-atime"):
+            try:
+                (directory / f"{key}{suffix}").unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("compilation cache entry %s: cannot remove it (%s)", key, e)
         return None
 
 

@@ -91,7 +91,7 @@ class _ShapesHandler(logging.Handler):
     def emit(self, record):
         message = record.getMessage()
         if message.startswith("Compiling "):
-            _write_log(f"{_current_module[0]}\tshapes\t{message[:600]!r}")
+            _write_log(f"{_current_module[0]}\tshapes\t{message!r}")
 
 
 if _LOG:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 REPO = Path(__file__).resolve().parent.parent
@@ -56,3 +57,13 @@ def pytest_configure(config):
     from tests.compile_stats import CompileStatsPlugin
 
     config.pluginmanager.register(CompileStatsPlugin(), "ced_compile_stats")
+
+
+@pytest.fixture
+def fresh_programs(monkeypatch):
+    """Models loaded in this test trace programs of their own instead of the process-wide ones
+    (`Programs.shared`): for tests that patch a function the programs call, which only a fresh trace
+    sees (and which must not leave patched programs behind for later tests)."""
+    from ced_jax.engine import Programs
+
+    monkeypatch.setattr(Programs, "shared", classmethod(lambda cls, cfg, **kw: cls(cfg, **kw)))

@@ -55,7 +55,7 @@ def test_impl_flags_refused(base, flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_logits_impl_pallas_interpret_runs_the_kernels(tmp_path, monkeypatch):
+def test_logits_impl_pallas_interpret_runs_the_kernels(tmp_path, monkeypatch, fresh_programs):
     cfg, flat = _one_layer_tiny()
     seen, gmm_calls = [], []
 

@@ -45,7 +45,7 @@ def test_greedy_tokens_equal_reference():
 
 
 @pytest.mark.slow  # the tiny model compiled with every kernel call run twice: minutes on 2 cores
-def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch):
+def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fresh_programs):
     """The reference forward of the tiny model (the prompt above in chunks of 32, then 4 decode
     steps), with every sparse-attention, indexer-scoring and routed-expert call run a second time
     through the kernels on the same inputs: each kernel output equals the reference's bit for bit

@@ -204,7 +204,7 @@ def test_mode_c_free_running(model, golden, mode):
     assert np.mean(overlaps) >= 0.88
 
 
-def test_negative_control_sink_dropped_fails_mode_a(golden, monkeypatch):
+def test_negative_control_sink_dropped_fails_mode_a(golden, monkeypatch, fresh_programs):
     """A deliberately broken variant (attention sink dropped) must fail the mode-A gate."""
     import ced_jax.layers.attention as attention_module
     from ced_jax import ops
@@ -215,6 +215,6 @@ def test_negative_control_sink_dropped_fails_mode_a(golden, monkeypatch):
         return real(q, segments, sink * 0 - 1e30, scale, impl=impl)
 
     monkeypatch.setattr(attention_module.ops, "sparse_attention", no_sink)
-    broken = load(str(GOLDEN_TINY_A))
+    broken = load(str(GOLDEN_TINY_A))  # programs of its own (fresh_programs), traced with the patch
     m = mode_a_metrics(broken, golden, "intended")
     assert m["block_mean"] > 3e-3 or m["prefill_abs"] > 4e-3 or m["block_above"] > 2

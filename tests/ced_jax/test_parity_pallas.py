@@ -45,8 +45,9 @@ PALLAS = "pallas:interpret"
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts the kernel entry points the bridge reaches (traced calls)."""
+def kernel_calls(monkeypatch, fresh_programs):
+    """Counts the kernel entry points the bridge reaches (traced calls: the test's models trace their
+    own programs, `fresh_programs`)."""
     calls = {"gmm": 0, "decode": 0, "prefill": 0, "index": 0}
 
     def spy(module, attr, key):
