@@ -8,12 +8,15 @@ first collapse uses a one-hot on stream 0; the final one uses the last FFN site'
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
 from ced_jax.quant import exact_div, matmul_rows, max_small, mean_last, round_bf16, sum_small
 
 
+@partial(jax.jit, static_argnames=("hc", "iters", "norm_eps", "hc_eps"))
 def hc_mixes(
     x: jax.Array,
     fn: jax.Array,

@@ -508,14 +508,14 @@ def test_engine_rejects_calls_it_was_not_compiled_for(engine):
         engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=16, window_floor=16, **chunk))
 
 
-def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
+def test_compile_counter_sees_a_call_that_needs_a_new_program(model, engine):
     """The counter counts JAX's own compilation events, so it moves when a serving call compiles.
 
-    A separate small engine, since this one is left with a compile on its record. A decode batch with
-    batch size warm-up did not compile is a new input shape: jit compiles again."""
-    small = JaxEngine(
-        model, ServeConfig(max_slots=2, page_size=PAGE, max_context=2 * PAGE, prefill_buckets=(PAGE,))
-    )
+    A separate engine, since this one is left with a compile on its record; it has the module engine's
+    shapes, so its warm-up reuses the process's compiled programs (`Programs.shared`: nothing is built,
+    which the counter must not mistake for a compile after warm-up). A decode batch with a batch size
+    warm-up did not compile is a new input shape: jit compiles again."""
+    small = JaxEngine(model, _config(kv_host_bytes=1 << 20))
     small.warmup()
     assert small.compiles_after_warmup == 0
     S, P = small.spec.max_slots, small.spec.pages_per_slot
@@ -529,7 +529,8 @@ def test_compile_counter_sees_a_call_that_needs_a_new_program(model):
 
     small.decode(idle_batch(P))  # the warmed-up shapes: no compile
     assert small.compiles_after_warmup == 0
-    small._decode_idle_rows(1, P)  # a batch size warm-up did not compile (the buckets are (2,))
+    assert 1 not in small.decode_buckets
+    small._decode_idle_rows(1, P)  # a batch size warm-up did not compile
     assert small.compiles_after_warmup == 1
     small._decode_idle_rows(1, P)  # now cached
     assert small.compiles_after_warmup == 1
