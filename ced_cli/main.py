@@ -405,6 +405,7 @@ def cmd_logits(args) -> int:
     import numpy as np
 
     _check_logits_options(args)
+    _check_compilation_cache_options(args)
     _setup_distributed(args)
     request = None
     if args.request is not None:
@@ -465,6 +466,7 @@ def cmd_logits(args) -> int:
 
 def cmd_generate(args) -> int:
     _check_generate_options(args)
+    _check_compilation_cache_options(args)
     _setup_distributed(args)
     images = [Path(p) for p in args.image or []]
     for i, image in enumerate(images):
@@ -501,6 +503,20 @@ def _add_prefill_mode_option(p, default: str, *, per_request: bool = False) -> N
         f"bit-identical). Default {default}"
         + (" (per request: GenerateRequest.prefill_mode, the HTTP body's prefill_mode)" if per_request else ""),
     )
+
+
+def _check_compilation_cache_options(args) -> None:
+    """Before any model load (and, for serve, before the ports are bound)."""
+    if args.compilation_cache_dir is None:
+        return
+    if args.no_compilation_cache:
+        raise ValueError(
+            "--compilation-cache-dir with --no-compilation-cache: the cache is turned off; give one"
+        )
+    try:
+        Path(args.compilation_cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--compilation-cache-dir {args.compilation_cache_dir}: {e.strerror or e}") from None
 
 
 def _add_compilation_cache_options(p: argparse.ArgumentParser) -> None:
@@ -649,6 +665,7 @@ def _serve_config(args):
     """The `ServeConfig` of the serve flags (shared by `serve` and `compile`), checked before anything
     slow: every number, key file, port and the KV disk directory."""
     _check_serve_options(args)
+    _check_compilation_cache_options(args)
     from serving.config import ServeConfig
     from serving.tenants import ApiKeys
 
@@ -723,16 +740,9 @@ def cmd_serve(args) -> int:
 
     config = _serve_config(args)
     chunk = args.prefill_chunk
-    cluster = None
-    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
-        if args.mesh is None:
-            raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
-        _setup_distributed(args, recoverable=True)
-        from serving.multihost import Cluster
-
-        cluster = Cluster()
-        if not cluster.is_leader:
-            return _serve_follower(args, config, cluster)
+    cluster = _serve_cluster(args)
+    if cluster is not None and not cluster.is_leader:
+        return _serve_follower(args, config, cluster)
 
     def load():  # called by serve once every port is bound
         from serving.jax_engine import JaxEngine, ModelTokenizer
@@ -776,16 +786,9 @@ def cmd_compile(args) -> int:
     config = _serve_config(args)
     if args.no_compilation_cache:
         raise ValueError("--no-compilation-cache: compile writes the compilation cache; drop the flag")
-    cluster = None
-    if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
-        if args.mesh is None:
-            raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
-        _setup_distributed(args, recoverable=True)
-        from serving.multihost import Cluster
-
-        cluster = Cluster()
-        if not cluster.is_leader:
-            return _serve_follower(args, config, cluster)
+    cluster = _serve_cluster(args)
+    if cluster is not None and not cluster.is_leader:
+        return _serve_follower(args, config, cluster)
     from ced_jax import compile_cache
     from serving.jax_engine import JaxEngine
 
@@ -817,6 +820,18 @@ def cmd_compile(args) -> int:
         flush=True,
     )
     return 0
+
+
+def _serve_cluster(args):
+    """The multi-host `Cluster` of a `serve` or `compile` run with --coordinator flags, else None."""
+    if args.coordinator is None and args.num_processes is None and args.process_id is None:
+        return None
+    if args.mesh is None:
+        raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
+    _setup_distributed(args, recoverable=True)
+    from serving.multihost import Cluster
+
+    return Cluster()
 
 
 def _serve_follower(args, config, cluster) -> int:
