@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from functools import partial
 from typing import NamedTuple
 
@@ -494,10 +495,11 @@ class Programs:
 
     @classmethod
     def shared(cls, cfg: ModelConfig, *, impl: str, mesh=None, rules=None, dspark: bool = False) -> Programs:
-        """The process's one `Programs` for these static choices: a second model of the same config
-        (another `load`, another test module) reuses the compiled executables instead of tracing and
-        compiling again. The parameters and state are arguments, so their shapes, dtypes and weight
-        layout still pick the executable."""
+        """The `Programs` for these static choices while any model holds them: a second model of the
+        same config reuses the compiled executables instead of tracing and compiling again. Held
+        weakly, so the executables go with the last model (a long-lived process that loads many
+        configs, a test session, must not keep every one). The parameters and state are arguments,
+        so their shapes, dtypes and weight layout still pick the executable."""
         frozen_rules = None if rules is None else tuple(sorted((k, repr(v)) for k, v in rules.items()))
         key = (cfg, impl, mesh, frozen_rules, dspark)
         with _SHARED_LOCK:
@@ -507,7 +509,7 @@ class Programs:
         return programs
 
 
-_SHARED: dict[tuple, Programs] = {}
+_SHARED: weakref.WeakValueDictionary[tuple, Programs] = weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
 
 

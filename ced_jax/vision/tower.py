@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from functools import partial
 
 import jax
@@ -27,7 +28,18 @@ from ced_jax.layers.common import HIGHEST, rope_inv_freq
 from ced_jax.quant import mean_last, round_bf16, sum_small
 from ced_jax.vision.preprocess import PreparedImage, span_length
 
-_PROGRAMS: dict[tuple, object] = {}
+
+
+class _EncoderPrograms:
+    """The jitted encoder programs of one vision config, by (bucket, keep_block_inputs)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[int, bool], object] = {}
+
+
+# Shared by every encoder of a vision config while one is alive (a second load compiles nothing);
+# held weakly so that the executables go with the last encoder.
+_PROGRAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _PROGRAMS_LOCK = threading.Lock()
 
 VIT_NORM_EPS = 1e-6
@@ -276,6 +288,11 @@ class VisionEncoder:
         self._start = np.asarray(self.params["image_start"], np.float32)
         self._newline = np.asarray(self.params["image_newline"], np.float32)
         self._end = np.asarray(self.params["image_end"], np.float32)
+        with _PROGRAMS_LOCK:
+            programs = _PROGRAMS.get(self.vcfg)
+            if programs is None:
+                programs = _PROGRAMS[self.vcfg] = _EncoderPrograms()
+        self._programs = programs
 
     def bucket_for(self, num_patches: int) -> int:
         for b in self.buckets:
@@ -284,14 +301,13 @@ class VisionEncoder:
         raise ValueError(f"image has {num_patches} patches, more than the largest bucket {self.buckets[-1]}")
 
     def _program(self, bucket: int, keep_block_inputs: bool):
-        # Shared by every encoder of this vision config in the process (a second load compiles nothing).
-        key = (self.vcfg, bucket, keep_block_inputs)
+        key = (bucket, keep_block_inputs)
         with _PROGRAMS_LOCK:
-            if key not in _PROGRAMS:
+            if key not in self._programs.by_key:
                 tokens = min(bucket, max(self.vcfg.max_image_tokens - 3, 1))
                 fn = partial(_encode, vcfg=self.vcfg, num_tokens=tokens, keep_block_inputs=keep_block_inputs)
-                _PROGRAMS[key] = jax.jit(fn)
-            return _PROGRAMS[key]
+                self._programs.by_key[key] = jax.jit(fn)
+            return self._programs.by_key[key]
 
     def features(
         self, image: PreparedImage, *, bucket: int | None = None, keep_block_inputs: bool = False
