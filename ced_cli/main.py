@@ -685,13 +685,6 @@ def _serve_config(args):
     _check_port_option("--port", args.port)
     _check_port_option("--metrics-port", args.metrics_port, off=-1)
     _check_port_option("--http-port", args.http_port, off=-1)
-    if args.kv_disk_dir is not None:  # before the model loads: a busy or unwritable directory fails at once
-        from serving.kv_tiers import DiskTier
-
-        try:
-            DiskTier.check_directory(args.kv_disk_dir)
-        except RuntimeError as e:
-            raise ValueError(f"--kv-disk-dir: {e}") from None
     _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
     _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
     chunk = args.prefill_chunk
@@ -730,6 +723,13 @@ def _serve_config(args):
         grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
+    if config.kv_disk_dir is not None:  # before the model loads: a busy, unwritable or foreign directory fails at once
+        from serving.kv_tiers import DiskTier
+
+        try:
+            DiskTier.check_directory(config.kv_disk_dir)
+        except RuntimeError as e:
+            raise ValueError(f"--kv-disk-dir: {e}") from None
     return config
 
 

@@ -16,7 +16,10 @@ what rebuilds its chain link: parent key, scope tag, tokens and `extra`.
   as a miss, never returned. Start-up scans the directory (warm restart): files of another format
   version or model fingerprint (`PageLayout.fingerprint`) are deleted, the rest form the index in
   their last-use order (file mtimes, which the tier sets from a strictly increasing clock). An
-  exclusive `flock` on `LOCK` keeps a second process off the directory.
+  exclusive `flock` on `LOCK` keeps a second process off the directory. The directory is the tier's
+  own: it is marked by `MARKER_NAME` when the tier starts in an empty (or new) directory, a non-empty
+  directory without the marker is refused (it holds someone else's files), and only names of the
+  tier's own patterns (`<key hex>.kvb`, `<key hex>.<pid>.<n>.tmp`) are ever deleted.
 - `TieredKV(host, disk)`: `demote` puts a block on host; host pressure pushes its LRU blocks to disk
   (written on a background thread; until written they stay readable); disk pressure evicts. The disk
   is inclusive: a block promoted back to host keeps its file, so demoting it again costs no write.
@@ -55,7 +58,9 @@ import concurrent.futures
 import dataclasses
 import fcntl
 import hashlib
+import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -71,6 +76,12 @@ FORMAT_VERSION = 1
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = "LOCK"
+MARKER_NAME = "CED_KV_DISK_TIER"
+MARKER_TEXT = f"ced-jax KV disk tier: one block per file, format {FORMAT_VERSION}\n"
+_BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb")
+_TEMP_NAME = re.compile(r"[0-9a-f]{32}\.[0-9]+\.[0-9]+\.tmp")
+
+log = logging.getLogger(__name__)
 _DIGEST = 32
 _FIXED = struct.Struct("<I16s16s16s16sIIQ")  # version, fingerprint, key, parent, scope, n_tok, extra, payload
 _PREFIX = len(MAGIC) + _DIGEST
@@ -253,14 +264,25 @@ class DiskTier:
         self.corrupt_removed = 0
         self.evictions = 0
         self.write_errors = 0
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            if _check_owned(self.directory):
+                _write_marker(self.directory)
+            self._lock_fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RuntimeError(f"kv disk dir {self.directory}: {e.strerror or e}") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
             raise RuntimeError(f"kv disk dir {self.directory} is in use by another process") from None
         self._scan()
+        removed = self.stale_temp_removed + self.refused_removed + self.corrupt_removed
+        if removed:
+            log.info(
+                "kv disk dir %s: removed %d block(s) of another model or format, %d corrupt, %d temporary",
+                self.directory, self.refused_removed, self.corrupt_removed, self.stale_temp_removed,
+            )
 
     @staticmethod
     def check_directory(directory: str | os.PathLike) -> None:
@@ -269,6 +291,8 @@ class DiskTier:
         directory = os.fspath(directory)
         try:
             os.makedirs(directory, exist_ok=True)
+            if _check_owned(directory):
+                _write_marker(directory)
             fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise RuntimeError(f"kv disk dir {directory}: {e.strerror or e}") from None
@@ -284,12 +308,12 @@ class DiskTier:
         found = []
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
-            if name.endswith(TEMP_SUFFIX):
+            if _TEMP_NAME.fullmatch(name):
                 self._unlink(path)
                 self.stale_temp_removed += 1
                 continue
-            if not name.endswith(SUFFIX):
-                continue  # not ours (LOCK, or anything a person put there)
+            if not _BLOCK_NAME.fullmatch(name):
+                continue  # not ours (LOCK, the marker, or anything a person put there)
             try:
                 st = os.stat(path)
                 with open(path, "rb") as f:
@@ -452,6 +476,32 @@ class DiskTier:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _check_owned(directory: str) -> bool:
+    """Raises RuntimeError for a directory that holds other files but not the tier's marker; True if
+    the directory is to be marked (before anything is written in it)."""
+    marker = os.path.join(directory, MARKER_NAME)
+    if os.path.isfile(marker):
+        return False
+    names = os.listdir(directory)
+    # A directory of a tier from before the marker holds only the tier's own names: adopted.
+    foreign = [n for n in names if n != LOCK_NAME and not _BLOCK_NAME.fullmatch(n) and not _TEMP_NAME.fullmatch(n)]
+    if foreign:
+        raise RuntimeError(
+            f"kv disk dir {directory}: not empty and not a KV disk tier (no {MARKER_NAME} file; "
+            f"{len(foreign)} other entries, e.g. {sorted(foreign)[0]!r}): give an empty or new directory"
+        )
+    return True
+
+
+def _write_marker(directory: str) -> None:
+    temp = os.path.join(directory, f"{MARKER_NAME}.{os.getpid()}.partial")
+    with open(temp, "w") as f:
+        f.write(MARKER_TEXT)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, os.path.join(directory, MARKER_NAME))
 
 
 # ------------------------------------------------------------------------------------- tiers

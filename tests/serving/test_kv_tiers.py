@@ -3,6 +3,7 @@ blocks (corruption, killed writers, foreign fingerprints), warm restart, promoti
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from serving.kv_tiers import DiskTier, HostTier, TieredKV, make_meta
+from serving.kv_tiers import MARKER_NAME, MARKER_TEXT, DiskTier, HostTier, TieredKV, make_meta
 from serving.pages import ROOT_KEY, PagePool, block_key, scope_tag
 from tests.conftest import REPO
 
@@ -194,6 +195,39 @@ def test_other_fingerprint_is_refused_and_deleted_and_the_directory_is_exclusive
     other.close()
     with pytest.raises(ValueError, match="model_fingerprint"):
         DiskTier(tmp_path, FILE, b"short")
+
+
+def test_a_non_empty_directory_without_the_marker_is_refused_untouched(tmp_path):
+    (tmp_path / "notes.tmp").write_text("notes\n")
+    (tmp_path / "report.kvb").write_text("x\n")
+    for attempt in (lambda: DiskTier(tmp_path, 10 * FILE, FP), lambda: DiskTier.check_directory(tmp_path)):
+        with pytest.raises(RuntimeError, match="not a KV disk tier"):
+            attempt()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "report.kvb"]
+    assert (tmp_path / "report.kvb").read_text() == "x\n"
+
+
+def test_only_the_tiers_own_names_are_deleted_and_removals_are_logged(tmp_path, caplog):
+    fresh = tmp_path / "kv"
+    DiskTier.check_directory(fresh)  # the early check of a new directory marks it as the tier's
+    assert (fresh / MARKER_NAME).read_text() == MARKER_TEXT
+    disk = DiskTier(fresh, 10 * FILE, FP)
+    for meta, payload in _chain(3):
+        disk.put(meta, payload)
+    disk.close()
+    strays = {"notes.tmp": "notes", "report.kvb": "x", "ab.kvb": "y", "readme.txt": "hello"}
+    for name, text in strays.items():
+        (fresh / name).write_text(text)
+    (fresh / f"{'0' * 32}.123.4.tmp").write_bytes(b"half a block")  # a writer that died mid-write
+    with caplog.at_level(logging.INFO, logger="serving.kv_tiers"):
+        other = DiskTier(fresh, 10 * FILE, bytes(16))  # another model: its blocks go
+    assert other.refused_removed == 3 and other.stale_temp_removed == 1 and other.pages == 0
+    for name, text in strays.items():
+        assert (fresh / name).read_text() == text
+    assert sorted(p.name for p in fresh.iterdir()) == sorted([*strays, MARKER_NAME, "LOCK"])
+    (record,) = [r for r in caplog.records if "removed" in r.getMessage()]
+    assert "3 block(s) of another model or format" in record.getMessage() and "1 temporary" in record.getMessage()
+    other.close()
 
 
 def test_warm_restart_keeps_entries_and_lru_order(tmp_path):

@@ -79,3 +79,14 @@ def test_a_busy_kv_disk_dir_fails_before_the_model_loads(tmp_path, capsys, nothi
         assert len(lines) == 1 and "--kv-disk-dir" in lines[0] and "in use by another process" in lines[0]
     finally:
         held.close()
+
+
+def test_a_foreign_kv_disk_dir_exits_2_and_keeps_its_files(tmp_path, capsys, nothing_loads):
+    (tmp_path / "notes.tmp").write_text("notes\n")
+    (tmp_path / "report.kvb").write_text("x\n")
+    capsys.readouterr()
+    assert main([*BASE, "--kv-disk-dir", str(tmp_path), "--kv-disk-bytes", "1000000"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "--kv-disk-dir" in lines[0] and "not a KV disk tier" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "report.kvb"]
+    assert (tmp_path / "notes.tmp").read_text() == "notes\n" and (tmp_path / "report.kvb").read_text() == "x\n"
