@@ -723,7 +723,8 @@ def _serve_config(args):
         grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
-    if config.kv_disk_dir is not None:  # before the model loads: a busy, unwritable or foreign directory fails at once
+    # Before the model loads: a busy, unwritable or foreign directory fails at once.
+    if config.kv_disk_dir is not None:
         from serving.kv_tiers import DiskTier
 
         try:

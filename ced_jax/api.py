@@ -55,6 +55,7 @@ from ced_jax.checkpoint.converted import (
     load_onto_mesh,
     read_manifest,
 )
+from ced_jax.checkpoint.digest import arrays_digest, directory_digest
 from ced_jax.checkpoint.hf_loader import CheckpointError, load_hf_checkpoint, read_index
 from ced_jax.checkpoint.mapping import hf_inventory, our_param_specs, parameter_counts
 from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
@@ -231,6 +232,27 @@ class Model:
             from ced_jax.vision.tower import VisionEncoder
 
             self.vision = VisionEncoder(cfg, vision_params)
+        # The checkpoint directory the weights came from (`load` sets it): `weights_digest` hashes
+        # its files instead of the arrays in memory.
+        self.weights_source: Path | None = None
+
+    def weights_digest(self) -> bytes:
+        """16 bytes that differ for any difference in the weights (`ced_jax.checkpoint.digest`): the
+        files of the checkpoint directory it was loaded from, else every array held, Engram tables and
+        vision tower included. Slow for a big checkpoint the first time (its file hashes are cached)."""
+        if self.weights_source is not None:
+            return directory_digest(self.weights_source)
+        leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        arrays = [(jax.tree_util.keystr(path), np.asarray(jax.device_get(v))) for path, v in leaves]
+        if self.engram_store is not None:
+            arrays += [
+                (f"engram_store.{i}.{j}", np.asarray(arr))
+                for i, pair in enumerate(self.engram_store.tables)
+                for j, arr in enumerate(pair)
+            ]
+        if self.vision is not None:
+            arrays += [(f"vision.{k}", np.asarray(v)) for k, v in sorted(self.vision.params.items())]
+        return arrays_digest(arrays)
 
     @property
     def dspark(self) -> bool:
@@ -1041,7 +1063,7 @@ def load(
     tok = directory / "tokenizer.json"
     from ced_jax.vision.weights import load_vision_params
 
-    return Model(
+    model = Model(
         cfg,
         flat,
         hasher=hasher,
@@ -1057,6 +1079,8 @@ def load(
         engram_store=store,
         weight_layout=weight_layout,
     )
+    model.weights_source = directory
+    return model
 
 
 def default_engram_placement(path_or_preset: str | Path) -> str:

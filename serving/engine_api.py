@@ -50,8 +50,8 @@ them back. The scheduler reads the pages of the blocks the prefix cache evicts r
 allocation that evicted them, before any engine call that writes them, and writes restored blocks
 into freshly allocated pages before the prefill that continues them. A block restored into pages must
 serve like the block computed there (in restore mode "pages": the first chunk starts after it).
-`EngineSpec.kv_fingerprint` names the page layout and the weights, so a disk tier written by another
-model or config is refused.
+`kv_fingerprint()` names the page layout and every weight byte, so a disk tier written by another
+model, checkpoint or config is refused (computed on the first call: it may read the checkpoint once).
 
 Asynchrony. `decode_async` and `prefill_async` only dispatch the work and return a `Pending`
 whose `result()` waits for it (JAX dispatch is asynchronous), so the scheduler dispatches a step's
@@ -171,9 +171,8 @@ class EngineSpec:
     # model's sliding window); 0 = the model has no CED layout (requests are exact only).
     ced_window: int = 0
     # KV tiers: the bytes of one page that `read_pages` / `write_pages` move (0 = the engine cannot
-    # move pages: no KV tiers), and what identifies their layout and weights (16 bytes).
+    # move pages: no KV tiers); what identifies their layout and weights is `Engine.kv_fingerprint()`.
     kv_page_bytes: int = 0
-    kv_fingerprint: bytes = b""
     # Data-parallel attention: the slots and the pages form `kv_blocks` equal blocks, one per device,
     # and a slot's pages must come from its own block (slot s is in block s // (max_slots /
     # kv_blocks), page p in block p // (num_pages / kv_blocks)). 1 = any page serves any slot.
@@ -365,6 +364,10 @@ class Engine(Protocol):
 
     @property
     def spec(self) -> EngineSpec: ...
+
+    def kv_fingerprint(self) -> bytes:
+        """16 bytes naming the page layout, config and weights (KV tiers: `kv_page_bytes` > 0)."""
+        ...
 
     @property
     def compiles_after_warmup(self) -> int:

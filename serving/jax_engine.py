@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -297,18 +296,11 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), n)
 
 
-def weights_id(params) -> bytes:
-    """What tells checkpoints of one config apart in a KV fingerprint, cheaply: the first rows of the
-    embedding and the head (tiny and tiny-spec share a config and differ there) and every parameter's
-    path, shape and dtype. Pages written under other weights are refused by the disk tier."""
-    h = hashlib.blake2b(digest_size=16)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
-    for name in ("embed", "head"):
-        weight = params.get(name, {}).get("weight") if isinstance(params, dict) else None
-        if weight is not None:
-            h.update(np.ascontiguousarray(jax.device_get(weight[:8])).tobytes())
-    return h.digest()
+def weights_id(model) -> bytes:
+    """What tells checkpoints of one config apart in a KV fingerprint: every weight byte
+    (`Model.weights_digest`: the checkpoint's files, hashed once and cached by size and mtime, or the
+    arrays of an in-memory model). Pages written under other weights are refused by the disk tier."""
+    return model.weights_digest()
 
 
 class ModelTokenizer:
@@ -394,6 +386,7 @@ class JaxEngine:
         # KV tiers: whole pages in and out of the state (not across processes: a multi-host leader
         # would have to hand the calls to the others).
         self.page_layout = PageLayout.for_config(cfg, page_size)
+        self._kv_fingerprint: bytes | None = None
         self.page_layout.check_state(self.engine.state)
         tiers = cluster is None
         self._page_buckets = _page_buckets(max_context // page_size) if config.kv_tiers and tiers else ()
@@ -415,7 +408,6 @@ class JaxEngine:
             dspark_max_drafts=cfg.dspark_block_size if self.dspark_widths else 0,
             ced_window=cfg.sliding_window if ced_boundary(cfg) is not None else 0,
             kv_page_bytes=self.page_layout.page_bytes if tiers else 0,
-            kv_fingerprint=self.page_layout.fingerprint(weights_id(model.params)) if tiers else b"",
             kv_blocks=self.kv_blocks,
             config_summary={
                 "layers": str(cfg.num_layers),
@@ -570,6 +562,13 @@ class JaxEngine:
                 slots, tokens, drafts, n_drafts, positions, active, page_tables, temperature, top_p,
                 top_k, seed, max_logprobs=self.max_logprobs, token_bitmask=token_bitmask,
             )  # fmt: skip
+
+    def kv_fingerprint(self) -> bytes:
+        """The page layout, config and every weight byte (`weights_id`), computed once: a disk tier
+        keeps pages across processes, and a page is valid only under the weights that wrote it."""
+        if self._kv_fingerprint is None:
+            self._kv_fingerprint = self.page_layout.fingerprint(weights_id(self.model))
+        return self._kv_fingerprint
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         """One blob of `page_layout.page_bytes` per page (`ced_jax.page_io`), read in the compiled

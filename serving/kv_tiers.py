@@ -31,7 +31,7 @@ tokens i32[n_tokens] | extra | payload. The key must equal `block_key(parent, sc
 and the file's name (`<key hex>.kvb`).
 
 How the server uses it (`serving/scheduler.py`, module docstring "KV tiers"; the engine side is
-`Engine.read_pages` / `write_pages`, `EngineSpec.kv_page_bytes` and `kv_fingerprint`):
+`Engine.read_pages` / `write_pages`, `EngineSpec.kv_page_bytes` and `Engine.kv_fingerprint()`):
 1. Start-up: `TieredKV(HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fingerprint))`,
    the fingerprint from `PageLayout.fingerprint(weights_id)` (weights_id names the checkpoint: tiny
    and tiny-spec share a config).
@@ -486,7 +486,8 @@ def _check_owned(directory: str) -> bool:
         return False
     names = os.listdir(directory)
     # A directory of a tier from before the marker holds only the tier's own names: adopted.
-    foreign = [n for n in names if n != LOCK_NAME and not _BLOCK_NAME.fullmatch(n) and not _TEMP_NAME.fullmatch(n)]
+    own = (_BLOCK_NAME.fullmatch, _TEMP_NAME.fullmatch, LOCK_NAME.__eq__)
+    foreign = [n for n in names if not any(match(n) for match in own)]
     if foreign:
         raise RuntimeError(
             f"kv disk dir {directory}: not empty and not a KV disk tier (no {MARKER_NAME} file; "

@@ -180,8 +180,10 @@ class MockEngine:
             ced_window=ced_window,  # claims a CED layout (the mock's arithmetic ignores decoder_from)
             # A page's blob is its int32 token ids (KV tiers); the fingerprint names the rule.
             kv_page_bytes=page_size * 4,
-            kv_fingerprint=hashlib.blake2b(repr(("mock", rule, page_size)).encode(), digest_size=16).digest(),
         )
+        self._kv_fingerprint = hashlib.blake2b(
+            repr(("mock", rule, page_size)).encode(), digest_size=16
+        ).digest()
         self.rule = rule
         self.step_delay_s = step_delay_s
         self.kv = np.full((num_pages, page_size), -1, np.int32)
@@ -388,6 +390,9 @@ class MockEngine:
         self._pos[slot] = -1
         self._decoding[slot] = False
         self._ring[slot] = ()
+
+    def kv_fingerprint(self) -> bytes:
+        return self._kv_fingerprint
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         self.pages_read += len(pages)

@@ -99,7 +99,7 @@ count as cached prompt tokens, so the prefill starts after them exactly as after
 request's disk blocks are prefetched into host memory when it enters the queue. On shutdown every
 block of the device cache is demoted and the host tier is written to disk, so a restart with the same
 directory finds the whole cache there (blocks of another model or config are refused by their
-fingerprint, `EngineSpec.kv_fingerprint`).
+fingerprint, `Engine.kv_fingerprint()`).
 
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
@@ -291,7 +291,7 @@ class Scheduler:
         if config.kv_tiers:
             disk = None
             if config.kv_disk_dir is not None:
-                disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, spec.kv_fingerprint)
+                disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, engine.kv_fingerprint())
             self.tiers = TieredKV(HostTier(config.kv_host_bytes), disk)
         self._evicted: list[CacheEntry] = []
         self._promotions_seen = 0

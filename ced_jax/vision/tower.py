@@ -29,7 +29,6 @@ from ced_jax.quant import mean_last, round_bf16, sum_small
 from ced_jax.vision.preprocess import PreparedImage, span_length
 
 
-
 class _EncoderPrograms:
     """The jitted encoder programs of one vision config, by (bucket, keep_block_inputs)."""
 

@@ -226,7 +226,8 @@ def test_only_the_tiers_own_names_are_deleted_and_removals_are_logged(tmp_path, 
         assert (fresh / name).read_text() == text
     assert sorted(p.name for p in fresh.iterdir()) == sorted([*strays, MARKER_NAME, "LOCK"])
     (record,) = [r for r in caplog.records if "removed" in r.getMessage()]
-    assert "3 block(s) of another model or format" in record.getMessage() and "1 temporary" in record.getMessage()
+    message = record.getMessage()
+    assert "3 block(s) of another model or format" in message and "1 temporary" in message
     other.close()
 
 

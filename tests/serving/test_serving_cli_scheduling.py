@@ -89,4 +89,5 @@ def test_a_foreign_kv_disk_dir_exits_2_and_keeps_its_files(tmp_path, capsys, not
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "--kv-disk-dir" in lines[0] and "not a KV disk tier" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "report.kvb"]
-    assert (tmp_path / "notes.tmp").read_text() == "notes\n" and (tmp_path / "report.kvb").read_text() == "x\n"
+    assert (tmp_path / "notes.tmp").read_text() == "notes\n"
+    assert (tmp_path / "report.kvb").read_text() == "x\n"

@@ -399,7 +399,10 @@ def test_decode_segments_take_turns_with_the_uninterrupted_tokens(engine, model)
         order, events = [], {rid: [] for rid in prompts}
         for rid, prompt in prompts.items():
             req = GenerationRequest(
-                request_id=rid, prompt_token_ids=tuple(prompt), max_tokens=20, sampling=sampling,
+                request_id=rid,
+                prompt_token_ids=tuple(prompt),
+                max_tokens=20,
+                sampling=sampling,
                 ignore_eos=True,
             )
             sched.submit(req, lambda ev, rid=rid: (events[rid].append(ev), order.append((rid, ev.final))))
@@ -428,7 +431,7 @@ def test_pages_copy_out_and_back_in_bit_for_bit(engine):
     from serving.jax_engine import weights_id
 
     spec = engine.spec
-    assert spec.kv_page_bytes == 210 * PAGE and len(spec.kv_fingerprint) == 16
+    assert spec.kv_page_bytes == 210 * PAGE and len(engine.kv_fingerprint()) == 16
     engine.prefill(_chunk(1, _prompt(CHUNK), 0, last=True))
     src, dst = _table(1)[:2].tolist(), _table(2)[:2].tolist()
     blobs = engine.read_pages(src)
@@ -442,11 +445,7 @@ def test_pages_copy_out_and_back_in_bit_for_bit(engine):
         engine.write_pages([dst[0], dst[0]], blobs)
     engine.release(1)
     assert engine.compiles_after_warmup == 0  # warm-up compiled every page-copy bucket
-    # the weights are part of the fingerprint: a changed embedding row changes it
-    params = {"embed": {"weight": np.zeros((8, 4), np.float32)}, "head": {"weight": np.ones((8, 4))}}
-    before = weights_id(params)
-    params["embed"]["weight"][0, 0] = 1.0
-    assert weights_id(params) != before
+    assert len(weights_id(engine.model)) == 16 and engine.kv_fingerprint() == engine.kv_fingerprint()
 
 
 def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tmp_path):
@@ -464,8 +463,12 @@ def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tm
         events = []
         sched.submit(
             GenerationRequest(
-                request_id=rid, prompt_token_ids=tuple(prompt), max_tokens=6, sampling=sampling,
-                logprobs=3, ignore_eos=True,
+                request_id=rid,
+                prompt_token_ids=tuple(prompt),
+                max_tokens=6,
+                sampling=sampling,
+                logprobs=3,
+                ignore_eos=True,
             ),
             events.append,
         )
@@ -493,6 +496,65 @@ def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tm
     assert from_disk[2] == 112 and from_disk[:2] == cold[:2]
     reader.close_tiers()
     assert engine.compiles_after_warmup == 0
+
+
+def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, model, tmp_path):
+    """Issue 33.1's reproduction at the engine: 12 prompts sharing a 32-token prefix served with a
+    small host tier spilling to disk, shut down; then the same config with `kv_norm` of layers 0 and
+    1 scaled by 1.5 (weights that differ in no embedding or head row) on the same directory. The old
+    blocks are refused and deleted, no request reuses a cached token from them, and every greedy
+    output is the modified model's cold one."""
+    from ced_jax.api import Model
+    from ced_jax.testing.random_weights import embedded_params
+    from serving.scheduler import GenerationRequest, Scheduler, collect
+
+    flat = embedded_params("tiny", dspark=False)
+    for layer in (0, 1):
+        name = f"layers.{layer}.attn.kv_norm.weight"
+        flat[name] = (flat[name].astype(np.float32) * 1.5).astype(flat[name].dtype)
+    changed = Model(
+        model.cfg, flat, hasher=model.hasher, tokenizer_path=model.tokenizer_path,
+        engram_placement=model.engram_placement, weight_layout=model.weight_layout,
+    )  # fmt: skip
+    assert changed.programs is model.programs  # the same config: nothing to compile
+    prefix = _prompt(32)
+    prompts = [prefix + RNG.integers(3, 512, 5).tolist() for _ in range(12)]
+
+    def run(sched, prompts):
+        events = {i: [] for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            req = GenerationRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=tuple(prompt),
+                max_tokens=6,
+                sampling=GREEDY,
+                ignore_eos=True,
+            )
+            sched.submit(req, events[i].append)
+            while sched.step():
+                pass
+        results = [collect(events[i]) for i in range(len(prompts))]
+        return [ids for ids, _, _ in results], [last.usage.cached_prompt_tokens for _, _, last in results]
+
+    changed_engine = JaxEngine(changed, _config(kv_host_bytes=1 << 20))
+    changed_engine.warmup()  # the module engine's programs: run, not compiled
+    cold, _ = run(
+        Scheduler(changed_engine, ModelTokenizer(changed), _config(enable_prefix_cache=False)), prompts
+    )
+    tiers = dict(
+        kv_host_bytes=2 * engine.spec.kv_page_bytes, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=1 << 24
+    )
+    writer = Scheduler(engine, ModelTokenizer(model), _config(**tiers))
+    old_tokens, old_cached = run(writer, prompts)
+    assert sum(old_cached) >= 11 * 32  # the old model did reuse its prefix
+    assert old_tokens != cold  # the change shows in the tokens (else this test could not fail)
+    writer.close_tiers()
+    assert len(list((tmp_path / "kv").glob("*.kvb"))) > 0
+    reader = Scheduler(changed_engine, ModelTokenizer(changed), _config(**tiers))
+    assert reader.tiers.disk.refused_removed > 0 and reader.tiers.disk.pages == 0
+    tokens, cached = run(reader, prompts)
+    assert cached[0] == 0 and tokens == cold
+    reader.close_tiers()
 
 
 def test_engine_rejects_calls_it_was_not_compiled_for(engine):
