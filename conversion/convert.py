@@ -1022,6 +1022,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, options: ConvertOptions | N
     tmp = _make_own_directory(out.parent, f".{out.name}.converting-")
     try:
         summary = _write(plan, hf, tmp, options, include)
+        _check_interrupt()  # the last point at which OUT is still the previous conversion
         _move_into_place(tmp, out)
     except BaseException:
         _remove_own_directory(tmp)
@@ -1062,6 +1063,7 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
                 reader = _StreamReader(hf / file, bar)
                 try:
                     for name, begin, end in reader.entries:
+                        _check_interrupt()  # between tensors: never inside a read or an Orbax save
                         key = plan.group_of.get(name)
                         if key is None:  # ignored: read only to hash it
                             reader.skip_to(end)
@@ -1109,6 +1111,7 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
             missing = sorted(set(plan.targets) - set(produced))
             if missing:
                 raise ConversionError(f"{len(missing)} model leaves were not produced, e.g. {missing[:5]}")
+            _check_interrupt()
             for item in items_used:
                 bar.set_postfix_str(f"finalizing {item}")
                 ocp.v1.partial.finalize(tmp / item)
@@ -1207,8 +1210,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Interrupted(BaseException):
-    """SIGTERM or SIGINT (Ctrl-C) during a conversion. A BaseException, so that no `except Exception`
-    swallows it and convert()'s clean-up runs as for any failure. Not KeyboardInterrupt: with it,
+    """SIGTERM or SIGINT (Ctrl-C) during a conversion, raised by `_check_interrupt` between tensors. A
+    BaseException, so that no `except Exception` swallows it and convert()'s clean-up runs as for any
+    failure. Not KeyboardInterrupt: with it,
     a Ctrl-C'd `ced-jax convert` printed this message and returned 130, yet the process still ended
     by SIGINT (status -2, measured); CPython re-sends SIGINT at exit once it has seen an unhandled
     KeyboardInterrupt, apparently somewhere inside the save's own event loop."""
@@ -1218,27 +1222,46 @@ class _Interrupted(BaseException):
         self.signum = signum
 
 
+# The first SIGTERM / SIGINT received while converting (None: none). The handler only records it:
+# an exception raised from a handler can land anywhere, a garbage-collection callback included, where
+# Python prints it as "ignored" and the conversion would go on to replace OUT; and raised inside an
+# Orbax save it leaves the save's writer threads writing into the directory being removed.
+_received_signal: int | None = None
+
+
+def _check_interrupt() -> None:
+    if _received_signal is not None:
+        raise _Interrupted(_received_signal)
+
+
 @contextlib.contextmanager
 def _signals_interrupt():
-    """While converting, SIGTERM and SIGINT raise _Interrupted in the main thread (Python's default
-    for SIGTERM is to die on the spot, leaving the temporary directory behind). Further signals
-    during the clean-up are ignored; SIGKILL still ends it, and the next run removes what is left."""
+    """While converting, SIGTERM and SIGINT stop the conversion at the next tensor (`_check_interrupt`;
+    Python's default for SIGTERM is to die on the spot, leaving the temporary directory behind).
+    Further signals change nothing; SIGKILL still ends it, and the next run removes what is left."""
+    global _received_signal
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
     signums = (signal.SIGTERM, signal.SIGINT)
 
-    def interrupt(signum, frame):
-        for s in signums:
-            signal.signal(s, signal.SIG_IGN)
-        raise _Interrupted(signum)
+    def record(signum, frame):
+        global _received_signal
+        if _received_signal is None:
+            _received_signal = signum
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after the current tensor\n".encode())
 
-    previous = {s: signal.signal(s, interrupt) for s in signums}
+    _received_signal = None
+    previous = {s: signal.signal(s, record) for s in signums}
     try:
         yield
     finally:
+        stopping = _received_signal is not None
         for s, handler in previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+            # Interrupted: the process is about to exit 128 + signal; a further Ctrl-C must not turn
+            # that into a KeyboardInterrupt traceback. None: a handler set outside Python.
+            signal.signal(s, signal.SIG_IGN if stopping else signal.SIG_DFL if handler is None else handler)
+        _received_signal = None
 
 
 __all__ = [

@@ -788,3 +788,36 @@ def test_default_include_without_listed_stages(multimodal, tmp_path, capsys):
     shutil.copyfile(src / INDEX, partial / INDEX)
     edit_index(partial, lambda wm: wm.pop(dropped))
     assert_fails(partial, tmp_path / "out", capsys, INDEX, dropped, "--include text")
+
+
+def test_ctrl_c_storm_during_overwrite_keeps_the_previous_conversion(synthetic_tiny, tmp_path, capsys):
+    """Issue 33.3's reproduction, several times: a conversion, then the same again with --overwrite,
+    SIGINT 0.6 s after its temporary directory appears and 5 more 0.4 s apart. Every run exits 130
+    with one line, leaves the previous output byte for byte and no temporary directory (the handler
+    only records the signal; it was swallowed when it landed in a garbage-collection callback)."""
+    out = tmp_path / "out"
+    assert convert_main(["--hf-dir", str(synthetic_tiny), "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    for _ in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ced_cli.main", "convert", "--hf-dir", str(synthetic_tiny), "--out", str(out),
+             "--quiet", "--overwrite"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(".out.converting-*")) and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(0.6)
+        assert proc.poll() is None  # still converting when interrupted
+        for _ in range(6):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.4)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err
+        assert "interrupted by SIGINT" in err.strip().splitlines()[-1] and "Traceback" not in err, err
+        assert "ignored" not in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+        assert after == before
