@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -111,6 +112,7 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
+        self._check_ranges()
         L = self.num_layers
         if len(self.compress_ratios) < L:
             raise ConfigError(
@@ -146,6 +148,53 @@ class ModelConfig:
             raise ConfigError(f"n_shared_experts: expected 1, got {self.n_shared_experts}")
         if self.expert_dtype != "fp4":
             raise ConfigError(f"expert_dtype: only 'fp4' is supported, got {self.expert_dtype!r}")
+
+    def _check_ranges(self) -> None:
+        """Every value within the range the model can run with, named as config.json names it."""
+
+        def fail(field_name: str, need: str) -> None:
+            key = _HF_NAME.get(field_name, field_name)
+            raise ConfigError(f"{key}: {need}, got {getattr(self, field_name)!r}")
+
+        for f in _AT_LEAST_ONE:
+            if getattr(self, f) < 1:
+                fail(f, "must be >= 1")
+        for f in _AT_LEAST_ZERO:
+            if getattr(self, f) < 0:
+                fail(f, "must be >= 0")
+        for f in _POSITIVE_FLOATS:
+            v = getattr(self, f)
+            if not (math.isfinite(v) and v > 0):
+                fail(f, "must be a finite number > 0")
+        for f in _FINITE_FLOATS:
+            if not math.isfinite(getattr(self, f)):
+                fail(f, "must be a finite number")
+        if self.swiglu_limit < 0:
+            fail("swiglu_limit", "must be >= 0 (0: no clamp)")
+        for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if not 0 <= getattr(self, f) < self.vocab_size:
+                fail(f, f"must be a token id in [0, vocab_size={self.vocab_size})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            fail("num_experts_per_tok", f"must be <= n_routed_experts={self.n_routed_experts}")
+        if self.rope_head_dim > self.head_dim:
+            fail("rope_head_dim", f"must be <= head_dim={self.head_dim}")
+        if self.rope_head_dim % 2:
+            fail("rope_head_dim", "must be even (rotary pairs)")
+        if not -1 <= self.candidate_source_layer_id < self.num_layers:
+            fail("candidate_source_layer_id", f"must be -1 (none) or a layer in [0, {self.num_layers})")
+        for r in self.compress_ratios:
+            if r < 0:
+                raise ConfigError(f"compress_ratios: must be >= 0 each, got {list(self.compress_ratios)}")
+        for n in self.engram_num_embeddings:
+            if n < 1:
+                raise ConfigError(
+                    f"engram_num_embeddings: must be >= 1 each, got {list(self.engram_num_embeddings)}"
+                )
+        if self.dspark_num_experts_per_tok > self.dspark_n_routed_experts:
+            fail(
+                "dspark_num_experts_per_tok",
+                f"must be <= dspark_n_routed_experts={self.dspark_n_routed_experts}",
+            )
 
     # ------------------------------------------------------------------ derived layout
     def compress_ratio(self, layer: int) -> int:
@@ -286,6 +335,28 @@ _TEXT_KEYS: dict[str, str] = {
     "dspark_n_routed_experts": "dspark_n_routed_experts",
     "dspark_num_experts_per_tok": "dspark_num_experts_per_tok",
 }
+_HF_NAME = {ours: hf for hf, ours in _TEXT_KEYS.items()}
+_AT_LEAST_ONE = (
+    "vocab_size", "hidden_size", "num_layers", "max_position_embeddings", "num_heads", "head_dim",
+    "rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window", "rope_original_max_position",
+    "index_n_heads", "index_head_dim", "index_topk", "candidate_block_size", "moe_intermediate_size",
+    "n_routed_experts", "num_experts_per_tok", "hc_mult", "hc_sinkhorn_iters", "engram_max_ngram_size",
+    "weight_block_size",
+)  # fmt: skip
+_AT_LEAST_ZERO = (
+    "image_token_id", "candidate_topk_blocks", "engram_n_heads", "engram_head_dim", "engram_vocab_size",
+    "engram_compressed_vocab_size", "engram_pad_token_id", "num_nextn_predict_layers", "dspark_block_size",
+    "dspark_noise_token_id", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+)  # fmt: skip
+_POSITIVE_FLOATS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "compress_rope_theta",
+    "rope_factor",
+    "routed_scaling_factor",
+    "hc_eps",
+)
+_FINITE_FLOATS = ("rope_beta_fast", "rope_beta_slow", "swiglu_limit")
 # text_config keys that are accepted only with the value the model is built for.
 _TEXT_FIXED: dict[str, Any] = {
     "model_type": "deepseek_v41_text",

@@ -78,3 +78,31 @@ def test_unknown_preset_and_missing_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("num_attention_heads", 0, "num_attention_heads: must be >= 1, got 0"),
+        ("hc_mult", 0, "hc_mult: must be >= 1, got 0"),
+        ("index_topk", -5, "index_topk: must be >= 1, got -5"),
+        ("sliding_window", 0, "sliding_window: must be >= 1, got 0"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok: must be <= n_routed_experts=8, got 9"),
+        ("rope_theta", -1, "rope_theta: must be a finite number > 0, got -1.0"),
+        ("hc_sinkhorn_iters", -1, "hc_sinkhorn_iters: must be >= 1, got -1"),
+        ("rms_norm_eps", float("nan"), "rms_norm_eps: must be a finite number > 0, got nan"),
+        ("vocab_size", 0, "vocab_size: must be >= 1, got 0"),
+        ("qk_rope_head_dim", 130, "qk_rope_head_dim: must be <= head_dim"),
+        ("candidate_source_layer_id", 99, "candidate_source_layer_id: must be -1"),
+        ("compress_ratios", [-4] * 8, "compress_ratios: must be >= 0 each"),
+    ],
+)
+def test_out_of_range_values_name_the_key(key, value, message):
+    """Issue 33.8: every value's range is checked in ModelConfig (0 heads were a ZeroDivisionError
+    traceback, a negative top-k or a NaN epsilon converted with exit 0)."""
+    raw = copy.deepcopy(_raw())
+    assert raw["text_config"]["n_routed_experts"] == 8 and raw["text_config"]["head_dim"] == 128
+    raw["text_config"][key] = value
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf_config(raw)
+    assert message in str(e.value)

@@ -709,6 +709,20 @@ def test_config_value_the_tensors_contradict(ckpt, tmp_path, capsys, key, value,
     assert err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("num_attention_heads", 0), ("hc_mult", 0), ("rms_norm_eps", float("nan")), ("index_topk", -5)],
+)
+def test_out_of_range_config_values_exit_2_in_one_line(ckpt, tmp_path, capsys, key, value):
+    """Issue 33.8: a traceback (0 heads, hc_mult 0) or a conversion that exits 0 (NaN epsilon,
+    negative top-k) before; now one line naming the key, nothing written."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"][key] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    err = assert_fails(ckpt, tmp_path / "out", capsys, key, "must be")
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
 # ---------------------------------------------------------------------- loading prints no warnings
 def test_loading_a_conversion_warns_of_nothing(converted, caplog, capsys):
     """Orbax's 'This may be a sign of a malformed checkpoint' warning (it does not recognise zarr3
