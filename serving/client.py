@@ -173,20 +173,52 @@ def abort(
     return _unary(addr, "Abort", req, timeout, api_key).found
 
 
+INT32_MAX = 2**31 - 1  # the proto's int32 fields
+UINT32_MAX = 2**32 - 1  # GenerateRequest.seed
+
+
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high] (the proto field's range: beyond it the request
+    could not be encoded)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
+def _address(text: str) -> str:
+    """host:port, the port in [1, 65535]: gRPC takes a larger number modulo 65536 without a word."""
+    if text.startswith("unix:") or "://" in text:  # other gRPC target forms are passed on as given
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected host:port, got {text!r}")
+    if not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [1, 65535], got {port}")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`ced-jax client ADDR --prompt TEXT`: prints the text as it streams, a summary on stderr."""
     p = argparse.ArgumentParser(
         prog="ced-jax client", description="Stream a completion from a ced-jax server."
     )
-    p.add_argument("addr", help="host:port of the server")
+    p.add_argument("addr", type=_address, help="host:port of the server")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=0, help="0 = server default")
+    p.add_argument("--max-tokens", type=_int_in(0, INT32_MAX), default=0, help="0 = server default")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=0)
+    p.add_argument("--seed", type=_int_in(0, UINT32_MAX))
     p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--logprobs", type=int, default=0)
+    p.add_argument("--logprobs", type=_int_in(0, INT32_MAX), default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float)
     p.add_argument("--user", default="", help="end user the request is for (the identity without API keys)")
