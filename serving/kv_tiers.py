@@ -383,7 +383,8 @@ class DiskTier:
             digest = hashlib.blake2b(memoryview(data)[_PREFIX:], digest_size=_DIGEST).digest()
             if digest != data[len(MAGIC) : _PREFIX]:
                 raise CorruptBlock("checksum mismatch")
-        except CorruptBlock:
+        except CorruptBlock as e:
+            log.warning("kv disk dir %s: block %s is corrupt (%s); removed", self.directory, key.hex(), e)
             with self._lock:
                 self.corrupt_removed += 1
                 self._forget(key)
@@ -413,7 +414,8 @@ class DiskTier:
             return False
         try:
             _write_temp(temp, parts)
-        except OSError:
+        except OSError as e:
+            log.warning("kv disk dir %s: writing a block failed: %s", self.directory, e.strerror or e)
             with self._lock:
                 self.write_errors += 1
             self._unlink(temp)
@@ -578,6 +580,8 @@ class TieredKV:
                 "disk_evictions": self.disk.evictions if self.disk else 0,
                 "disk_corrupt_removed": self.disk.corrupt_removed if self.disk else 0,
                 "disk_write_errors": self.disk.write_errors if self.disk else 0,
+                "disk_refused_removed": self.disk.refused_removed if self.disk else 0,
+                "disk_stale_temp_removed": self.disk.stale_temp_removed if self.disk else 0,
             }
 
     # ---- demotion

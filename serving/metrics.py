@@ -87,6 +87,13 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        self.kv_disk_events = Counter(
+            "ced_kv_disk_events",
+            "KV disk tier files removed or not written, by cause (corrupt, refused: another model or "
+            "format at start-up, stale_temp: a dead writer's, evicted, write_error).",
+            ["event"],
+            registry=r,
+        )
         self.kv_tier_demotions = Counter(
             "ced_kv_tier_demotions", "Blocks the device prefix cache evicted into the host tier.", registry=r
         )

@@ -295,6 +295,7 @@ class Scheduler:
             self.tiers = TieredKV(HostTier(config.kv_host_bytes), disk)
         self._evicted: list[CacheEntry] = []
         self._promotions_seen = 0
+        self._disk_events_seen: dict[str, int] = {}
         self.pool = PagePool(
             spec.num_pages,
             spec.page_size,
@@ -1176,11 +1177,26 @@ class Scheduler:
                 tier, what = name.split("_", 1)
                 if what in ("pages", "bytes"):
                     (m.kv_tier_pages if what == "pages" else m.kv_tier_bytes).labels(tier=tier).set(value)
+                elif tier == "disk":  # the tier's running counts, exported as counters
+                    event = _DISK_EVENTS[what]
+                    delta = value - self._disk_events_seen.get(event, 0)
+                    if delta > 0:
+                        m.kv_disk_events.labels(event=event).inc(delta)
+                        self._disk_events_seen[event] = value
             stats = self.tiers.stats
             new = stats.promotions - self._promotions_seen
             self._promotions_seen = stats.promotions
             for seconds in list(stats.promotion_latency_s)[-new:] if new > 0 else ():
                 m.kv_promotion_seconds.observe(seconds)
+
+
+_DISK_EVENTS = {
+    "corrupt_removed": "corrupt",
+    "refused_removed": "refused",
+    "stale_temp_removed": "stale_temp",
+    "evictions": "evicted",
+    "write_errors": "write_error",
+}
 
 
 def confident_length(confidence: np.ndarray, threshold: float) -> int:

@@ -94,12 +94,16 @@ def test_disk_tier_hit_and_warm_restart(tmp_path):
     sched2.close_tiers()
 
     # Another model (a different rule: another fingerprint) refuses and deletes those files.
+    metrics3 = Metrics()
     engine3, sched3 = _sched(
-        kv_host_bytes=PS * 4, kv_disk_dir=disk, kv_disk_bytes=1 << 20, rule=MockRule(window=2)
+        metrics3, kv_host_bytes=PS * 4, kv_disk_dir=disk, kv_disk_bytes=1 << 20, rule=MockRule(window=2)
     )
-    assert sched3.tiers.disk.refused_removed > 0
+    refused = sched3.tiers.disk.refused_removed
+    assert refused > 0
     _, _, last3 = _run(sched3, "other-model", PROMPT)
     assert last3.usage.cached_prompt_tokens == 0
+    # the disk tier's counts are metrics (issue 33.8)
+    assert metrics3.registry.get_sample_value("ced_kv_disk_events_total", {"event": "refused"}) == refused
     sched3.close_tiers()
 
 
