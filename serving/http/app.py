@@ -270,7 +270,15 @@ class HttpFrontEnd:
 
     async def _run(self, api: str, request: Request, p: Prepared, identity: str | None) -> Response:
         if identity is None:
-            identity = p.identity_hint[: self.config.max_user_length]
+            limit = self.config.max_user_length
+            if len(p.identity_hint) > limit:  # as gRPC: a cut name would share another's cache scope
+                field = p.identity_field
+                raise ApiError(
+                    400,
+                    f"{field}: has {len(p.identity_hint)} characters; the limit is max_user_length = {limit}",
+                    param=field,
+                )
+            identity = p.identity_hint
         headers = self.catalog.headers(p.model)  # an alias: Deprecation / warning headers
         rid = gen.response_id(api)
         outcome = gen.Outcome()

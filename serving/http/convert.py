@@ -71,6 +71,7 @@ class Prepared:
     leases: tuple = ()  # Files API leases held while the request runs (serving/files.py); see release()
     prefill_mode: str | None = None  # the body's `prefill_mode` extension ("exact" / "ced"); None: server's
     ignore_eos: bool = False  # the body's `ignore_eos` extension (as vLLM's): generate through EOS to max_tokens
+    identity_field: str = "user"  # where identity_hint came from (named in the over-long error)
 
     def release(self) -> None:
         """Gives back the request's file leases (idempotent); the app calls it when the request ends."""
@@ -266,7 +267,7 @@ class Converter:
                     param=refs[0].field,
                 )
             self.resolver.precheck(refs)
-        identity = _identity_hint(api, body)
+        identity, identity_field = _identity_hint(api, body)
         include_usage = False
         so = body.get("stream_options")
         if isinstance(so, dict) and so.get("include_usage") is True:
@@ -324,6 +325,7 @@ class Converter:
             thinking=conversation.thinking_mode,
             effort=effort,
             identity_hint=identity,
+            identity_field=identity_field,
             conv=conv,
             echo=echo,
             namespace_map=ns_map,
@@ -530,14 +532,16 @@ def _sampling(temperature: float | None, top_p: float | None, seed: int | None) 
     return SamplingParams(temperature=t, top_p=p, top_k=0, seed=s)
 
 
-def _identity_hint(api: str, body: dict) -> str:
-    """The end-user id a request names (hosted `user_id`; Anthropic `metadata.user_id`; else `user`)."""
+def _identity_hint(api: str, body: dict) -> tuple[str, str]:
+    """The end-user id a request names and its field (hosted `user_id`; Anthropic `metadata.user_id`;
+    else `user`)."""
     if api == MESSAGES:
         md = body.get("metadata")
-        v = md.get("user_id") if isinstance(md, dict) else None
+        v, field = (md.get("user_id") if isinstance(md, dict) else None), "metadata.user_id"
     else:
-        v = body.get("user_id", body.get("user"))
-    return v if isinstance(v, str) else ""
+        field = "user_id" if "user_id" in body else "user"
+        v = body.get(field)
+    return (v if isinstance(v, str) else ""), field
 
 
 def _blame(cls, body: dict, opts, message: str) -> str:

@@ -576,3 +576,39 @@ def test_served_anthropic_base64_usage(served):
     )  # fmt: skip
     # Anthropic's input_tokens leave out prompt-cache reads (the previous test sent the same prompt).
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(INPUTS["prompt_ids"])
+
+
+@pytest.fixture(scope="module")
+def served_without_keys():
+    shapes = dict(max_slots=4, page_size=16, num_pages=128, max_context=1024, prefill_buckets=(64,))
+    engine = MockEngine(**shapes, vocab_size=640, max_logprobs=5)
+    engine.warmup()
+    config = ServeConfig(
+        **shapes, max_logprobs=5, max_tokens_limit=64, default_max_tokens=8, max_queued=8, metrics_port=None,
+        http_port=0,
+    )  # fmt: skip
+    st = ServerThread(engine, GoldenTokenizer(), config)
+    st.server.http.attach(st.scheduler, GoldenTokenizer(), images=SpansAsText())
+    st.base = f"http://127.0.0.1:{st.server.http_port}"
+    yield st
+    st.close()
+
+
+def test_an_over_long_user_is_refused_as_over_grpc(served_without_keys):
+    """Issue 33.8: without API keys the body's user names the cache scope; a name was cut to its
+    first 256 characters, so two users sharing them shared a scope. Now 400 naming the field."""
+    base = served_without_keys.base
+    oai = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
+    chat = dict(model="deepseek-flash", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                extra_body=NO_THINKING)  # fmt: skip
+    assert oai.chat.completions.create(**chat, user="u" * 256).usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(**chat, user="u" * 257)
+    assert "user: has 257 characters; the limit is max_user_length = 256" in str(e.value)
+    claude = anthropic.Anthropic(base_url=f"{base}/anthropic", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(
+            model="deepseek-flash", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+            metadata={"user_id": "v" * 300}, extra_body=NO_THINKING,
+        )  # fmt: skip
+    assert "metadata.user_id: has 300 characters" in str(e.value)
