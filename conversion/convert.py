@@ -830,6 +830,11 @@ def _check_paths(hf_dir: str | Path, out_dir: str | Path, overwrite: bool) -> tu
         raise ConversionError(f"--out {out}: inside the source --hf-dir {hf}; write elsewhere")
     if out in hf.parents:
         raise ConversionError(f"--out {out}: contains the source --hf-dir {hf}; write elsewhere")
+    for parent in out.parents:  # the nearest existing ancestor must be a directory to create OUT in
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConversionError(f"--out {out}: {parent} is a file, not a directory")
+            break
     if not (out.exists() or out.is_symlink()):
         return hf, out
     if not overwrite:

@@ -323,6 +323,15 @@ def test_progress_bar_shows_tensors_and_bytes(ckpt, tmp_path, capsys):
     assert f"{total / 2**20:.1f}M/{total / 2**20:.1f}M" in last, (total, last)
 
 
+def test_out_below_a_file_is_named(ckpt, tmp_path, capsys):
+    """Issue 33.8: `--out FILE/sub` said only "File exists"."""
+    (tmp_path / "FILE").write_text("x")
+    assert run_cli(ckpt, tmp_path / "FILE" / "sub") == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'FILE'} is a file, not a directory" in err and err.count("\n") == 1, err
+    assert (tmp_path / "FILE").read_text() == "x"
+
+
 def test_existing_output_needs_overwrite(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
