@@ -89,9 +89,37 @@ def parse_body(raw: bytes) -> dict:
         raise ApiError(400, "request body: is not UTF-8 text") from None
     except ValueError as e:
         raise ApiError(400, f"request body: invalid JSON ({e})") from None
+    except RecursionError:
+        body = None  # nested past Python's own limit: certainly past ours
+    depth = _nesting_depth(body) if body is not None else MAX_NESTING + 1
+    if depth > MAX_NESTING:
+        raise ApiError(400, f"request body: nested deeper than {MAX_NESTING} levels")
     if not isinstance(body, dict):
         raise ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**64:
+        raise ApiError(400, f"seed: must be in [0, 2^64), got {seed}", param="seed")
     return body
+
+
+# deepseek-recipe's JSON reader (serde_json) refuses bodies nested deeper than 128 levels, as an error
+# that names nothing; the limit is checked here first so that the answer is a 400 that says so.
+MAX_NESTING = 128
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_NESTING:
+            return depth
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:

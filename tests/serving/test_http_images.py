@@ -612,3 +612,29 @@ def test_an_over_long_user_is_refused_as_over_grpc(served_without_keys):
             metadata={"user_id": "v" * 300}, extra_body=NO_THINKING,
         )  # fmt: skip
     assert "metadata.user_id: has 300 characters" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/v1/chat/completions", '{"model": "deepseek-flash", "x": ' + "[" * 129 + "]" * 129 + "}", "nested deeper than 128"),
+        ("/v1/chat/completions", "[" * 100_000 + "]" * 100_000, "nested deeper than 128"),
+        ("/v1/chat/completions", json.dumps({"model": "deepseek-flash", "messages": [{"role": "user", "content": "hi"}],
+                                             "seed": 2**64}), "seed: must be in [0, 2^64)"),
+        ("/v1/completions", json.dumps({"model": "deepseek-flash", "prompt": "def f(", "seed": 2**64 + 5}),
+         "seed: must be in [0, 2^64)"),
+    ],
+)  # fmt: skip
+def test_client_mistakes_are_400_naming_the_field(served_without_keys, path, body, needle):
+    """Issue 33.7: a body nested 129+ deep and a seed >= 2^64 were HTTP 500 (the FIM route took the seed
+    modulo 2^32 without a word)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        served_without_keys.base + path, data=body.encode(), headers={"content-type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400
+    assert needle in e.value.read().decode()
