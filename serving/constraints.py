@@ -43,11 +43,14 @@ import llguidance as llg
 import llguidance.numpy as llg_np
 import numpy as np
 
+from serving.json_limits import MAX_NESTING, nesting_depth
+
 KINDS = ("json_schema", "json_object", "regex", "tool_calls")
 DSML_TOKEN = "｜DSML｜"
 THINK_END_TOKEN = "</think>"
 # Compact JSON, no free whitespace (see the module docstring).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_TOOLS = 128  # OpenAI's limit; thousands of tools also overflow llguidance's grammar tables
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -157,6 +160,10 @@ class OutputConstraint:
         """(index in `tools`, name, parameters schema) of the tools a call may use."""
         if not self.tools:
             raise ConstraintError("tools", "at least one function tool is required")
+        if len(self.tools) > MAX_TOOLS:
+            raise ConstraintError(
+                "tools", f"at most {MAX_TOOLS} tools (as OpenAI's API), got {len(self.tools)}"
+            )
         out = []
         for i, tool in enumerate(self.tools):
             where = f"tools[{i}]"
@@ -463,6 +470,10 @@ def _json_text(field: str, text: str, kind: type = dict):
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConstraintError(field, f"not valid JSON: {e}") from None
+    except RecursionError:  # nested past Python's own limit: certainly past ours
+        raise ConstraintError(field, f"nested deeper than {MAX_NESTING} levels") from None
+    if nesting_depth(value) > MAX_NESTING:
+        raise ConstraintError(field, f"nested deeper than {MAX_NESTING} levels")
     if not isinstance(value, kind):
         raise ConstraintError(field, f"must be a JSON {'object' if kind is dict else 'array'}")
     return value

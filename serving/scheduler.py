@@ -205,6 +205,9 @@ class StreamEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None  # the engine failed; the stream ends without a finish reason
+    # With `error`: the request field whose content could not be served (a constraint whose grammar
+    # failed mid-stream): the client's mistake, not the engine's. None: the engine failed.
+    error_field: str | None = None
     deadline_exceeded: bool = False  # with finish_reason ABORT: the request's deadline passed
 
     @property
@@ -1040,7 +1043,10 @@ class Scheduler:
             m.consume(tok.token_id)
             if m.error is not None:
                 self._finish(
-                    seq, FinishReason.ABORT, error=f"constraint: token {tok.token_id} was rejected: {m.error}"
+                    seq,
+                    FinishReason.ABORT,
+                    error=f"constraint: the grammar failed at token {tok.token_id}: {m.error}",
+                    error_field="constraint",
                 )
                 return
         if tok.token_id in req.stop_token_ids or (tok.token_id in self._eos and not req.ignore_eos):
@@ -1078,7 +1084,9 @@ class Scheduler:
         if due:
             self._constraint_tokenizer.fill_masks(due, self._bitmask)
 
-    def _emit(self, seq: _Seq, rel: Released | None, reason=None, usage=None, error=None) -> None:
+    def _emit(
+        self, seq: _Seq, rel: Released | None, reason=None, usage=None, error=None, error_field=None
+    ) -> None:
         ev = StreamEvent(
             request_id=seq.req.request_id,
             token_ids=tuple(rel.token_ids) if rel else (),
@@ -1087,6 +1095,7 @@ class Scheduler:
             finish_reason=reason,
             usage=usage,
             error=error,
+            error_field=error_field,
             deadline_exceeded=reason is FinishReason.ABORT and seq.deadline_exceeded,
         )
         try:
@@ -1094,7 +1103,9 @@ class Scheduler:
         except Exception:  # a broken sink must not take the scheduler down
             log.exception("event sink failed for %s", seq.req.request_id)
 
-    def _finish(self, seq: _Seq, reason: FinishReason, rel: Released | None = None, error=None) -> None:
+    def _finish(
+        self, seq: _Seq, reason: FinishReason, rel: Released | None = None, error=None, error_field=None
+    ) -> None:
         if seq.done:
             return
         seq.done = True
@@ -1113,7 +1124,7 @@ class Scheduler:
         if error is None:
             self._emit(seq, rel, reason=reason, usage=usage)
         else:
-            self._emit(seq, None, error=error)
+            self._emit(seq, None, error=error, error_field=error_field)
         if self.metrics is not None:
             if error is None:
                 self.metrics.requests_finished.labels(finish_reason=reason.value).inc()

@@ -302,6 +302,8 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
                 await context.abort(_ADMISSION_CODES[e.kind], str(e))
             try:
                 async for ev in stream:
+                    if ev.error is not None and ev.error_field is not None:  # the request's content
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, ev.error)
                     if ev.error is not None:
                         await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {ev.error}")
                     if ev.deadline_exceeded:

@@ -35,6 +35,7 @@ from serving.engine_api import PREFILL_MODES, SamplingParams
 from serving.http.errors import ApiError, from_conversion_error
 from serving.http.images import ImageResolver, extract_images, index_of
 from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
+from serving.json_limits import MAX_NESTING, nesting_depth
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
 
@@ -70,7 +71,9 @@ class Prepared:
     images: tuple = ()  # the image spans for GenerationRequest.images (serving/vision.py RequestImage)
     leases: tuple = ()  # Files API leases held while the request runs (serving/files.py); see release()
     prefill_mode: str | None = None  # the body's `prefill_mode` extension ("exact" / "ced"); None: server's
-    ignore_eos: bool = False  # the body's `ignore_eos` extension (as vLLM's): generate through EOS to max_tokens
+    ignore_eos: bool = (
+        False  # the body's `ignore_eos` extension (as vLLM's): generate through EOS to max_tokens
+    )
     identity_field: str = "user"  # where identity_hint came from (named in the over-long error)
 
     def release(self) -> None:
@@ -91,7 +94,7 @@ def parse_body(raw: bytes) -> dict:
         raise ApiError(400, f"request body: invalid JSON ({e})") from None
     except RecursionError:
         body = None  # nested past Python's own limit: certainly past ours
-    depth = _nesting_depth(body) if body is not None else MAX_NESTING + 1
+    depth = nesting_depth(body) if body is not None else MAX_NESTING + 1
     if depth > MAX_NESTING:
         raise ApiError(400, f"request body: nested deeper than {MAX_NESTING} levels")
     if not isinstance(body, dict):
@@ -100,26 +103,6 @@ def parse_body(raw: bytes) -> dict:
     if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**64:
         raise ApiError(400, f"seed: must be in [0, 2^64), got {seed}", param="seed")
     return body
-
-
-# deepseek-recipe's JSON reader (serde_json) refuses bodies nested deeper than 128 levels, as an error
-# that names nothing; the limit is checked here first so that the answer is a 400 that says so.
-MAX_NESTING = 128
-
-
-def _nesting_depth(value: Any) -> int:
-    """How deeply lists and objects nest in `value` (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        if depth > MAX_NESTING:
-            return depth
-        stack.extend((c, depth + 1) for c in children)
-    return deepest
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:

@@ -139,6 +139,8 @@ async def chunks(
     try:
         started = False
         async for ev in stream:
+            if ev.error is not None and ev.error_field is not None:  # the request's content
+                raise ApiError(400, ev.error, param=ev.error_field)
             if ev.error is not None:
                 raise ApiError(500, f"engine failure: {ev.error}")
             out = []
@@ -276,6 +278,8 @@ async def fim_objects(
         if p.fim_echo:
             yield obj(p.fim_echo, None, None)
         async for ev in stream:
+            if ev.error is not None and ev.error_field is not None:  # the request's content
+                raise ApiError(400, ev.error, param=ev.error_field)
             if ev.error is not None:
                 raise ApiError(500, f"engine failure: {ev.error}")
             if ev.final:

@@ -371,6 +371,21 @@ def test_constraint_from_proto():
             ),
             "constraint.tool_calls.name",
         ),
+        # issue 33.7: a RecursionError (gRPC UNKNOWN) and 5,000 tools (INTERNAL mid-stream) before
+        (ced_pb2.OutputConstraint(json_schema="[" * 100_000 + "]" * 100_000), "constraint.json_schema"),
+        (ced_pb2.OutputConstraint(json_schema='{"a": ' * 129 + "1" + "}" * 129), "constraint.json_schema"),
+        (
+            ced_pb2.OutputConstraint(
+                tool_calls=ced_pb2.ToolCallConstraint(tools_json="[" * 5000 + "]" * 5000)
+            ),
+            "constraint.tool_calls.tools_json",
+        ),
+        (
+            ced_pb2.OutputConstraint(
+                tool_calls=ced_pb2.ToolCallConstraint(tools_json=json.dumps([WEATHER] * 5000))
+            ),
+            "constraint.tool_calls.tools_json",
+        ),
     ],
 )
 def test_constraint_from_proto_errors_name_the_field(constraint, field):
@@ -518,6 +533,7 @@ def test_scheduler_ends_a_request_whose_grammar_fails_with_an_error():
     )
     run_until_idle(sched)
     assert events[-1].error is not None and "scripted failure" in events[-1].error
+    assert events[-1].error_field == "constraint"  # the request's grammar, not the engine, failed
     assert events[-1].finish_reason is None and sched.num_in_flight == 0 and sched.pool.num_referenced == 0
 
 
