@@ -501,7 +501,11 @@ def _add_prefill_mode_option(p, default: str, *, per_request: bool = False) -> N
         "encoder-decoder prefill (spec 4.2), the encoder layers over the whole prompt and the decoder "
         "layers only over its last sliding window (about half the prefill work on long prompts, not "
         f"bit-identical). Default {default}"
-        + (" (per request: GenerateRequest.prefill_mode, the HTTP body's prefill_mode)" if per_request else ""),
+        + (
+            " (per request: GenerateRequest.prefill_mode, the HTTP body's prefill_mode)"
+            if per_request
+            else ""
+        ),
     )
 
 
@@ -614,6 +618,7 @@ def _image_options(args) -> dict:
     _check_at_least("--files-max-file-bytes", args.files_max_file_bytes, 1)
     _check_at_least("--files-max-total-bytes", args.files_max_total_bytes, 1)
     _check_at_least("--files-max-per-identity", args.files_max_per_identity, 1)
+    _check_at_least("--files-max-bytes-per-identity", args.files_max_bytes_per_identity, 1)
     _check_at_least("--files-ttl", args.files_ttl, 0.001)
     hosts = ()
     if args.allow_image_urls is not None:
@@ -634,10 +639,16 @@ def _image_options(args) -> dict:
             f"--files-max-file-bytes {args.files_max_file_bytes} exceeds --files-max-total-bytes "
             f"{args.files_max_total_bytes}"
         )
+    if args.files_max_file_bytes > args.files_max_bytes_per_identity:
+        raise ValueError(
+            f"--files-max-file-bytes {args.files_max_file_bytes} exceeds --files-max-bytes-per-identity "
+            f"{args.files_max_bytes_per_identity}"
+        )
     files = FilesConfig(
         max_file_bytes=args.files_max_file_bytes,
         max_total_bytes=args.files_max_total_bytes,
         max_files_per_identity=args.files_max_per_identity,
+        max_bytes_per_identity=args.files_max_bytes_per_identity,
         ttl_s=args.files_ttl,
     )
     return dict(
@@ -1279,7 +1290,13 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         "--files-max-total-bytes",
         type=int,
         default=files.max_total_bytes,
-        help="Files API: distinct bytes held for all identities (in memory)",
+        help="Files API: bytes of files held for all identities together (in memory)",
+    )
+    g.add_argument(
+        "--files-max-bytes-per-identity",
+        type=int,
+        default=files.max_bytes_per_identity,
+        help="Files API: bytes of files one identity (API key) may hold",
     )
     g.add_argument(
         "--files-max-per-identity", type=int, default=files.max_files_per_identity, help="Files API: files"

@@ -5,8 +5,11 @@ file on upload with its id, hash and TTL, and reference counts so that no file l
 
 - Bytes live in memory (no disk directory to configure or clean up), content-addressed: a blob per distinct
   SHA-256, shared by every file record with that content (the same image uploaded twice, by one identity or
-  by several, is stored once). `FilesConfig.max_total_bytes` bounds the distinct bytes held; an upload
-  that would pass it is refused (the store never evicts a live file to make room).
+  by several, is stored once). Quotas count what each identity uploaded, deduplicated or not: an identity
+  may hold `FilesConfig.max_bytes_per_identity` bytes of files and all identities together
+  `max_total_bytes` (so whether an upload fits never tells one tenant what another uploaded; the memory
+  held, each blob once, is at most that). An upload that would pass either is refused (413; the store
+  never evicts a live file to make room).
 - A file belongs to the identity that uploaded it (an API key's name; serving/tenants.py): every lookup
   takes the identity, and another identity's file id answers "no such file", the same as an unknown id.
 - Each file expires `ttl_s` after upload (a shorter `expires_after` may be asked for). An expired or deleted
@@ -41,19 +44,22 @@ class FilesConfig:
     """Limits of the Files API (`ced-jax serve --files-*`)."""
 
     max_file_bytes: int = 20 * MIB  # one upload
-    max_total_bytes: int = 512 * MIB  # distinct bytes held for all identities together
+    max_total_bytes: int = 512 * MIB  # bytes of files held for all identities together
+    max_bytes_per_identity: int = 128 * MIB  # bytes of files one identity holds (deduplicated or not)
     max_files_per_identity: int = 1000
     ttl_s: float = 3600.0  # a file's lifetime after upload (hosted Files APIs keep files longer; a local
     # server's memory is the budget, and the seeds' table has a TTL per file)
 
     def __post_init__(self):
-        for name in ("max_file_bytes", "max_total_bytes", "max_files_per_identity"):
+        for name in ("max_file_bytes", "max_total_bytes", "max_bytes_per_identity", "max_files_per_identity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FilesConfig.{name}: must be >= 1, got {getattr(self, name)}")
         if not self.ttl_s > 0:
             raise ValueError(f"FilesConfig.ttl_s: must be > 0, got {self.ttl_s}")
         if self.max_file_bytes > self.max_total_bytes:
             raise ValueError("FilesConfig.max_file_bytes: exceeds max_total_bytes")
+        if self.max_file_bytes > self.max_bytes_per_identity:
+            raise ValueError("FilesConfig.max_file_bytes: exceeds max_bytes_per_identity")
 
 
 class FileError(ValueError):
@@ -178,23 +184,33 @@ class FileStore:
         sha = hashlib.sha256(data).hexdigest()
         with self._lock:
             self._sweep()
-            mine = sum(1 for f in self._files.values() if f.identity == identity and self._live(f))
-            if mine >= cfg.max_files_per_identity:
+            mine = [f for f in self._files.values() if f.identity == identity and self._live(f)]
+            if len(mine) >= cfg.max_files_per_identity:
                 raise FileError(
                     400,
                     "file",
-                    f"this identity already holds {mine} files, the server's limit; delete some first",
+                    f"this identity already holds {len(mine)} files, the server's limit; delete some first",
+                )
+            my_bytes = sum(f.size for f in mine)
+            if my_bytes + len(data) > cfg.max_bytes_per_identity:
+                raise FileError(
+                    413,
+                    "file",
+                    f"this identity holds {my_bytes} bytes of files; with this one it would pass its quota "
+                    f"of {cfg.max_bytes_per_identity} bytes; delete files or retry after some expire",
+                )
+            # Every record counts, leased ones included, deduplicated or not: the answer must not
+            # depend on what other identities uploaded.
+            held = sum(f.size for f in self._files.values())
+            if held + len(data) > cfg.max_total_bytes:
+                raise FileError(
+                    413,
+                    "file",
+                    f"the server's file storage is full ({held} of {cfg.max_total_bytes} bytes held); "
+                    "delete files or retry after some expire",
                 )
             blob = self._blobs.get(sha)
             if blob is None:
-                held = sum(len(b.data) for b in self._blobs.values())
-                if held + len(data) > cfg.max_total_bytes:
-                    raise FileError(
-                        413,
-                        "file",
-                        f"the server's file storage is full ({held} of {cfg.max_total_bytes} bytes held); "
-                        "delete files or retry after some expire",
-                    )
                 blob = self._blobs[sha] = _Blob(data=bytes(data), records=0)
             blob.records += 1
             now = self._clock()

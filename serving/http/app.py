@@ -66,6 +66,12 @@ MESSAGES_PATHS = ("/anthropic/v1/messages", "/anthropic/messages", "/v1/messages
 MODELS_PATHS = ("/models", "/v1/models")
 FILES_PATHS = ("/files", "/v1/files", "/anthropic/v1/files")
 _UPLOAD_OVERHEAD = 64 * 1024  # multipart headers and the other form fields, beyond the file's own bytes
+
+
+class _UploadTooLarge(Exception):
+    """An upload body passed the file size limit while it streamed in."""
+
+
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DISCONNECT_POLL_S = 0.25
 
@@ -389,8 +395,27 @@ class HttpFrontEnd:
                 413, f"file: the upload is {length} bytes; this server accepts files up to {limit} bytes",
                 param="file",
             )  # fmt: skip
+        # A chunked body has no Content-Length: the limit holds while it streams in, so an over-large
+        # upload is refused at the limit instead of being spooled whole first.
+        received, receive = 0, request.receive
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit + _UPLOAD_OVERHEAD:
+                    raise _UploadTooLarge
+            return message
+
+        request = Request(request.scope, receive_within_limit)
         try:
             form = await request.form(max_files=1, max_fields=16)
+        except _UploadTooLarge:
+            raise ApiError(
+                413, f"file: the upload passed {limit + _UPLOAD_OVERHEAD} bytes; this server accepts files "
+                f"up to {limit} bytes", param="file",
+            ) from None  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the form parser's errors are the client's malformed body
             raise ApiError(400, f"request body: malformed multipart form ({e})", param="file") from None
         try:

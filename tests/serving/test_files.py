@@ -84,7 +84,26 @@ def test_type_and_size_limits():
     store.upload("alice", PNG, filename="a.png", purpose="vision")
     with pytest.raises(FileError, match="storage is full"):
         store.upload("bob", PNG2[: len(PNG)], filename="b.png", purpose="vision")
-    store.upload("bob", PNG, filename="same.png", purpose="vision")  # a duplicate needs no new bytes
+    # A duplicate of alice's file is charged as much (issue 33.5: that it fitted told bob what alice
+    # had uploaded).
+    with pytest.raises(FileError, match="storage is full"):
+        store.upload("bob", PNG, filename="same.png", purpose="vision")
+
+
+def test_each_identity_has_its_own_byte_quota():
+    """Issue 33.5: with one global quota tenant B filled the store and tenant A got 413."""
+    cfg = FilesConfig(
+        max_file_bytes=len(PNG), max_total_bytes=10 * len(PNG), max_bytes_per_identity=2 * len(PNG)
+    )
+    store = FileStore(cfg)
+    store.upload("bob", PNG, filename="1.png", purpose="vision")
+    store.upload("bob", PNG2[: len(PNG)], filename="2.png", purpose="vision")
+    with pytest.raises(FileError, match="quota") as e:
+        store.upload("bob", PNG, filename="3.png", purpose="vision")  # deduplicated, still charged
+    assert e.value.status == 413
+    store.upload("alice", PNG, filename="a.png", purpose="vision")  # bob's files do not crowd alice out
+    store.upload("alice", PNG2[: len(PNG)], filename="b.png", purpose="vision")
+    assert store.stored_bytes == len(PNG) + len(PNG2[: len(PNG)])  # memory: each distinct blob once
 
 
 def test_ttl_expiry_frees_the_bytes():
@@ -244,3 +263,28 @@ def test_anthropic_sdk_at_the_root_path_gets_anthropic_objects(front):
     assert [x.id for x in page.data] == [f.id] and page.has_more is False
     with pytest.raises(anthropic.BadRequestError, match="not an image"):
         claude.beta.files.upload(file=("notes.png", b"just text", "image/png"))
+
+
+def test_a_chunked_upload_without_content_length_is_refused_at_the_limit(front):
+    """Issue 33.5: without Content-Length the body was spooled whole before the size check."""
+    front.files.config = FilesConfig(max_file_bytes=len(PNG), max_total_bytes=10 * len(PNG))
+    boundary = "xyzzy"
+    sent = []
+
+    def body():
+        yield (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.png"\r\n'
+               "Content-Type: image/png\r\n\r\n").encode()  # fmt: skip
+        for _ in range(64):  # 64 MiB of file, never all needed
+            sent.append(1)
+            yield b"\0" * (1 << 20)
+
+    r = front.client.post(
+        "/v1/files",
+        content=body(),
+        headers={
+            "content-type": f"multipart/form-data; boundary={boundary}",
+            "authorization": f"Bearer {ALICE}",
+        },
+    )
+    assert r.status_code == 413 and "up to" in r.json()["error"]["message"]
+    assert front.files.stored_bytes == 0
