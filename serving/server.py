@@ -500,8 +500,26 @@ def _explain_undecodable(descriptor: Descriptor, data: bytes, error: DecodeError
     return f"{field}: is not valid UTF-8 (a proto3 string field must be)"
 
 
-def _deserializer(message_class) -> Callable[[bytes], object]:
+@dataclasses.dataclass(frozen=True)
+class _OversizedRequest:
+    message: str  # the RESOURCE_EXHAUSTED details: the method's limit and what sets it
+
+
+_NOT_READY = object()  # a request before attach(): answered UNAVAILABLE without being parsed
+
+
+def _deserializer(message_class, limit: Callable[[], int | None]) -> Callable[[bytes], object]:
+    """Parses a request after checking its size against `limit()` (None: not serving yet)."""
+
     def deserialize(data: bytes):
+        most = limit()
+        if most is None:
+            return _NOT_READY
+        if len(data) > most:
+            return _OversizedRequest(
+                f"{message_class.DESCRIPTOR.name}: {len(data)} bytes; this method accepts at most {most} "
+                "(the server's text limits, and images only on a model that takes them)"
+            )
         try:
             return message_class.FromString(data)
         except DecodeError as e:
@@ -689,11 +707,27 @@ class Server:
             )
             handlers[method.name] = make(
                 self._gate(method.name, method.server_streaming),
-                request_deserializer=_deserializer(message_factory.GetMessageClass(method.input_type)),
+                request_deserializer=_deserializer(
+                    message_factory.GetMessageClass(method.input_type),
+                    functools.partial(self._request_limit, method.name),
+                ),
                 response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
             )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
         server.add_registered_method_handlers(service.full_name, handlers)
+
+    def _request_limit(self, method: str) -> int | None:
+        """The most bytes a request of `method` may have (None before attach()): gRPC's own receive
+        limit is one for every method, set before the model is known, so each is checked here."""
+        if self.servicer is None:
+            return None
+        cfg = self.config
+        if method == "Tokenize":
+            return cfg.max_tokenize_bytes + _ROOM_FOR_OTHER_FIELDS_BYTES
+        if method == "Generate":
+            images = cfg.max_images_per_request * cfg.max_image_bytes if self.images is not None else 0
+            return cfg.max_prompt_bytes + images + _ROOM_FOR_OTHER_FIELDS_BYTES
+        return _ROOM_FOR_OTHER_FIELDS_BYTES  # GetModelInfo, Abort: ids and names only
 
     def _gate(self, name: str, streaming: bool):
         """The handler of method `name`: an undecodable request gets INVALID_ARGUMENT, any call before
@@ -702,7 +736,9 @@ class Server:
         async def admit(request, context):
             if isinstance(request, _UndecodableRequest):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            if self.servicer is None:
+            if isinstance(request, _OversizedRequest):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.message)
+            if request is _NOT_READY or self.servicer is None:
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     "warming up: the model is loading or compiling; health turns SERVING when ready",

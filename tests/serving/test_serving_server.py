@@ -387,6 +387,29 @@ def test_text_size_limits_name_the_field_and_limit():
         st.close()
 
 
+def test_each_method_receives_at_most_its_own_limit(srv):
+    """Issue 33.6: every method accepted text limits + 16 images x 20 MiB (322 MiB), text-only models
+    too. Now RESOURCE_EXHAUSTED before parsing, naming the method's limit: Tokenize at its text limit,
+    Generate without the image term on a text-only model, Abort / GetModelInfo at 1 MiB."""
+    huge = b"x" * (3 << 20)  # over each text limit (1 MiB) + 1 MiB of other fields, far under 322 MiB
+    with grpc.insecure_channel(srv.addr, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = ced_pb2_grpc.InferenceServiceStub(ch)
+        calls = {
+            "TokenizeRequest": lambda: stub.Tokenize(ced_pb2.TokenizeRequest(text=huge.decode()), timeout=30),
+            "GenerateRequest": lambda: list(
+                stub.Generate(ced_pb2.GenerateRequest(request_id="big", prompt=huge.decode()), timeout=30)
+            ),
+            "AbortRequest": lambda: stub.Abort(ced_pb2.AbortRequest(request_id=huge.decode()), timeout=30),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (name, e.value.details())
+            assert name in e.value.details() and "accepts at most" in e.value.details()
+        assert stub.Tokenize(ced_pb2.TokenizeRequest(text="fine"), timeout=30).token_ids  # still serving
+    srv.assert_idle()
+
+
 class GatedTokenizer(ByteTokenizer):
     """Encodes a text of more than 100 characters only once `release` is set; counts the waiting calls."""
 
