@@ -595,6 +595,8 @@ def _http_limits(args):
     from serving.http.limits import AdmissionLimits
 
     _check_at_least("--http-max-concurrent", args.http_max_concurrent, 1)
+    if args.http_max_body_bytes is not None:
+        _check_at_least("--http-max-body-bytes", args.http_max_body_bytes, 1)
     _check_at_least("--max-effort-concurrent", args.max_effort_concurrent, 1)
     _check_at_least("--max-effort-queue", args.max_effort_queue, 0)
     return AdmissionLimits(
@@ -731,6 +733,7 @@ def _serve_config(args):
         http_host=args.http_host,
         http_models=_http_models(args),
         http_limits=_http_limits(args),
+        http_max_body_bytes=args.http_max_body_bytes,
         grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
@@ -1236,6 +1239,14 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=limits.max_concurrent,
         help="HTTP requests in flight; beyond: 429 with Retry-After (the hosted API's limit by default)",
+    )
+    g.add_argument(
+        "--http-max-body-bytes",
+        type=int,
+        default=None,
+        help="HTTP request body bytes, checked as they arrive, before parsing; beyond: 413 (default: "
+        "4 x --max-prompt-bytes + 1 MiB, plus --max-images-per-request x --max-image-bytes in base64 on "
+        "a model that takes images)",
     )
     g.add_argument(
         "--max-effort-concurrent",

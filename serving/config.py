@@ -161,6 +161,10 @@ class ServeConfig:
     http_host: str | None = None
     http_models: ModelNames = ModelNames()  # served name and aliases (serving/http/models.py)
     http_limits: AdmissionLimits = AdmissionLimits()  # 2500 concurrent; the effort-max tier (limits.py)
+    # A request body's bytes, checked as it arrives (before parsing; beyond: 413). None: the gRPC
+    # limits' equivalent, 4 x max_prompt_bytes (JSON escapes) + 1 MiB, plus base64 images
+    # (max_images_per_request x max_image_bytes x 4/3) on a model that takes them.
+    http_max_body_bytes: int | None = None
     http_pricing: PricingConfig = PricingConfig()  # the hosted prices of the cost ledger (accounting.py)
     grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
     # Threads that run Tokenize calls (their own pool: a burst of large Tokenize calls never holds up
@@ -224,6 +228,8 @@ class ServeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.http_max_body_bytes is not None and self.http_max_body_bytes < 1:
+            raise ValueError(f"http_max_body_bytes must be >= 1 or None, got {self.http_max_body_bytes}")
         if self.num_pages * self.page_size < self.max_context:
             raise ValueError("num_pages * page_size must hold at least one request of max_context tokens")
         if self.max_running is not None and not 1 <= self.max_running <= self.max_slots:

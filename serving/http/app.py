@@ -266,13 +266,38 @@ class HttpFrontEnd:
         identity = self._authenticate(request, anthropic=api == MESSAGES)
         if self.unavailable is not None:
             raise ApiError(503, self.unavailable, headers={"Retry-After": "5"})
-        raw = await request.body()
+        raw = await self._read_body(request)
         p = await _prepare(self.converter, api, raw, identity or "")
         try:
             return await self._run(api, request, p, identity)
         finally:
             if not p.stream:  # a stream releases its file leases when it ends (_sse)
                 p.release()
+
+    def body_limit(self) -> int:
+        """The most bytes a request body may have (ServeConfig.http_max_body_bytes)."""
+        cfg = self.config
+        if cfg.http_max_body_bytes is not None:
+            return cfg.http_max_body_bytes
+        images = getattr(self.converter, "images", None) is not None
+        image_bytes = -(-4 * cfg.max_images_per_request * cfg.max_image_bytes // 3) if images else 0
+        return 4 * cfg.max_prompt_bytes + (1 << 20) + image_bytes
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes `body_limit()` (before any parsing; a chunked
+        body without Content-Length is counted as it streams in)."""
+        limit = self.body_limit()
+        length = request.headers.get("content-length")
+        too_large = f"request body: more than {limit} bytes; the limit is http_max_body_bytes = {limit}"
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, too_large)
+        chunks, received = [], 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise ApiError(413, too_large)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _run(self, api: str, request: Request, p: Prepared, identity: str | None) -> Response:
         if identity is None:
