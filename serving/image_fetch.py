@@ -15,9 +15,12 @@ decoded image's content hash, whatever way the bytes arrived (seeds, issue 14).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
+import socket
 import ssl
+import threading
 import time
 from urllib.parse import urljoin, urlsplit
 
@@ -135,6 +138,18 @@ class ImageFetcher:
         target = parts.path or "/"
         if parts.query:
             target += "?" + parts.query
+
+        def cut_off() -> None:
+            # A socket timeout bounds each read, not the exchange: a server that sends a header line
+            # every half second would hold the fetch without end. At the deadline the socket is shut.
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(left, cut_off)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "ced-jax"})
             # The connection drops its socket reference once a response will close it; the response
@@ -167,8 +182,10 @@ class ImageFetcher:
         except (TimeoutError, ImageFetchRefused):
             raise
         except (OSError, http.client.HTTPException) as e:
+            _time_left(deadline)  # cut off by the watchdog: a timeout, not the server's failure
             raise ImageFetchRefused(f"fetching the image URL failed ({type(e).__name__}: {e})") from None
         finally:
+            watchdog.cancel()
             conn.close()
 
 

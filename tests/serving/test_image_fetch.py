@@ -50,6 +50,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(b"x")
                 self.wfile.flush()
                 time.sleep(0.05)
+        elif self.path == "/slow-headers.png":  # issue 33.4: a header line every 0.25 s, for 10 s
+            self.close_connection = True
+            self.send_response(200)
+            for i in range(40):
+                self.send_header(f"X-Slow-{i}", "x")
+                self.flush_headers()
+                time.sleep(0.25)
+            self.end_headers()
         elif self.path == "/stall.png":
             time.sleep(1.5)
             self._send(200, PNG)
@@ -108,7 +116,7 @@ def test_too_big_is_refused(server, path):
     assert len(_fetcher(max_bytes=BIG).fetch(f"http://127.0.0.1:{server}{path}")) == BIG
 
 
-@pytest.mark.parametrize("path", ["/slow.png", "/stall.png"])
+@pytest.mark.parametrize("path", ["/slow.png", "/stall.png", "/slow-headers.png"])
 def test_slow_is_refused_at_the_time_limit(server, path):
     t0 = time.monotonic()
     with pytest.raises(ImageFetchRefused, match="took over 0.8 s"):
