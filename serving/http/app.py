@@ -266,6 +266,10 @@ class HttpFrontEnd:
         identity = self._authenticate(request, anthropic=api == MESSAGES)
         if self.unavailable is not None:
             raise ApiError(503, self.unavailable, headers={"Retry-After": "5"})
+        try:
+            self.admission.refuse_if_full()
+        except TooManyRequests as e:
+            raise ApiError(429, e.message, headers=e.headers) from None
         raw = await self._read_body(request)
         p = await _prepare(self.converter, api, raw, identity or "")
         try:

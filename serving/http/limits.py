@@ -180,6 +180,17 @@ class Admission:
                 )
             raise
 
+    def refuse_if_full(self) -> None:
+        """TooManyRequests now if the global limit is full: checked before a request's body is read
+        and prepared, so that an overloaded server answers 429 without doing that work first (the
+        request still takes its admission after preparation, when its tier is known)."""
+        if not self._global_free():
+            self._refuse(
+                "default",
+                "concurrency",
+                f"too many concurrent requests: {self.limits.max_concurrent} in flight (the limit)",
+            )
+
     def _global_free(self) -> bool:
         return self.in_flight() < self.limits.max_concurrent
 

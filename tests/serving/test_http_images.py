@@ -700,3 +700,33 @@ def test_the_field_blamed_for_a_serde_error_is_found_by_halves():
             raise ValueError(message)
 
     assert _blame(Always, body, None, message) == "request body: invalid type: string, expected f32"
+
+
+def test_a_full_server_answers_429_before_reading_or_preparing_the_body(served_without_keys, monkeypatch):
+    """Issue 33.4: the concurrency gate was taken only after the body was read and prepared, so an
+    overloaded server did that work for requests it then refused."""
+    import urllib.error
+    import urllib.request
+
+    http = served_without_keys.server.http
+    prepared = []
+    real = http.converter.prepare
+    monkeypatch.setattr(http.converter, "prepare", lambda *a, **k: prepared.append(1) or real(*a, **k))
+    limits = http.admission.limits
+    http.admission.limits = dataclasses.replace(limits, max_concurrent=1)
+    http.admission._in_flight["default"] += 1  # one request in flight: the limit
+    try:
+        body = {"model": "deepseek-flash", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        req = urllib.request.Request(
+            served_without_keys.base + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+        assert prepared == []
+    finally:
+        http.admission._in_flight["default"] -= 1
+        http.admission.limits = limits
+    assert urllib.request.urlopen(req, timeout=60).status == 200 and prepared == [1]
