@@ -174,6 +174,7 @@ class HttpFrontEnd:
             max_logprobs=cfg.max_logprobs,
             images=images,
             resolver=self.image_resolver,
+            max_prompt_bytes=cfg.max_prompt_bytes,
         )
         self.tokenizer = d.Tokenizer.from_file(str(path))
         self.scheduler = scheduler

@@ -151,9 +151,13 @@ class Converter:
         max_logprobs: int,
         images=None,
         resolver: ImageResolver | None = None,
+        max_prompt_bytes: int | None = None,
     ):
         """`images`: the engine's ImagePipeline (serving/vision.py), None for a model without a vision tower;
-        `resolver`: turns image references into bytes (the server's file store and URL fetcher)."""
+        `resolver`: turns image references into bytes (the server's file store and URL fetcher);
+        `max_prompt_bytes`: the rendered prompt's UTF-8 bytes, checked before it is tokenized (None: no
+        limit), as gRPC's GenerateRequest.prompt."""
+        self.max_prompt_bytes = max_prompt_bytes
         self.encoder = PromptEncoder(hf_tokenizer)
         self.images = images
         self.resolver = resolver
@@ -310,6 +314,7 @@ class Converter:
             rendered = render_conversation(conversation, effort=effort)
         except ChatFormatError as e:
             raise ApiError(400, str(e)) from None
+        self._check_prompt_bytes("input" if api == RESPONSES else "messages", rendered.prompt)
         ids, spans = self._prompt_ids(api, rendered, refs, identity_scope, leases)
         io = conv.inference_options
         max_tokens = self._max_tokens(conv, len(ids), io.max_tokens, api)
@@ -422,6 +427,17 @@ class Converter:
         except ConstraintError as e:
             raise ApiError(400, str(e), param="response_format") from None
 
+    def _check_prompt_bytes(self, field: str, text: str) -> None:
+        """400 before tokenizing a prompt over `max_prompt_bytes` (tokenizing megabytes holds a thread
+        for seconds; gRPC refuses such a prompt the same way)."""
+        limit = self.max_prompt_bytes
+        if limit is not None and len(text) > limit // 4 and len(text.encode("utf-8")) > limit:
+            n = len(text.encode("utf-8"))
+            raise ApiError(
+                400, f"{field}: the prompt has {n} bytes of UTF-8; the limit is max_prompt_bytes = {limit}",
+                param=field,
+            )  # fmt: skip
+
     # ---- FIM -----------------------------------------------------------------------------------
     def _prepare_fim(self, body: dict) -> Prepared:
         model = self.resolve_model(body.get("model"), anthropic=False)
@@ -431,6 +447,7 @@ class Converter:
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt: is required (a string)", param="prompt")
         suffix = _field(body, "suffix", (str,), "a string") or ""
+        self._check_prompt_bytes("prompt", prompt + suffix)
         prefill_mode = _prefill_mode(body)
         ignore_eos = _ignore_eos(body)
         thinking_obj = body.get("thinking")

@@ -730,3 +730,27 @@ def test_a_full_server_answers_429_before_reading_or_preparing_the_body(served_w
         http.admission._in_flight["default"] -= 1
         http.admission.limits = limits
     assert urllib.request.urlopen(req, timeout=60).status == 200 and prepared == [1]
+
+
+def test_a_prompt_over_max_prompt_bytes_is_400_before_tokenizing(served_without_keys):
+    """Issue 33.4: a 10 MB message was tokenized (minutes on a shared pool) before any limit; now the
+    rendered prompt is held to max_prompt_bytes, as gRPC's prompt is."""
+    import urllib.error
+    import urllib.request
+
+    url = served_without_keys.base
+    for path, body, field in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (1 << 20)}]}, "messages"),
+        ("/v1/completions", {"prompt": "def f(", "suffix": "é" * (1 << 19)}, "prompt"),
+    ):
+        req = urllib.request.Request(
+            url + path, data=json.dumps({"model": "deepseek-flash", **body}).encode(),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 400
+        assert (
+            f"{field}: the prompt has" in (text := e.value.read().decode())
+            and "max_prompt_bytes = 1048576" in text
+        )
