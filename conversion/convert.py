@@ -781,10 +781,17 @@ def _orbax_context(compression: bool):
 
 
 class _QuietNonOcdbtMerge(logging.Filter):
-    """Orbax warns on every partial save of a non-OCDBT checkpoint that there is nothing to merge."""
+    """Orbax warns on every partial save of a non-OCDBT checkpoint that there is nothing to merge; and
+    when a save fails (a full disk), each of its worker threads logs the failure with a traceback
+    before the same error reaches the conversion, which reports it in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+        message = record.getMessage()
+        if "Skipping merge of OCDBT checkpoints" in message:
+            return False
+        return not (
+            record.levelno >= logging.ERROR and "_SignalingThread.run() raised an exception" in message
+        )
 
 
 class _NoProgress:

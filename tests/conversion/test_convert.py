@@ -844,3 +844,22 @@ def test_ctrl_c_storm_during_overwrite_keeps_the_previous_conversion(synthetic_t
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
         after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
         assert after == before
+
+
+def test_orbax_worker_errors_are_left_to_the_one_line_error():
+    """Issue 33.8 (part): on a full disk each Orbax worker thread logged the save's failure with a
+    traceback before the conversion reported it in one line; those records are filtered (others pass)."""
+    from conversion.convert import _QuietNonOcdbtMerge
+
+    quiet = _QuietNonOcdbtMerge()
+
+    def record(level, message):
+        return logging.LogRecord("absl", level, __file__, 1, message, None, None)
+
+    failure = (
+        "[thread=v1_leaf_handler] _SignalingThread.run() raised an exception: RESOURCE_EXHAUSTED: No space"
+    )
+    assert not quiet.filter(record(logging.ERROR, failure))
+    assert not quiet.filter(record(logging.WARNING, "Skipping merge of OCDBT checkpoints: none"))
+    assert quiet.filter(record(logging.ERROR, "something else went wrong"))
+    assert quiet.filter(record(logging.INFO, failure))
