@@ -12,7 +12,6 @@ Exit status 1 if the content hash differs.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from ced_jax.checkpoint.digest import file_sha256  # noqa: E402
 from ced_jax.checkpoint.hf_loader import INDEX_NAME, content_sha256  # noqa: E402
 from ced_jax.config import ModelConfig  # noqa: E402
 from conversion.synthetic import write_synthetic_checkpoint  # noqa: E402
@@ -35,14 +35,6 @@ FILE_SHA256 = {
     INDEX_NAME: "b2a261bc7e8198bc3d5321b3b203c574288fc81f09402e3648af2b143bc46794",
     "config.json": "defd182328b0c48d6d5c9071b2bdade10b5b30e10bb69e03561be578e45e0618",
 }
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_mid(out: Path, *, seed: int = SEED) -> dict[str, object]:

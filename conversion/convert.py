@@ -118,6 +118,7 @@ from ced_jax.checkpoint.converted import (
     nest,
     target_specs,
 )
+from ced_jax.checkpoint.digest import file_sha256
 from ced_jax.checkpoint.hf_loader import (
     INDEX_NAME,
     CheckpointError,
@@ -744,14 +745,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _orbax_context(compression: bool):
     import orbax.checkpoint as ocp
 
@@ -1138,7 +1131,7 @@ def _write(plan: _Plan, hf: Path, tmp: Path, options: ConvertOptions, include: t
             continue
         if name != INDEX_NAME:
             shutil.copyfile(src, tmp / name)
-        sources.append({"file": name, "bytes": src.stat().st_size, "sha256": _file_sha256(src)})
+        sources.append({"file": name, "bytes": src.stat().st_size, "sha256": file_sha256(src)})
     largest = max(plan.groups.values(), key=lambda g: g.out_bytes)
     manifest = {
         "format": FORMAT,

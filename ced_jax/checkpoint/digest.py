@@ -41,7 +41,7 @@ def directory_digest(directory: str | os.PathLike) -> bytes:
         if old is not None and old["bytes"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns:
             entries[rel] = old
             continue
-        sha = _file_sha256(directory / rel)
+        sha = file_sha256(directory / rel)
         entries[rel] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
         changed = True
     if changed or set(entries) != set(cached):
@@ -62,12 +62,8 @@ def arrays_digest(named_arrays: Iterable[tuple[str, np.ndarray]]) -> bytes:
     return h.digest()
 
 
-def write_digest_cache(directory: str | os.PathLike) -> None:
-    """Hashes every file now (`convert_weights` calls it on its output, so the first load is quick)."""
-    directory_digest(directory)
-
-
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 16 MiB pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):

@@ -50,8 +50,8 @@ def test_a_changed_norm_changes_the_digest_and_only_changed_files_are_hashed_aga
     assert (checkpoint / digest.DIGEST_CACHE_NAME).is_file()
     assert digest.directory_digest(checkpoint) == first
     hashed = []
-    real = digest._file_sha256
-    monkeypatch.setattr(digest, "_file_sha256", lambda p: hashed.append(p.name) or real(p))
+    real = digest.file_sha256
+    monkeypatch.setattr(digest, "file_sha256", lambda p: hashed.append(p.name) or real(p))
     assert digest.directory_digest(checkpoint) == first and hashed == []  # all from the cache
     names = [f"layers.{layer}.attn.kv_norm.weight" for layer in (0, 1)]
     shards = scale_bf16_tensors(checkpoint, names, 1.5)  # same sizes: the mtimes tell the change
