@@ -614,11 +614,13 @@ class Session:
         self.model, self.batch, self.max_len = model, batch, max_len
         page = session_page_size(model.cfg)
         context = _round_up(max_len, page)
-        # Under data-parallel attention (`dp_ep`) every device runs an equal block of rows: the
-        # session's rows are padded with idle ones (0 tokens: they write nothing) to a multiple of
-        # the devices, and every result is cut back to `batch` rows.
+        # The rows split over the mesh axes of the `batch` rule (and, under data-parallel attention,
+        # `dp_ep`, every device runs an equal block of them): the session's rows are padded with idle
+        # ones (0 tokens: they write nothing) to a multiple of both, and every result is cut back to
+        # `batch` rows.
         layout = sharding.make_layout(model.mesh, model.rules)
-        self.rows = _round_up(batch, layout.attention_shards if layout is not None else 1)
+        blocks = 1 if layout is None else math.lcm(layout.attention_shards, layout.batch_shards)
+        self.rows = _round_up(batch, blocks)
         shapes = StateShapes(
             max_slots=self.rows, page_size=page, num_pages=self.rows * (context // page), max_context=context
         )

@@ -325,6 +325,11 @@ class Layout:
     def attention_shards(self) -> int:
         return int(np.prod([self.sizes[a] for a in self.attention_axes])) if self.attention_axes else 1
 
+    @property
+    def batch_shards(self) -> int:
+        """How many blocks the rows (the `batch` rule) split into: a row count must divide by it."""
+        return int(np.prod([self.sizes.get(a, 1) for a in _mesh_axes_of(self.rules["batch"])]))
+
     def spec(
         self, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None, *, name: str = "array"
     ) -> PartitionSpec:
