@@ -37,6 +37,8 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from re import _constants as _sre  # Python's own regex parser: its tree gives the repeat counts
+from re import _parser as _sre_parser
 from typing import Any, Literal
 
 import llguidance as llg
@@ -50,6 +52,10 @@ DSML_TOKEN = "｜DSML｜"
 THINK_END_TOKEN = "</think>"
 # Compact JSON, no free whitespace (see the module docstring).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance builds a counted repetition's expansion lazily, when the output reaches it; past about
+# 250,000 positions (measured: a{249413} runs, a{250292} and (ab){200000} fail) it stops with "too many
+# expressions constructed" in the middle of a stream. Regexes are refused at submission past this.
+MAX_REGEX_EXPANSION = 100_000
 MAX_TOOLS = 128  # OpenAI's limit; thousands of tools also overflow llguidance's grammar tables
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -107,10 +113,12 @@ class OutputConstraint:
         if self.kind == "json_schema":
             if not isinstance(self.json_schema, Mapping):
                 raise ConstraintError("json_schema", "must be a JSON Schema object")
+            _check_schema_patterns("json_schema", self.json_schema)
             _check_grammar("json_schema", _json_grammar(self.json_schema))
         elif self.kind == "regex":
             if not isinstance(self.regex, str) or not self.regex:
                 raise ConstraintError("regex", "must be a non-empty regular expression")
+            _check_regex_size("regex", self.regex)
             _check_grammar("regex", llg.LLMatcher.grammar_from_regex(self.regex))
         elif self.kind == "tool_calls":
             object.__setattr__(self, "tools", tuple(self.tools))
@@ -214,6 +222,61 @@ def _check_grammar(field: str, grammar: str, tokenizer: llg.LLTokenizer | None =
         raise ConstraintError(field, _first_line(error))
 
 
+def _check_regex_size(field: str, regex: str) -> None:
+    size = _regex_expansion(regex)
+    if size > MAX_REGEX_EXPANSION:
+        raise ConstraintError(
+            field,
+            f"a match spells out at least {size} characters (counted repetitions expanded); "
+            f"the limit is {MAX_REGEX_EXPANSION}",
+        )
+
+
+def _regex_expansion(regex: str) -> int:
+    """The characters a match must spell out through counted repetitions (each repeat's lower count
+    times its body's; alternatives count their largest). Python's parser reads the common syntax;
+    where it cannot (Rust-only escapes such as \\p{L}), the largest single count is taken."""
+    try:
+        parsed = _sre_parser.parse(regex)
+    except (re.error, RecursionError, OverflowError):
+        return max((int(m) for m in re.findall(r"(?<!\\)\{(\d{1,12})(?:,\d*)?\}", regex)), default=0)
+    return _expansion(parsed)
+
+
+def _expansion(items) -> int:
+    total = 0
+    for op, arg in items:
+        if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+            low, _, body = arg
+            total += low * _expansion(body)
+        elif op is _sre.SUBPATTERN:
+            total += _expansion(arg[-1])
+        elif op is _sre.BRANCH:
+            total += max((_expansion(b) for b in arg[1]), default=0)
+        elif op in (_sre.ATOMIC_GROUP, _sre.ASSERT, _sre.ASSERT_NOT):
+            total += _expansion(arg if op is _sre.ATOMIC_GROUP else arg[1])
+        elif op in (_sre.LITERAL, _sre.NOT_LITERAL, _sre.ANY, _sre.IN, _sre.RANGE, _sre.CATEGORY):
+            total += 1
+    return total
+
+
+def _check_schema_patterns(field: str, schema: Any, depth: int = 0) -> None:
+    """Every `pattern` (and `patternProperties` key) of a JSON Schema, held to the regex limit."""
+    if depth > MAX_NESTING:
+        return  # deeper schemas are refused by the nesting check
+    if isinstance(schema, Mapping):
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str):
+                _check_regex_size(f"{field}.pattern", value)
+            elif key == "patternProperties" and isinstance(value, Mapping):
+                for name in value:
+                    _check_regex_size(f"{field}.patternProperties", str(name))
+            _check_schema_patterns(field, value, depth + 1)
+    elif isinstance(schema, list):
+        for value in schema:
+            _check_schema_patterns(field, value, depth + 1)
+
+
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
@@ -232,6 +295,7 @@ def _check_parameters(field: str, params: Any) -> None:
             raise ConstraintError(f"{field}.properties", f"parameter name {name!r} cannot be written in DSML")
         if not isinstance(sub, Mapping):
             raise ConstraintError(f"{field}.properties.{name}", "must be a JSON Schema object")
+        _check_schema_patterns(f"{field}.properties.{name}", sub)
         if not _is_raw_string(sub):
             _check_grammar(f"{field}.properties.{name}", _json_grammar(_sub_schema(sub, params)))
         elif "pattern" in sub:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import llguidance as llg
 import llguidance.numpy as llg_np
 import numpy as np
 import pytest
@@ -309,12 +310,42 @@ def test_raw_string_parameters_honour_their_string_schema(ctok, hf):
         (dict(kind="tool_calls", tools=[WEATHER], tool_name="other"), "tool_name"),
         (dict(kind="tool_calls", tools=[WEATHER], max_tool_calls=0), "max_tool_calls"),
         (dict(kind="regex", regex="a", start_after_token=-1), "start_after_token"),
+        # issue 33.7: these stopped llguidance mid-stream ("too many expressions constructed")
+        (dict(kind="regex", regex="a{1000000}"), "regex"),
+        (dict(kind="regex", regex="b(a{1000}){1000}"), "regex"),
+        (dict(kind="regex", regex=r"\p{L}{300000}"), "regex"),  # Python's parser cannot read \p
+        (
+            dict(kind="json_schema", json_schema={"type": "string", "pattern": "^z{300000}$"}),
+            "json_schema.pattern",
+        ),
+        (
+            dict(kind="tool_calls", tools=[tool("f", {"x": {"type": "string", "pattern": "q{300000}"}}, [])]),
+            "tools[0].function.parameters.properties.x.pattern",
+        ),
     ],
 )
 def test_invalid_constraints_name_the_field(kwargs, field):
     with pytest.raises(ConstraintError) as e:
         OutputConstraint(**kwargs)
     assert e.value.field == field
+
+
+def test_the_regex_limit_admits_what_llguidance_runs_and_refuses_what_it_cannot(ctok, hf):
+    """MAX_REGEX_EXPANSION sits below the point where llguidance fails in the middle of a stream: a
+    regex at the limit runs, one past its measured failure point (bypassing our check) errors within
+    a few tokens. If llguidance lifts its limit, the second half fails and the limit can move."""
+    from serving.constraints import MAX_REGEX_EXPANSION, ConstraintMatcher
+
+    at_limit = OutputConstraint(kind="regex", regex=f"a{{{MAX_REGEX_EXPANSION}}}")
+    run(ctok, at_limit, ids(hf, "a" * 200))
+    past = llg.LLMatcher(ctok.lltok, llg.LLMatcher.grammar_from_regex("a{300000}"), log_level=0)
+    m, row = ConstraintMatcher(past, None), np.zeros(ctok.words, np.int32)
+    for t in ids(hf, "a" * 200):
+        m.fill(row)
+        if m.error is not None:
+            break
+        m.consume(t)
+    assert m.error is not None and "too many expressions" in m.error
 
 
 def test_from_recipe_kinds():
@@ -361,6 +392,7 @@ def test_constraint_from_proto():
         (ced_pb2.OutputConstraint(json_schema='{"type": 3}'), "constraint.json_schema"),
         (ced_pb2.OutputConstraint(json_object=False), "constraint.json_object"),
         (ced_pb2.OutputConstraint(regex="("), "constraint.regex"),
+        (ced_pb2.OutputConstraint(regex="a{1000000}"), "constraint.regex"),  # issue 33.7: INTERNAL before
         (
             ced_pb2.OutputConstraint(tool_calls=ced_pb2.ToolCallConstraint(tools_json="{}")),
             "constraint.tool_calls.tools_json",
