@@ -324,9 +324,12 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         # On the Tokenize pool: its few threads bound how many Tokenize calls run at once, and calls
         # beyond them wait there, not on the pool Generate's prompts are tokenized on.
+        # The response (up to a million ids) is built there too, off the event loop.
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenize_pool, self._tokenizer.encode, request.text)
-        return ced_pb2.TokenizeResponse(token_ids=ids)
+        text, encode = request.text, self._tokenizer.encode
+        return await loop.run_in_executor(
+            self._tokenize_pool, lambda: ced_pb2.TokenizeResponse(token_ids=encode(text))
+        )
 
     async def GetModelInfo(self, request, context):
         spec, cfg = self._scheduler.spec, self._config

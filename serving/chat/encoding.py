@@ -608,7 +608,8 @@ class PromptEncoder:
         self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
     def plain(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        # encode_batch releases the GIL while it works (encode holds it; see serving.text.HFTokenizer).
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
     def encode(self, rendered: RenderedPrompt) -> list[int]:
         ids: list[int] = []
