@@ -30,6 +30,10 @@ flight; and (if AbortRequest has `user` too) one user cannot abort another's req
 `--api-key` (a server with API keys: the key, not `user`, is the identity) the tenant checks are
 skipped.
 
+Tenant phase (`--http HOST:PORT --api-key A --victim-key B`, a server with both keys): after the mix,
+tenant A attacks (big bodies, over-limit bodies, 6,000 unknown keys, slow image URLs, the Files quota,
+big Tokenize calls) while tenant B measures its own small requests; see bench/soak_tenants.py.
+
 Reported: requests by class and answer (gRPC status; OK answers with their finish reason), TTFT
 (request sent -> first message) and total latency (sent -> last message or error; RESOURCE_EXHAUSTED
 refusals left out) per class, the server's KV pages / slots / queue after the soak (from
@@ -64,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import soak_tenants  # noqa: E402
 from serving.proto import ced_pb2, ced_pb2_grpc  # noqa: E402
 
 SERVICE = ced_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -765,6 +770,8 @@ def print_report(result: dict, out=None) -> None:
       f"{d['distinct']} distinct -> {'ok' if d['ok'] else 'FAILED'}")  # fmt: skip
     if result["run"]["tenants"] is not None:
         w(f"tenant checks: {result['run']['tenants']}")
+    if result.get("tenant_phase") is not None:
+        soak_tenants.print_report(result["tenant_phase"], w)
     for p in result["problems"][:30]:
         w(f"problem: {p}")
     if len(result["problems"]) > 30:
@@ -810,6 +817,7 @@ def parse_args(argv):
     p.add_argument("--api-key", help="sent as `authorization: Bearer KEY` (a server started with API keys)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the results here ('-': JSON on stdout instead of the table)")
+    soak_tenants.add_arguments(p)
     args = p.parse_args(argv)
     for name in ("requests", "concurrency"):
         if getattr(args, name) < 1:
@@ -824,6 +832,19 @@ def parse_args(argv):
         loopback_address(args.metrics, "--metrics")
     if args.pid is not None and not Path(f"/proc/{args.pid}/status").exists():
         raise UsageError(f"--pid: no process {args.pid}")
+    if args.http or args.victim_key:
+        if not (args.http and args.victim_key and args.api_key):
+            raise UsageError("the tenant phase needs --http, --api-key (the attacker) and --victim-key")
+        if args.victim_key == args.api_key:
+            raise UsageError("--victim-key must be another tenant's key than --api-key")
+        loopback_address(args.http, "--http")
+        if not args.tenant_s > 0 or args.attackers < 1 or args.big_bytes < 1024:
+            raise UsageError("--tenant-s must be > 0, --attackers >= 1 and --big-bytes >= 1024")
+        unknown = set((args.tenant_classes or "").split(",")) - set(soak_tenants.ACCEPT) - {""}
+        if unknown:
+            raise UsageError(f"--tenant-classes: unknown {sorted(unknown)}; known: {list(soak_tenants.ACCEPT)}")
+        if not 0 <= args.slow_image_port < 65536:
+            raise UsageError(f"--slow-image-port must be a port number, got {args.slow_image_port}")
     return args
 
 
@@ -860,6 +881,11 @@ def run(argv=None) -> tuple[int, dict | None]:
     rss_before = rss_bytes(args.pid, before_metrics)
     soak = Soak(args, info, USERS if has_user else (), abort_has_user)
     run_info = asyncio.run(soak.run())
+    tenant_phase = None  # before the leak check: its requests must leave nothing held either
+    if args.http:
+        host, port = loopback_address(args.http, "--http")
+        base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        tenant_phase = asyncio.run(soak_tenants.TenantPhase(args, args.addr, base).run())
     leak = None
     after_metrics = None
     if args.metrics:
@@ -874,6 +900,8 @@ def run(argv=None) -> tuple[int, dict | None]:
     }
     problems = [f"{r.cls}: {r.problem}" for r in soak.records if r.problem]
     failures = []
+    if tenant_phase is not None:
+        failures += [f"tenant phase: {f}" for f in tenant_phase["failures"]]
     fatal = sum(r.answer in FATAL_STATUSES for r in soak.records)
     if fatal:
         failures.append(f"{fatal} answers were UNKNOWN/INTERNAL")
@@ -904,6 +932,7 @@ def run(argv=None) -> tuple[int, dict | None]:
         "determinism": determinism,
         "problems": problems,
         "run": run_info,
+        "tenant_phase": tenant_phase,
         "failures": failures,
         "ok": not failures,
     }

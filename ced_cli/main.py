@@ -92,12 +92,15 @@ def _encode_request(model, request: dict) -> tuple[list[int], object, object]:
     `prepare_vl_inputs` reads it); when `prompt_ids` are also given they must agree with it."""
     import numpy as np
 
+    from ced_jax.text_ids import encode_ids
+
     types = spans = None
     if request["text"] is not None:
         if request["images"]:
             ids, types, spans = model.encode_vl(request["text"], request["images"], add_bos=False)
         else:
-            ids = np.asarray(model.tokenizer.encode(request["text"], add_special_tokens=False).ids, np.int32)
+            text_ids = encode_ids(model.tokenizer, request["text"], add_special_tokens=False)
+            ids = np.asarray(text_ids, np.int32)
         if request["ids"] is not None and list(ids) != request["ids"]:
             raise ValueError("--request: 'prompt_ids' differ from the encoded 'prompt_text'")
         if request["types"] is not None and types is not None and list(types) != request["types"]:
@@ -700,6 +703,8 @@ def _serve_config(args):
     _check_port_option("--http-port", args.http_port, off=-1)
     _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
     _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
+    for flag in ("--prepare-workers", "--image-fetch-workers", "--tokenize-workers"):
+        _check_at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     chunk = args.prefill_chunk
     config = ServeConfig(
         max_slots=args.max_slots,
@@ -716,6 +721,9 @@ def _serve_config(args):
         default_max_tokens=min(_serve_defaults().default_max_tokens, args.max_tokens_limit),
         max_prompt_bytes=args.max_prompt_bytes,
         max_tokenize_bytes=args.max_tokenize_bytes,
+        prepare_workers=args.prepare_workers,
+        image_fetch_workers=args.image_fetch_workers,
+        tokenize_workers=args.tokenize_workers,
         enable_prefix_cache=not args.no_prefix_cache,
         kv_host_bytes=args.kv_host_bytes,
         kv_disk_dir=args.kv_disk_dir,
@@ -1200,6 +1208,19 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         default=serve.max_tokenize_bytes,
         help="largest text (UTF-8 bytes) of Tokenize",
     )
+    for flag, field, what in (
+        (
+            "--prepare-workers",
+            "prepare_workers",
+            "prepare requests (HTTP parsing, rendering, tokenizing; gRPC prompts)",
+        ),
+        ("--image-fetch-workers", "image_fetch_workers", "download image URLs"),
+        ("--tokenize-workers", "tokenize_workers", "run Tokenize calls"),
+    ):
+        g.add_argument(
+            flag, type=int, default=getattr(serve, field), metavar="N",
+            help=f"threads that {what}; one tenant (API key, else client address) runs at most half of them",
+        )  # fmt: skip
     g = p.add_argument_group("tenants")
     g.add_argument(
         "--api-key",

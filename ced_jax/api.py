@@ -66,6 +66,7 @@ from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw,
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sampling import jitted_sample
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
+from ced_jax.text_ids import encode_ids
 from ced_jax.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
 
 
@@ -286,7 +287,7 @@ class Model:
         """BOS, then the ids of `text`. `tokenizers` matches added tokens anywhere in the text, so a
         special-token spelling typed in `text` (e.g. "<｜end▁of▁sentence｜>") becomes the special id,
         as in vLLM; spec 16.1 prefers plain text for user-typed spellings (a range-aware renderer)."""
-        return [self.cfg.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.cfg.bos_token_id] + encode_ids(self.tokenizer, text, add_special_tokens=False)
 
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -465,7 +466,7 @@ class Model:
             vl = build_vl_prompt(
                 prompt_text,
                 prepared,
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids,
+                lambda text: encode_ids(self.tokenizer, text, add_special_tokens=False),
                 image_token_id=self.cfg.image_token_id,
             )
         except ValueError as e:

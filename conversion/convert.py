@@ -787,6 +787,80 @@ class _QuietNonOcdbtMerge(logging.Filter):
         )
 
 
+class _ClosedLoopTracebacksDropped:
+    """sys.stderr while converting. When a save fails (a full disk), TensorStore finishes the writes
+    still in flight after Orbax has closed the save's event loop, and each completion prints a
+    traceback of asyncio's "Event loop is closed" from its own thread (10-26 of them measured, written
+    a piece at a time and interleaved between threads) before the conversion reports the failure in
+    one line. Other threads' output is taken a line at a time and the lines of that traceback are
+    dropped; everything else, and all of the main thread's output (the progress bar), is written
+    through as it comes."""
+
+    _DROPPED = re.compile(
+        r"Traceback \(most recent call last\):"
+        r'|  File ".*[/\\]asyncio[/\\]base_events\.py", line \d+, in (call_soon_threadsafe|_check_closed)'
+        r"|    self\._check_closed\(\)"
+        r"|    raise RuntimeError\('Event loop is closed'\)"
+        r"|RuntimeError: Event loop is closed"
+    )
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._partial: dict[int, str] = {}  # a thread's text since its last newline
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def write(self, text: str) -> int:
+        if threading.current_thread() is threading.main_thread():
+            return self._stream.write(text)
+        with self._lock:
+            thread = threading.get_ident()
+            *lines, rest = (self._partial.pop(thread, "") + text).split("\n")
+            if rest:
+                self._partial[thread] = rest
+            for line in lines:
+                if self._DROPPED.fullmatch(line):
+                    self.dropped += 1
+                else:
+                    self._stream.write(line + "\n")
+        return len(text)
+
+    def leftovers(self) -> str:
+        with self._lock:
+            return "".join(self._partial.values())
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _closed_loop_tracebacks_dropped():
+    logging.getLogger("asyncio").addFilter(_LEFTOVER_SAVE_ERRORS)  # kept: they come at collection
+    previous = sys.stderr
+    sys.stderr = quiet = _ClosedLoopTracebacksDropped(previous)
+    try:
+        yield
+    finally:
+        sys.stderr = previous
+        previous.write(quiet.leftovers())
+
+
+class _LeftoverSaveErrors(logging.Filter):
+    """asyncio's "exception was never retrieved" records for the futures of a failed save that wrote
+    into the conversion's temporary directory, logged when they are collected (after the one-line
+    error, measured); the failure is the one already reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("exception was never retrieved" in message and ".converting-" in message)
+
+
+_LEFTOVER_SAVE_ERRORS = _LeftoverSaveErrors()  # one instance: adding it again changes nothing
+
+
 class _NoProgress:
     def update(self, n: int) -> None:
         pass
@@ -911,9 +985,18 @@ def _make_own_directory(parent: Path, prefix: str) -> Path:
     return path
 
 
-def _remove_own_directory(path: Path) -> None:
+def _remove_own_directory(path: Path, settle_s: float = 5.0) -> None:
     """Remove a directory made by `_make_own_directory`, its owner marker last: if the removal is cut
-    short, what remains is still recognisably ours and the next run finishes the job."""
+    short, what remains is still recognisably ours and the next run finishes the job. A failed save's
+    writer threads may still be creating files in it (a full disk: 2 of 6 runs left it behind, measured),
+    so the removal is tried again for up to `settle_s` seconds while it does not go."""
+    deadline = time.monotonic() + settle_s
+    while _remove_own_directory_once(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _remove_own_directory_once(path: Path) -> bool:
+    """One pass of `_remove_own_directory`; True if the directory is still there."""
     for child in list(path.iterdir()) if path.is_dir() else []:
         if child.name == OWNER_MARKER:
             continue
@@ -933,6 +1016,8 @@ def _remove_own_directory(path: Path) -> None:
     except OSError:  # something wrote into it meanwhile (an interrupted save's thread): leave it marked
         if owner is not None:
             marker.write_bytes(owner)
+        return True
+    return False
 
 
 def _owner_is_gone(directory: Path) -> bool:
@@ -1198,7 +1283,7 @@ def run(args: argparse.Namespace) -> int:
         engram_raw=not getattr(args, "no_engram_raw", False),
     )
     try:
-        with _signals_interrupt():
+        with _signals_interrupt(), _closed_loop_tracebacks_dropped():
             summary = convert(args.hf_dir, args.out, options)
     except OSError as e:  # disk full, permissions: one line, like every other user-facing error
         raise ConversionError(f"{e.filename or args.out}: {e.strerror or e}") from None

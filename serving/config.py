@@ -167,8 +167,11 @@ class ServeConfig:
     http_max_body_bytes: int | None = None
     http_pricing: PricingConfig = PricingConfig()  # the hosted prices of the cost ledger (accounting.py)
     grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
-    # Threads that run Tokenize calls (their own pool: a burst of large Tokenize calls never holds up
-    # Generate's tokenization or the scheduler thread); further calls wait for a free one.
+    # Threads of the pools that work before the scheduler (serving/work_pools.py): request preparation
+    # (HTTP parsing, rendering, tokenizing; gRPC prompts and images), image URL downloads, and Tokenize
+    # calls. A tenant runs at most half of a pool's threads at once; further jobs wait their turn.
+    prepare_workers: int = 6
+    image_fetch_workers: int = 8
     tokenize_workers: int = 2
 
     def __post_init__(self):
@@ -220,6 +223,8 @@ class ServeConfig:
             "default_max_tokens",
             "max_prompt_bytes",
             "max_tokenize_bytes",
+            "prepare_workers",
+            "image_fetch_workers",
             "tokenize_workers",
             "max_user_length",
             "max_images_per_request",

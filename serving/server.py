@@ -20,9 +20,10 @@ Multi-host (`serve_async(..., cluster=...)`, process 0 of a `serving.multihost` 
 `PeerWatch` follows the other processes' heartbeats; when one stops, `Server.lose_peer` logs a line
 naming it, turns health NOT_SERVING, refuses new requests (UNAVAILABLE) and aborts those in flight.
 
-Tokenize runs on a small pool of its own (`tokenize_workers` threads), apart from the scheduler thread
-and from the default pool that tokenizes Generate prompts, so a burst of large Tokenize calls cannot
-hold up generation; text sizes are capped by `max_tokenize_bytes` / `max_prompt_bytes`.
+Work before the scheduler runs on the server's `WorkPools` (serving/work_pools.py, shared with the
+HTTP API): Generate's prompt tokenization and images on `prepare`, Tokenize on `tokenize`, each pool
+bounded and shared fairly between tenants (the API key's name, else the peer's address); text sizes
+are capped by `max_tokenize_bytes` / `max_prompt_bytes`.
 
 Images (a model with a vision tower): `GenerateRequest.images`, each the encoded bytes or a Files API id
 (the server's one FileStore, shared with the HTTP API; a lease holds the file for the request's duration),
@@ -47,7 +48,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -74,6 +74,7 @@ from serving.scheduler import (
 from serving.tenants import Unauthenticated, server_interceptors
 from serving.text import Tokenizer
 from serving.vision import ImageInputError, ImagePipeline
+from serving.work_pools import PoolBusy, WorkPools, peer_tenant
 
 log = logging.getLogger(__name__)
 
@@ -162,25 +163,26 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         *,
         images: ImagePipeline | None = None,
         files: FileStore | None = None,
+        pools: WorkPools,
     ):
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._config = config
         self._images = images
         self._files = files
+        self._pools = pools
         self.active_streams = 0
-        self._tokenize_pool = ThreadPoolExecutor(
-            max_workers=config.tokenize_workers, thread_name_prefix="ced-tokenize"
-        )
 
-    def close(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+    def _tenant(self, context, identity: str | None) -> str:
+        """Whom the work pools share between: the API key's name, else the peer's address."""
+        if self._config.api_keys is not None and identity is not None:
+            return identity
+        return peer_tenant(context.peer())
 
-    async def _encode(self, text: str) -> list[int]:
-        """Generate's text prompt as token ids (Tokenize has its own pool, see `Tokenize`)."""
+    async def _encode(self, text: str, tenant: str) -> list[int]:
+        """Generate's text prompt as token ids, on the `prepare` pool."""
         _check_text_size("prompt", text, "max_prompt_bytes", self._config.max_prompt_bytes)
-        # Tokenizing a long prompt takes milliseconds of CPU; keep it off the event loop.
-        return await asyncio.to_thread(self._tokenizer.encode, text)
+        return await self._pools.prepare.run(tenant, self._tokenizer.encode, text)
 
     async def _identity(self, context, user: str) -> str:
         """The tenant a call acts for: its API key's name when keys are configured, else `user`.
@@ -207,6 +209,7 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         """The scheduler's request; Files API leases taken for its images are appended to `leases`
         (the caller releases them when the request ends)."""
         identity = await self._identity(context, request.user)
+        tenant = self._tenant(context, identity)
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidRequest("prompt", "one of prompt or prompt_token_ids is required")
@@ -216,11 +219,11 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
                 raise InvalidRequest(
                     "images", "need a text prompt holding their placeholders, not prompt_token_ids"
                 )
-            ids, images = await self._expand_images(request, identity, leases)
+            ids, images = await self._expand_images(request, identity, tenant, leases)
         elif which == "prompt":
             if not request.prompt:
                 raise InvalidRequest("prompt", "is empty")
-            ids = tuple(await self._encode(request.prompt))
+            ids = tuple(await self._encode(request.prompt, tenant))
         else:
             ids = tuple(request.prompt_token_ids.ids)
             if not ids:
@@ -250,7 +253,7 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             prefill_mode=_prefill_mode(request.prefill_mode),
         )
 
-    async def _expand_images(self, request, identity: str, leases: list[FileLease]):
+    async def _expand_images(self, request, identity: str, tenant: str, leases: list[FileLease]):
         """(prompt ids with each image placeholder expanded into its span, the RequestImage spans)."""
         pipeline, count = self._images, len(request.images)
         if pipeline is None:
@@ -278,8 +281,12 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
                 raise InvalidRequest(f"images[{i}]", "one of data or file_id is required")
         try:
             # Pre-processing and, on a feature-cache miss, the ViT: seconds of work, off the event loop.
-            ids, spans = await asyncio.to_thread(
-                pipeline.build_prompt, request.prompt, blobs, self._tokenizer.encode, field="images"
+            ids, spans = await self._pools.prepare.run(
+                tenant,
+                functools.partial(pipeline.build_prompt, field="images"),
+                request.prompt,
+                blobs,
+                self._tokenizer.encode,
             )
         except ImageInputError as e:
             field = e.field
@@ -298,6 +305,8 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
                 stream = self._scheduler.submit_async(req)
             except InvalidRequest as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except PoolBusy as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except AdmissionError as e:
                 await context.abort(_ADMISSION_CODES[e.kind], str(e))
             try:
@@ -323,13 +332,17 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         # On the Tokenize pool: its few threads bound how many Tokenize calls run at once, and calls
-        # beyond them wait there, not on the pool Generate's prompts are tokenized on.
-        # The response (up to a million ids) is built there too, off the event loop.
-        loop = asyncio.get_running_loop()
+        # beyond them wait there, not on the pool Generate's prompts are tokenized on. The response
+        # (up to a million ids) is built there too, off the event loop.
+        keys = self._config.api_keys
+        identity = None if keys is None else await self._identity(context, "")
         text, encode = request.text, self._tokenizer.encode
-        return await loop.run_in_executor(
-            self._tokenize_pool, lambda: ced_pb2.TokenizeResponse(token_ids=encode(text))
-        )
+        try:
+            return await self._pools.tokenize.run(
+                self._tenant(context, identity), lambda: ced_pb2.TokenizeResponse(token_ids=encode(text))
+            )
+        except PoolBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def GetModelInfo(self, request, context):
         spec, cfg = self._scheduler.spec, self._config
@@ -599,6 +612,8 @@ class Server:
         self.metrics = Metrics()
         # The Files API store: one per server, so a file uploaded over HTTP can be named in gRPC too.
         self.files = FileStore(config.http_files)
+        # The pools that work before the scheduler, shared with the HTTP API the same way.
+        self.pools = WorkPools.from_config(config)
         self.images: ImagePipeline | None = None  # set by attach() for a model with a vision tower
         self.health = health.aio.HealthServicer()
         # Set by attach(); until then the InferenceService answers UNAVAILABLE.
@@ -661,7 +676,7 @@ class Server:
                 host = cfg.http_host or cfg.host
                 port = cfg.http_port
                 sock = _listen("--http-port", host, port, lambda: HttpFrontEnd.bind_socket(host, port))
-                self.http = HttpFrontEnd(cfg, self.metrics, files=self.files)
+                self.http = HttpFrontEnd(cfg, self.metrics, files=self.files, pools=self.pools)
                 await self.http.start(sock)  # answers 503 (warming up) until attach()
                 self.http_port = self.http.port
         except BaseException:
@@ -681,7 +696,9 @@ class Server:
                 await asyncio.to_thread(warm_vision_encoder, images.encoder, images.vcfg)
         self.engine, self.scheduler, self.images = engine, scheduler, images
         scheduler.start()
-        self.servicer = InferenceServicer(scheduler, tokenizer, self.config, images=images, files=self.files)
+        self.servicer = InferenceServicer(
+            scheduler, tokenizer, self.config, images=images, files=self.files, pools=self.pools
+        )
         if self.http is not None:
             self.http.attach(scheduler, tokenizer, images=images)
         for name in ("", SERVICE_NAME):
@@ -816,9 +833,9 @@ class Server:
             while (scheduler.num_in_flight or self.servicer.active_streams) and loop.time() < end:
                 await asyncio.sleep(0.01)
         await self._close_listeners()
+        self.pools.close()
         if scheduler is not None:
             await asyncio.to_thread(scheduler.shutdown)
-            self.servicer.close()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from ced_jax.text_ids import encode_ids
+
 _REPLACEMENT = "\ufffd"
 _MAX_UTF8_TOKENS = 4
 
@@ -47,9 +49,7 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         # The tokenizer's own post-processor decides about BOS, so Tokenize and Generate agree.
-        # encode_batch releases the GIL while it works (encode holds it: a 1 MB text stalled every
-        # other thread, the event loop included, for most of a second); the ids are the same.
-        return list(self._tok.encode_batch([text])[0].ids)
+        return encode_ids(self._tok, text, add_special_tokens=True)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)

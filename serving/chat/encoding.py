@@ -29,6 +29,8 @@ from typing import Any
 
 import tokenizers
 
+from ced_jax.text_ids import encode_ids
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 THINK_START = "<think>"
@@ -608,8 +610,7 @@ class PromptEncoder:
         self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
     def plain(self, text: str) -> list[int]:
-        # encode_batch releases the GIL while it works (encode holds it; see serving.text.HFTokenizer).
-        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+        return encode_ids(self._plain, text, add_special_tokens=False) if text else []
 
     def encode(self, rendered: RenderedPrompt) -> list[int]:
         ids: list[int] = []

@@ -51,6 +51,7 @@ from serving.http.limits import Admission, TooManyRequests
 from serving.http.models import ModelCatalog
 from serving.image_fetch import ImageFetchConfig, ImageFetcher
 from serving.tenants import Unauthenticated
+from serving.work_pools import FairPool, PoolBusy, WorkPools
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,18 @@ def _error_response(err: ApiError, anthropic: bool) -> JSONResponse:
 class HttpFrontEnd:
     """The ASGI app plus its uvicorn server on a pre-bound socket; `attach` makes it serve."""
 
-    def __init__(self, config: ServeConfig, metrics=None, files: FileStore | None = None):
-        """`files`: the server's file store, when it shares one with the gRPC service (else its own)."""
+    def __init__(
+        self,
+        config: ServeConfig,
+        metrics=None,
+        files: FileStore | None = None,
+        pools: WorkPools | None = None,
+    ):
+        """`files` and `pools`: the server's file store and work pools, when it shares them with the
+        gRPC service (else its own)."""
         self.config = config
+        self._own_pools = pools is None
+        self.pools = WorkPools.from_config(config) if pools is None else pools
         self.metrics = metrics
         registry = None if metrics is None else metrics.registry  # exported on the server's /metrics
         self.catalog = ModelCatalog(config.http_models, registry=registry)
@@ -100,7 +110,13 @@ class HttpFrontEnd:
         fetch_cfg = getattr(config, "http_image_fetch", None) or ImageFetchConfig()
         image_cfg = getattr(config, "http_images", None) or ImageInputConfig()
         self.files = files if files is not None else FileStore(files_cfg)
-        self.image_resolver = ImageResolver(self.files, ImageFetcher(fetch_cfg), image_cfg, registry=registry)
+        self.image_resolver = ImageResolver(
+            self.files,
+            ImageFetcher(fetch_cfg),
+            image_cfg,
+            registry=registry,
+            fetch_pool=self.pools.image_fetch,
+        )
         if registry is not None:
             from prometheus_client import Gauge
 
@@ -192,6 +208,8 @@ class HttpFrontEnd:
         if self.socket is not None:
             self.socket.close()
             self.socket = None
+        if self._own_pools:
+            self.pools.close()
 
     # ---- the app ---------------------------------------------------------------------------------
     def _build_app(self) -> Starlette:
@@ -272,7 +290,12 @@ class HttpFrontEnd:
         except TooManyRequests as e:
             raise ApiError(429, e.message, headers=e.headers) from None
         raw = await self._read_body(request)
-        p = await _prepare(self.converter, api, raw, identity or "")
+        # The work pools are shared between API keys, or (without keys) client addresses.
+        tenant = identity if identity is not None else f"addr:{request.client.host if request.client else ''}"
+        try:
+            p = await _prepare(self.pools.prepare, tenant, self.converter, api, raw, identity or "")
+        except PoolBusy as e:
+            raise ApiError(429, str(e), headers={"Retry-After": "1"}) from None
         try:
             return await self._run(api, request, p, identity)
         finally:
@@ -586,19 +609,23 @@ def _query_int(q, name: str, default: int) -> int:
     return int(v)
 
 
-async def _prepare(converter: Converter, api: str, raw: bytes, identity: str) -> Prepared:
-    """`converter.prepare` off the event loop; if the client leaves meanwhile, the thread still finishes,
-    and the leases its result holds are released then (no file stays referenced by a gone request)."""
-    work = asyncio.ensure_future(asyncio.to_thread(converter.prepare, api, raw, identity))
+async def _prepare(
+    pool: FairPool, tenant: str, converter: Converter, api: str, raw: bytes, identity: str
+) -> Prepared:
+    """`converter.prepare` on the `prepare` pool; if the client leaves meanwhile, a job not yet started
+    is dropped, a started one finishes and the leases its result holds are released then (no file
+    stays referenced by a gone request)."""
+    job = pool.submit(tenant, converter.prepare, api, raw, identity)
     try:
-        return await asyncio.shield(work)
+        return await asyncio.shield(asyncio.wrap_future(job))
     except asyncio.CancelledError:
+        if not job.cancel():  # started: release what it holds once it is done
 
-        def release(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
-                done.result().release()
+            def release(done) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    done.result().release()
 
-        work.add_done_callback(release)
+            job.add_done_callback(release)
         raise
 
 

@@ -158,6 +158,12 @@ class Converter:
         `max_prompt_bytes`: the rendered prompt's UTF-8 bytes, checked before it is tokenized (None: no
         limit), as gRPC's GenerateRequest.prompt."""
         self.max_prompt_bytes = max_prompt_bytes
+        # The most input bytes one token can stand for: its spelling's UTF-8 bytes (a byte-level or
+        # SentencePiece spelling is never shorter than what it covers), x4 for normalizers that
+        # shorten text (NFKC: a 3-byte fullwidth letter to 1 byte). A prompt of n bytes is at least
+        # n / this many tokens, known before tokenizing it.
+        longest = max(len(t.encode("utf-8")) for t in hf_tokenizer.get_vocab(with_added_tokens=True))
+        self._bytes_per_token_bound = 4 * max(1, longest)
         self.encoder = PromptEncoder(hf_tokenizer)
         self.images = images
         self.resolver = resolver
@@ -428,8 +434,9 @@ class Converter:
             raise ApiError(400, str(e), param="response_format") from None
 
     def _check_prompt_bytes(self, field: str, text: str) -> None:
-        """400 before tokenizing a prompt over `max_prompt_bytes` (tokenizing megabytes holds a thread
-        for seconds; gRPC refuses such a prompt the same way)."""
+        """400 before tokenizing a prompt over `max_prompt_bytes`, or one certainly longer than the
+        context (tokenizing a megabyte takes a core for a second; gRPC refuses such a prompt the same
+        way)."""
         limit = self.max_prompt_bytes
         if limit is not None and len(text) > limit // 4 and len(text.encode("utf-8")) > limit:
             n = len(text.encode("utf-8"))
@@ -437,6 +444,15 @@ class Converter:
                 400, f"{field}: the prompt has {n} bytes of UTF-8; the limit is max_prompt_bytes = {limit}",
                 param=field,
             )  # fmt: skip
+        if len(text) > self.max_context:  # else it cannot be certainly too long: no need to count bytes
+            at_least = -(-len(text.encode("utf-8")) // self._bytes_per_token_bound)
+            if at_least >= self.max_context:
+                raise ApiError(
+                    400,
+                    f"{field}: This model's maximum context length is {self.max_context} tokens. However, "
+                    f"your {field} resulted in at least {at_least} tokens. Please reduce their length.",
+                    param=field,
+                )
 
     # ---- FIM -----------------------------------------------------------------------------------
     def _prepare_fim(self, body: dict) -> Prepared:
@@ -579,7 +595,8 @@ def _blame(cls, body: dict, opts, message: str) -> str:
     detail = message.removeprefix("invalid request body: ").removeprefix("invalid JSON request: ")
 
     def same_error_without(keys: list[str]) -> bool:
-        trial = {k: v for k, v in body.items() if k not in set(keys)}
+        removed = set(keys)
+        trial = {k: v for k, v in body.items() if k not in removed}
         try:
             cls(trial).convert(opts)
         except ValueError as e:

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter
 from serving.files import FileError, FileLease, FileStore, sniff_image_type
 from serving.http.errors import ApiError
 from serving.image_fetch import ImageFetcher, ImageFetchRefused
+from serving.work_pools import FairPool, current_tenant
 
 MIB = 1024 * 1024
 CANONICAL_URL = "https://ced-image.invalid/"
@@ -254,9 +255,13 @@ class ImageResolver:
         limits: ImageInputConfig | None = None,
         *,
         registry: CollectorRegistry | None = None,
+        fetch_pool: FairPool | None = None,
     ):
+        """`fetch_pool`: URLs are downloaded there, for the tenant of the calling `prepare` job
+        (None: on the calling thread)."""
         self.files = files
         self.fetcher = fetcher
+        self.fetch_pool = fetch_pool
         self.limits = limits or ImageInputConfig()
         self._counted = Counter(
             "ced_http_images",
@@ -309,7 +314,9 @@ class ImageResolver:
             return lease.data, None
         if ref.kind == "url":
             try:
-                return self.fetcher.fetch(ref.value), None
+                if self.fetch_pool is None:
+                    return self.fetcher.fetch(ref.value), None
+                return self.fetch_pool.call(current_tenant() or "", self.fetcher.fetch, ref.value), None
             except ImageFetchRefused as e:
                 raise ApiError(400, f"{ref.field}: {e}", param=ref.field) from None
         return self._decode_data_url(ref)

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0)
 def make_engine_and_config(**overrides) -> tuple[MockEngine, ServeConfig]:
     """A MockEngine and a ServeConfig with the same shapes; overrides go to whichever knows the key."""
     shapes = dict(max_slots=4, page_size=4, num_pages=64, max_context=64, prefill_buckets=(4, 8, 16))
-    engine_only = {"rule", "replay_tokens", "history_tokens", "step_delay_s", "ced_window"}
+    engine_only = {"rule", "replay_tokens", "history_tokens", "step_delay_s", "ced_window", "vocab_size"}
     for k in list(overrides):
         if k in shapes:
             shapes[k] = overrides.pop(k)

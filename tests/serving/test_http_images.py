@@ -44,12 +44,14 @@ from serving.tenants import ApiKeys
 from serving.vision import ImagePipeline
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
+TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "ced_jax" / "assets" / "tiny" / "tokenizer.json"
 INPUTS = json.loads((GOLDEN / "inputs.json").read_text())
 IMAGES = [(GOLDEN / name).read_bytes() for name in INPUTS["image_files"]]
 DATA_URLS = ["data:image/png;base64," + base64.b64encode(b).decode() for b in IMAGES]
 SYSTEM = INPUTS["messages"][0]["content"]
 TEXTS = [p["text"] for p in INPUTS["messages"][1]["content"] if p["type"] == "text"]
 KEY = "sk-images-0123456789"
+OTHER_KEY = "sk-images-other-tenant"
 NO_THINKING = {"thinking": {"type": "disabled"}}  # the fixture renders in chat (non-thinking) mode
 
 
@@ -524,7 +526,7 @@ def served():
     engine.warmup()
     config = ServeConfig(
         **shapes, max_logprobs=5, max_tokens_limit=64, default_max_tokens=8, max_queued=8, metrics_port=None,
-        http_port=0, api_keys=ApiKeys.parse([f"{KEY} tester"]),
+        http_port=0, api_keys=ApiKeys.parse([f"{KEY} tester", f"{OTHER_KEY} other"]),
     )  # fmt: skip
     st = ServerThread(engine, GoldenTokenizer(), config)
     http = st.server.http
@@ -579,6 +581,51 @@ def test_served_anthropic_base64_usage(served):
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(INPUTS["prompt_ids"])
 
 
+def test_one_tenants_slow_preparations_do_not_hold_up_another(served, monkeypatch):
+    """Issue 33.4: request preparation ran on asyncio's default pool (6 threads here), so six slow
+    requests of one tenant (10 MB messages, image URLs that trickle) held up every other tenant. Now
+    a tenant runs at most half of the prepare pool: with six of tester's requests stuck in
+    preparation, other's request is answered before any of them."""
+    import urllib.request
+
+    http = served.server.http
+    real, release = http.converter.prepare, threading.Event()
+    stuck = []
+
+    def prepare(api, raw, identity):
+        if b"stuck" in raw:
+            stuck.append(identity)
+            assert release.wait(60)
+        return real(api, raw, identity)
+
+    monkeypatch.setattr(http.converter, "prepare", prepare)
+
+    def chat(key: str, text: str) -> int:
+        body = {"model": "deepseek-flash", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        req = urllib.request.Request(
+            served.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+            headers={"content-type": "application/json", "authorization": f"Bearer {key}"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+
+    results: list[int] = []
+    slow = [threading.Thread(target=lambda: results.append(chat(KEY, "stuck"))) for _ in range(6)]
+    for t in slow:
+        t.start()
+    pool = http.pools.prepare
+    wait_until(lambda: pool.counts() == (pool.share, 6 - pool.share), timeout=30)
+    assert stuck == ["tester"] * pool.share
+    try:
+        assert chat(OTHER_KEY, "quick") == 200
+        assert results == []  # every one of tester's requests is still in preparation
+    finally:
+        release.set()
+        for t in slow:
+            t.join(60)
+    assert results == [200] * 6
+
+
 @pytest.fixture(scope="module")
 def served_without_keys():
     shapes = dict(max_slots=4, page_size=16, num_pages=128, max_context=1024, prefill_buckets=(64,))
@@ -615,13 +662,17 @@ def test_an_over_long_user_is_refused_as_over_grpc(served_without_keys):
     assert "metadata.user_id: has 300 characters" in str(e.value)
 
 
+_HI = [{"role": "user", "content": "hi"}]
+_DEEP = '{"model": "deepseek-flash", "x": ' + "[" * 129 + "]" * 129 + "}"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
-        ("/v1/chat/completions", '{"model": "deepseek-flash", "x": ' + "[" * 129 + "]" * 129 + "}", "nested deeper than 128"),
+        ("/v1/chat/completions", _DEEP, "nested deeper than 128"),
         ("/v1/chat/completions", "[" * 100_000 + "]" * 100_000, "nested deeper than 128"),
-        ("/v1/chat/completions", json.dumps({"model": "deepseek-flash", "messages": [{"role": "user", "content": "hi"}],
-                                             "seed": 2**64}), "seed: must be in [0, 2^64)"),
+        ("/v1/chat/completions", json.dumps({"model": "deepseek-flash", "messages": _HI, "seed": 2**64}),
+         "seed: must be in [0, 2^64)"),
         ("/v1/completions", json.dumps({"model": "deepseek-flash", "prompt": "def f(", "seed": 2**64 + 5}),
          "seed: must be in [0, 2^64)"),
     ],
@@ -754,3 +805,64 @@ def test_a_prompt_over_max_prompt_bytes_is_400_before_tokenizing(served_without_
             f"{field}: the prompt has" in (text := e.value.read().decode())
             and "max_prompt_bytes = 1048576" in text
         )
+
+
+def test_a_prompt_certainly_longer_than_the_context_is_400_before_tokenizing(
+    served_without_keys, monkeypatch
+):
+    """Issue 33.4 (measured with bench/soak.py's tenant phase): a message just under max_prompt_bytes
+    was tokenized (a core for 1.3 s) only to be refused for the context (1024 tokens here). A prompt of
+    n bytes is at least n / (4 x the longest token's bytes) tokens; past the context that is a 400
+    before tokenizing. A prompt that fits is still tokenized and answered."""
+    import urllib.error
+    import urllib.request
+
+    conv = served_without_keys.server.http.converter
+    encoded = []
+    real = conv.encoder.plain
+    monkeypatch.setattr(conv.encoder, "plain", lambda text: encoded.append(len(text)) or real(text))
+    bound = conv._bytes_per_token_bound
+    for path, body, field in (
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a" * (1024 * bound)}]},
+            "messages",
+        ),
+        ("/v1/completions", {"prompt": "def f(", "suffix": "x" * (1024 * bound)}, "prompt"),
+    ):
+        req = urllib.request.Request(
+            served_without_keys.base + path, data=json.dumps({"model": "deepseek-flash", **body}).encode(),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        text = e.value.read().decode()
+        assert e.value.code == 400 and f"{field}: This model's maximum context length is 1024" in text, text
+        assert "resulted in at least" in text and encoded == []
+    small = {"model": "deepseek-flash", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    req = urllib.request.Request(
+        served_without_keys.base + "/v1/chat/completions", data=json.dumps(small).encode(),
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert urllib.request.urlopen(req, timeout=60).status == 200 and encoded
+
+
+@pytest.mark.parametrize("tokenizer_file", [GOLDEN / "tokenizer.json", TINY_TOKENIZER])
+def test_the_tokens_lower_bound_never_exceeds_the_real_count(tokenizer_file):
+    """The bound behind the early 400: for texts of the longest tokens, of fullwidth letters (NFKC
+    shortens them), of CJK, emoji and mixed text, the real token count is never below it."""
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    conv = Converter(hf, catalog=ModelCatalog(), max_context=64, max_tokens_limit=8, max_logprobs=0)
+    vocab = hf.get_vocab(with_added_tokens=True)
+    longest = sorted(vocab, key=lambda t: len(t.encode("utf-8")))[-20:]
+    texts = [
+        "".join(longest) * 20,
+        "ＡＢＣＤ" * 500,
+        "数据模型" * 400,
+        "🙂🚀" * 300,
+        "Hello, wörld! " * 300,
+        " " * 5000,
+    ]
+    for text in texts:
+        n = len(hf.encode(text, add_special_tokens=False).ids)
+        assert n >= -(-len(text.encode("utf-8")) // conv._bytes_per_token_bound), (text[:20], n)

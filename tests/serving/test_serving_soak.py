@@ -5,15 +5,20 @@ reported (exit status 1); a non-loopback address is refused (exit status 2)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import sys
 
 import numpy as np
 import pytest
+import tokenizers
 from serving_helpers import ServerThread, make_engine_and_config
 
+from serving.files import FilesConfig
 from serving.mock_engine import ByteTokenizer
+from serving.tenants import ApiKeys
+from serving.text import HFTokenizer
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,3 +164,52 @@ def test_percentiles_and_stream_checks():
     assert "vocabulary" in soak._check_stream(res, req, vocab=5)
     del msg.logprobs[0].top[:]
     assert "logprobs" in soak._check_stream(res, req, vocab=10)
+
+
+class _TinyTokenizer(HFTokenizer):
+    """The embedded tiny model's tokenizer.json behind the mock engine, so the HTTP API is on."""
+
+    tokenizer_file = REPO / "ced_jax" / "assets" / "tiny" / "tokenizer.json"
+
+    def __init__(self):
+        super().__init__(tokenizers.Tokenizer.from_file(str(self.tokenizer_file)))
+
+    def constraint_tokenizer(self):
+        return None
+
+
+def test_the_tenant_phase_attacks_as_one_tenant_and_times_the_other():
+    """Issue 33.10: the adversarial classes run as tenant A while tenant B's small requests are timed
+    (in another process). On this mock server every class gets the answers it allows; the victim's
+    latency check is shown to fail by a limit no request can meet (it is a figure, not a timed test)."""
+    attacker, victim = "sk-soak-attacker-01", "sk-soak-victim-0002"
+    engine, cfg = make_engine_and_config(
+        vocab_size=512, max_queued=4, metrics_port=0, http_port=0, step_delay_s=0.002,
+        api_keys=ApiKeys.parse([f"{attacker} attacker", f"{victim} victim"]),
+        http_files=FilesConfig(max_bytes_per_identity=3 << 20, max_file_bytes=2 << 20),
+    )  # fmt: skip
+    st = ServerThread(engine, _TinyTokenizer(), cfg)
+    try:
+        rc, result = soak.run(
+            _args(st, "--requests", "12", "--overload-bursts", "0", "--api-key", attacker,
+                  "--http", f"127.0.0.1:{st.server.http_port}", "--victim-key", victim, "--tenant-s", "3",
+                  "--attackers", "2", "--big-bytes", "65536", "--victim-limit-s", "0.000001")
+        )  # fmt: skip
+    finally:
+        st.close()
+    phase = result["tenant_phase"]
+    assert phase["problems"] == [], phase["problems"]
+    classes = phase["classes"]
+    assert set(classes) == set(soak.soak_tenants.ACCEPT) - {"slow_image"}  # no --slow-image-port
+    for cls, answers in classes.items():
+        assert answers and set(answers) <= soak.soak_tenants.ACCEPT[cls], (cls, answers)
+    assert classes["files_quota"].get("413", 0) > 0 and classes["huge_body"].get("413", 0) > 0
+    assert {k: v["n"] > 0 for k, v in phase["victim"]["attack"].items()} == {
+        "grpc_generate": True, "http_chat": True, "grpc_tokenize": True,
+    }  # fmt: skip
+    assert phase["failures"] == [f"a victim request took {phase['victim_slowest_s']:.2f} s under the attack "
+                                 "(limit 1e-06 s)"]  # fmt: skip
+    assert rc == 1 and result["leak"]["ok"]
+    table = io.StringIO()
+    soak.print_report(result, out=table)
+    assert "| victim request | idle p50 ms |" in table.getvalue()
