@@ -11,4 +11,5 @@ Layout (request flow top to bottom):
   (`jax_engine.JaxEngine` is built from it, `ced-jax serve` takes its flag defaults from it).
 - `capacity.py`: the `ced-jax plan` memory planner (KV sized from `jax.eval_shape` of the engine's state).
 - `client.py`: Python client and the `ced-jax client` command.
+- `work_pools.py`: the bounded pools of the work before the scheduler, shared fairly between tenants.
 """

@@ -271,6 +271,31 @@ def test_image_urls_from_an_allowed_host(pipeline, image_server):
         conv.prepare(CHAT, _one_image(f"{image_server}/missing.png"))
 
 
+def test_image_urls_are_fetched_on_the_fetch_pool_for_the_requests_tenant(image_server):
+    """Issue 33.4: URL downloads run on the `image_fetch` pool, charged to the tenant of the `prepare`
+    job that asked (so one tenant's trickling hosts hold at most half of the fetch threads)."""
+    from serving.http.images import ImageRef
+    from serving.work_pools import FairPool, current_tenant
+
+    seen = []
+
+    class Recording(ImageFetcher):
+        def fetch(self, url):
+            seen.append((current_tenant(), threading.current_thread().name))
+            return super().fetch(url)
+
+    fetch_pool, prepare = FairPool("image-fetch", 4), FairPool("prepare", 2)
+    fetcher = Recording(ImageFetchConfig(allow_image_urls=True, allowed_hosts=("127.0.0.1",), timeout_s=5))
+    resolver = ImageResolver(FileStore(), fetcher, fetch_pool=fetch_pool)
+    url = f"{image_server}/{INPUTS['image_files'][0]}"
+    ref = ImageRef(field="messages[0].content[0]", kind="url", value=url)
+    data = prepare.submit("tenant-a", resolver.resolve, [ref], "", []).result(30)
+    assert data[0] == (GOLDEN / INPUTS["image_files"][0]).read_bytes()
+    assert len(seen) == 1 and seen[0][0] == "tenant-a" and seen[0][1].startswith("ced-image-fetch")
+    fetch_pool.close()
+    prepare.close()
+
+
 def test_the_same_image_twice_is_passed_as_one_bytes_object(pipeline):
     conv = _converter(pipeline)
     parts = [{"type": "image_url", "image_url": {"url": DATA_URLS[0]}}] * 2
