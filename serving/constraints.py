@@ -45,6 +45,7 @@ import llguidance as llg
 import llguidance.numpy as llg_np
 import numpy as np
 
+from serving.errors import InvalidRequest
 from serving.json_limits import MAX_NESTING, nesting_depth
 
 KINDS = ("json_schema", "json_object", "regex", "tool_calls")
@@ -481,9 +482,7 @@ class ConstraintMatcher:
 
 def constraint_from_proto(message) -> OutputConstraint | None:
     """The `OutputConstraint` of a gRPC `GenerateRequest.constraint` (None when unset); raises
-    `serving.scheduler.InvalidRequest` naming the proto field (`constraint.json_schema`, ...)."""
-    from serving.scheduler import InvalidRequest  # the scheduler imports this module
-
+    `serving.errors.InvalidRequest` naming the proto field (`constraint.json_schema`, ...)."""
     if not message.HasField("constraint"):
         return None
     c = message.constraint

@@ -129,6 +129,7 @@ from serving.engine_api import (
     SamplingParams,
     mask_words,
 )
+from serving.errors import AdmissionError, InvalidRequest
 from serving.kv_tiers import DiskTier, HostTier, TieredKV
 from serving.metrics import Metrics
 from serving.pages import ROOT_KEY, CacheEntry, PagePool, scope_tag
@@ -142,22 +143,6 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-class InvalidRequest(ValueError):
-    """A malformed field or a request beyond a limit; `field` names it (INVALID_ARGUMENT)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-class AdmissionError(RuntimeError):
-    """The request was not admitted; `kind` is queue_full, duplicate_id, shutting_down or engine_failed."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -76,3 +76,76 @@ def test_ced_jax_imports_neither_conversion_nor_serving_nor_the_cli():
 def test_pallas_kernels_import_nothing_of_ours():
     assert len(list((REPO / "pallas_kernels").rglob("*.py"))) > 5
     assert upward_imports("pallas_kernels") == []
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The groups of `package`'s modules that import each other round in a circle (lazy imports too)."""
+    modules = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        if "_pb2" not in path.name:
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def ours(name: str) -> str | None:  # `from serving.http import app` names a module or a package
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def imports_of(module: str, path) -> set[str]:
+        names = imported_modules(path.read_text(), module)
+        for node in ast.walk(ast.parse(path.read_text())):  # `from pkg import module` imports the module
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        # Importing `pkg.sub` runs `pkg/__init__` first, but a module's own packages are no cycle.
+        ancestors = {module.rsplit(".", k)[0] for k in range(1, module.count(".") + 1)}
+        return {d for d in map(ours, names) if d and d != module and d not in ancestors}
+
+    graph = {m: imports_of(m, p) for m, p in modules.items()}
+    # Tarjan's strongly connected components; a component of two or more modules is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_package_has_an_import_cycle():
+    """Issue 32 (the review found `serving.constraints` <-> `serving.scheduler`, through a lazy import):
+    the request errors now live at the bottom, in `serving.errors`."""
+    for package in PACKAGES:
+        assert import_cycles(package) == [], package
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path, monkeypatch):
+    import tests.ced_jax.test_import_direction as here
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import x\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    monkeypatch.setattr(here, "REPO", tmp_path)
+    assert import_cycles("pkg") == [["pkg.a", "pkg.b"]]
