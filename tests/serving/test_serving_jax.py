@@ -523,16 +523,18 @@ def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, 
     prompts = [prefix + rng.integers(3, 512, 5).tolist() for _ in range(12)]
 
     def run(sched, prompts):
+        """The first prompt alone (its prefix pages are cached when it ends), then the rest at once."""
         events = {i: [] for i in range(len(prompts))}
-        for i, prompt in enumerate(prompts):
-            req = GenerationRequest(
-                request_id=f"r{i}",
-                prompt_token_ids=tuple(prompt),
-                max_tokens=6,
-                sampling=GREEDY,
-                ignore_eos=True,
-            )
-            sched.submit(req, events[i].append)
+        for batch in ([0], range(1, len(prompts))):
+            for i in batch:
+                req = GenerationRequest(
+                    request_id=f"r{i}",
+                    prompt_token_ids=tuple(prompts[i]),
+                    max_tokens=6,
+                    sampling=GREEDY,
+                    ignore_eos=True,
+                )
+                sched.submit(req, events[i].append)
             while sched.step():
                 pass
         results = [collect(events[i]) for i in range(len(prompts))]
