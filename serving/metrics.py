@@ -94,6 +94,20 @@ class Metrics:
             ["event"],
             registry=r,
         )
+        # Set by `WorkPools.export` (serving/work_pools.py): read from the pools when scraped.
+        self.pool_jobs = Gauge(
+            "ced_pool_jobs",
+            "Jobs of the pools that work before the scheduler (prepare, image-fetch, tokenize), running "
+            "or waiting for a thread.",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.pool_refused = Counter(
+            "ced_pool_refused",
+            "Jobs refused because their tenant already had max_waiting jobs queued in the pool (429).",
+            ["pool"],
+            registry=r,
+        )
         self.kv_tier_demotions = Counter(
             "ced_kv_tier_demotions", "Blocks the device prefix cache evicted into the host tier.", registry=r
         )

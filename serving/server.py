@@ -614,6 +614,7 @@ class Server:
         self.files = FileStore(config.http_files)
         # The pools that work before the scheduler, shared with the HTTP API the same way.
         self.pools = WorkPools.from_config(config)
+        self.pools.export(self.metrics)
         self.images: ImagePipeline | None = None  # set by attach() for a model with a vision tower
         self.health = health.aio.HealthServicer()
         # Set by attach(); until then the InferenceService answers UNAVAILABLE.

@@ -54,6 +54,7 @@ class FairPool:
     round-robin across tenants."""
 
     def __init__(self, name: str, workers: int, *, max_waiting: int = 64):
+        self.on_refused: Callable[[], None] | None = None  # called for each PoolBusy (a metric)
         if workers < 1 or max_waiting < 1:
             raise ValueError(
                 f"{name} pool: workers and max_waiting must be >= 1, got {workers} and {max_waiting}"
@@ -82,6 +83,8 @@ class FairPool:
             if queue is not None:
                 waiting = sum(not j.future.cancelled() for j in queue)
                 if waiting >= self.max_waiting:
+                    if self.on_refused is not None:
+                        self.on_refused()
                     raise PoolBusy(self.name, waiting)
             self._waiting.setdefault(tenant, collections.deque()).append(job)
             self._dispatch()
@@ -165,6 +168,16 @@ class WorkPools:
     def close(self) -> None:
         for pool in (self.prepare, self.image_fetch, self.tokenize):
             pool.close()
+
+    def export(self, metrics) -> None:
+        """Running / waiting jobs and refusals of each pool on `metrics` (serving.metrics.Metrics)."""
+        for pool in (self.prepare, self.image_fetch, self.tokenize):
+            for i, state in enumerate(("running", "waiting")):
+                metrics.pool_jobs.labels(pool=pool.name, state=state).set_function(
+                    lambda pool=pool, i=i: pool.counts()[i]
+                )
+            refused = metrics.pool_refused.labels(pool=pool.name)
+            pool.on_refused = refused.inc
 
 
 def peer_tenant(peer: str) -> str:

@@ -641,6 +641,10 @@ def test_one_tenants_slow_preparations_do_not_hold_up_another(served, monkeypatc
     pool = http.pools.prepare
     wait_until(lambda: pool.counts() == (pool.share, 6 - pool.share), timeout=30)
     assert stuck == ["tester"] * pool.share
+    jobs = lambda state: served.server.metrics.registry.get_sample_value(  # noqa: E731
+        "ced_pool_jobs", {"pool": "prepare", "state": state}
+    )
+    assert (jobs("running"), jobs("waiting")) == (pool.share, 6 - pool.share)  # what /metrics shows
     try:
         assert chat(OTHER_KEY, "quick") == 200
         assert results == []  # every one of tester's requests is still in preparation

@@ -74,11 +74,14 @@ def test_waiting_jobs_start_round_robin_across_tenants():
 
 def test_a_tenant_with_max_waiting_jobs_queued_is_refused_and_others_are_not():
     pool, gate = FairPool("tokenize", 2, max_waiting=3), Gate()
+    refused = []
+    pool.on_refused = lambda: refused.append(1)
     running = pool.submit("a", gate.job("a-run"))
     gate.wait_started(1)
     queued = [pool.submit("a", gate.job(f"a{i}")) for i in range(3)]
     with pytest.raises(PoolBusy, match="tokenize workers"):
         pool.submit("a", gate.job("a-over"))
+    assert refused == [1]  # the ced_pool_refused_total metric
     queued[0].cancel()  # a cancelled job no longer counts
     queued.append(pool.submit("a", gate.job("a3")))
     other = pool.submit("b", gate.job("b"))
