@@ -885,9 +885,9 @@ def test_a_failed_write_is_one_line_and_leaves_nothing(synthetic_tiny, tmp_path)
 def test_orbax_worker_errors_are_left_to_the_one_line_error():
     """Issue 33.8 (part): on a full disk each Orbax worker thread logged the save's failure with a
     traceback before the conversion reported it in one line; those records are filtered (others pass)."""
-    from conversion.convert import _QuietNonOcdbtMerge
+    from conversion.save_noise import QuietNonOcdbtMerge
 
-    quiet = _QuietNonOcdbtMerge()
+    quiet = QuietNonOcdbtMerge()
 
     def record(level, message):
         return logging.LogRecord("absl", level, __file__, 1, message, None, None)
