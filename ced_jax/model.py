@@ -326,43 +326,46 @@ def forward(
     if not 0 <= num_blocks <= cfg.num_layers:
         raise ValueError(f"stop_at_layer must be in 0..{cfg.num_layers}, got {stop_at_layer}")
     for i in range(num_blocks):
-        p = params["layers"][str(i)]
-        x = _engram_site(p, cfg, i, x, engram_rows, image_mask)
-        if capture_blocks and i > 0:
-            block_outputs.append(x)
-        if capture_main_hidden and i in cfg.dspark_target_layer_ids:
-            layer_inputs[i] = x
-        if str(i) in forced.get("block_input", {}):
-            x = forced["block_input"][str(i)].astype(jnp.float32)
-            pre = forced["pre_mix"][str(i)].astype(jnp.float32)
-        # --- attention site (collapses with the previous site's pre: single-pass mHC)
-        residual = x
-        attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg)
-        a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
-        y, topk, cache, shared = attention(
-            p["attn"],
-            cfg,
-            i,
-            a_in,
-            meta,
-            cache,
-            shared,
-            forced_topk=forced.get("topk", {}).get(str(i)),
-            index_k_mode=index_k_mode,
-            impl=impl,
-        )
-        if topk is not None:
-            own_topk[str(i)] = topk
-        x = hc_expand(y, residual, attn_post, attn_comb)
-        # --- FFN site
-        residual = x
-        ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
-        f_in = rms_norm(hc_collapse(x, attn_pre), p["ffn_norm"]["weight"], cfg.rms_norm_eps)
-        forced_ids = forced["experts"][i] if "experts" in forced else None
-        y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout, image_mask)
-        own_experts.append(ids)
-        x = hc_expand(y, residual, ffn_post, ffn_comb)
-        pre = ffn_pre
+        # Named per layer so a compiled program's instructions say which layer they belong to
+        # (bench/launches.py); metadata only.
+        with jax.named_scope(f"layer{i}"):
+            p = params["layers"][str(i)]
+            x = _engram_site(p, cfg, i, x, engram_rows, image_mask)
+            if capture_blocks and i > 0:
+                block_outputs.append(x)
+            if capture_main_hidden and i in cfg.dspark_target_layer_ids:
+                layer_inputs[i] = x
+            if str(i) in forced.get("block_input", {}):
+                x = forced["block_input"][str(i)].astype(jnp.float32)
+                pre = forced["pre_mix"][str(i)].astype(jnp.float32)
+            # --- attention site (collapses with the previous site's pre: single-pass mHC)
+            residual = x
+            attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg)
+            a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
+            y, topk, cache, shared = attention(
+                p["attn"],
+                cfg,
+                i,
+                a_in,
+                meta,
+                cache,
+                shared,
+                forced_topk=forced.get("topk", {}).get(str(i)),
+                index_k_mode=index_k_mode,
+                impl=impl,
+            )
+            if topk is not None:
+                own_topk[str(i)] = topk
+            x = hc_expand(y, residual, attn_post, attn_comb)
+            # --- FFN site
+            residual = x
+            ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
+            f_in = rms_norm(hc_collapse(x, attn_pre), p["ffn_norm"]["weight"], cfg.rms_norm_eps)
+            forced_ids = forced["experts"][i] if "experts" in forced else None
+            y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout, image_mask)
+            own_experts.append(ids)
+            x = hc_expand(y, residual, ffn_post, ffn_comb)
+            pre = ffn_pre
     if num_blocks < cfg.num_layers:
         p = params["layers"][str(num_blocks)]
         if num_blocks in cfg.kv_source_layer_ids:

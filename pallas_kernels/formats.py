@@ -157,8 +157,10 @@ def exact_div(x: jax.Array, y: jax.Array | float) -> jax.Array:
 
     XLA rewrites division by a constant or a broadcast divisor into a multiply by the reciprocal,
     which is off by an ulp in ~1/4 of cases and moves FP8/FP4 rounding ties. Giving the divisor
-    x's full shape through a data dependency keeps a true division."""
-    x = jnp.asarray(x, jnp.float32)
+    x's full shape through a data dependency keeps a true division. XLA also rewrites a quotient
+    divided again, (a / b) / c, as a / (b * c) (one rounding fewer, another result): the numerator
+    passes through a no-op reduce_precision, which XLA keeps and which is not a divide."""
+    x = jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=8, mantissa_bits=23)
     return x / (jnp.zeros_like(x) * x + y)
 
 

@@ -49,7 +49,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -192,10 +194,12 @@ def compile_in_process(
     programs: tuple[str, ...] = PROGRAMS,
     impl: str = "reference",
     scheduler: str = "memory",
+    on_compiled: Callable[[str, Any], None] | None = None,
 ) -> dict:
     """Lower and compile `programs` in this process on a mesh of `mesh_sizes` over all its (global)
     devices; XLA's per-device memory analysis of each, and the per-device bytes of the abstract
-    arguments by kind (parameters, state, step inputs)."""
+    arguments by kind (parameters, state, step inputs). on_compiled(name, compiled) sees each
+    compiled program (bench/launches.py reads its HLO)."""
     from ced_jax.cache import StepMetadata
     from ced_jax.engine import Programs, StateShapes
 
@@ -286,6 +290,8 @@ def compile_in_process(
             t0 = time.perf_counter()
             compiled = fn.lower(*args, max_logprobs=SERVE.max_logprobs).compile(options)
             result = _analysis(compiled, time.perf_counter() - t0)
+            if on_compiled is not None:
+                on_compiled(name, compiled)
             result["inputs_bytes"] = _tree_bytes_per_device((inputs, sampling))
             out["programs"][name] = result
     return out

@@ -39,14 +39,25 @@ def hc_mixes(
     post = 2 * jax.nn.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*mixes.shape[:-1], hc, hc)
     comb = jnp.exp(comb - max_small(comb, -1)[..., None])  # no reduce: see ced_jax.quant
+    return pre, post, sinkhorn(comb, iters=iters, eps=hc_eps)
+
+
+def sinkhorn(comb: jax.Array, *, iters: int, eps: float) -> jax.Array:
+    """[..., M, M] positive f32 (a row softmax's numerators) -> the row softmax + eps, then `iters`
+    column and iters - 1 row normalisations, alternating and ending on a column one; each sum in
+    index order, each quotient correctly rounded, as the reference computes them."""
     row_sum = lambda c: sum_small(c, -1)[..., None]
     col_sum = lambda c: sum_small(c, -2)[..., None, :]
-    comb = exact_div(comb, row_sum(comb)) + hc_eps
-    comb = exact_div(comb, col_sum(comb) + hc_eps)
-    for _ in range(iters - 1):
-        comb = exact_div(comb, row_sum(comb) + hc_eps)
-        comb = exact_div(comb, col_sum(comb) + hc_eps)
-    return pre, post, comb
+    comb = exact_div(comb, row_sum(comb)) + eps
+    comb = exact_div(comb, col_sum(comb) + eps)
+
+    def step(_, c):
+        c = exact_div(c, row_sum(c) + eps)
+        return exact_div(c, col_sum(c) + eps)
+
+    # A loop, not unrolled: the program holds one step whatever `iters` is (unrolled, the 19 steps
+    # were 1,300 of tiny's 2,366 decode fusions and a sixth of its compile time).
+    return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
 def hc_collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
