@@ -332,6 +332,12 @@ def _check_serve_options(args) -> None:
             f"--prefill-rows must be ascending row counts in 1..--max-slots ({args.max_slots}), "
             f"got {args.prefill_rows}"
         )
+    if rows is not None and len(rows) > 1 and args.batch_invariant:
+        raise ValueError(
+            f"--prefill-rows {args.prefill_rows}: several prefill sizes break --batch-invariant (a "
+            "request's output would depend on what is prefilled beside it); give one count, or add "
+            "--no-batch-invariant"
+        )
     _context_buckets(args)
     if args.prefill_token_budget is not None and args.prefill_token_budget < page:
         raise ValueError(
@@ -713,6 +719,7 @@ def _serve_config(args):
         max_context=args.max_context,
         prefill_buckets=(chunk,),
         prefill_rows=_prefill_rows(args),  # None: ServeConfig's default for these shapes
+        batch_invariant=args.batch_invariant,
         decode_context_buckets=_context_buckets(args),  # likewise
         prefill_token_budget=args.prefill_token_budget,
         max_running=args.max_running,
@@ -1118,8 +1125,18 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-rows",
         help="requests prefilled together: the row counts of the compiled prefill programs, ascending "
-        "(e.g. 4 or 2,4; default: min(4, --max-slots)); one count keeps prefix-cache hits bit-identical "
-        "to cold runs on XLA:CPU, several trade that for less padding",
+        "(e.g. 4 or 2,4; default: min(4, --max-slots), and 1 too with --no-batch-invariant); one count "
+        "keeps prefix-cache hits bit-identical to cold runs on XLA:CPU, several (only with "
+        "--no-batch-invariant) trade that for less padding",
+    )
+    g.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=serve.batch_invariant,
+        help="guarantee that a request's tokens and log-probabilities are bit-identical whatever else "
+        "is batched with it: decode runs at least 8 rows and prefill at one row count, padded (default: "
+        "on). --no-batch-invariant runs decode and prefill at the batch in use (a lone stream at 1 row: "
+        "faster, its output may change in the last bits with its neighbours)",
     )
     g.add_argument(
         "--decode-context-buckets",

@@ -26,9 +26,16 @@ from serving.tenants import ApiKeys
 PORT_FIELDS = ("port", "metrics_port", "http_port")
 
 
-def default_decode_buckets(max_slots: int) -> tuple[int, ...]:
-    """Powers of two from min(8, max_slots) below max_slots, then max_slots (see `decode_buckets`)."""
-    sizes, b = [], min(8, max_slots)
+# Decode batches of fewer rows than this compute a row differently from batches of this many or more
+# on XLA:CPU (its matmul kernels; measured on tiny, tests/serving/test_serving_jax.py); from this many
+# rows up a row's result is the same in every batch.
+INVARIANT_DECODE_ROWS = 8
+
+
+def default_decode_buckets(max_slots: int, *, batch_invariant: bool = True) -> tuple[int, ...]:
+    """Powers of two below max_slots, then max_slots (see `decode_buckets`): from
+    min(INVARIANT_DECODE_ROWS, max_slots) when batch-invariant, from 1 otherwise."""
+    sizes, b = [], min(INVARIANT_DECODE_ROWS, max_slots) if batch_invariant else 1
     while b < max_slots:
         sizes.append(b)
         b *= 2
@@ -55,20 +62,24 @@ class ServeConfig:
     num_pages: int | None = None
     max_context: int = 2048  # prompt + generated tokens of one request; a multiple of page_size
     prefill_buckets: tuple[int, ...] = (128,)  # chunk lengths; largest % page_size == 0
+    # Batch invariance, a guarantee: a request's tokens and log-probabilities are bit-identical
+    # whatever else is batched with it (tests/serving/test_serving_jax.py: a request alone and among
+    # 31 others). It costs padding: decode runs at least INVARIANT_DECODE_ROWS rows and prefill at
+    # one row count (below), so a lone stream pays for 8 rows. Off, decode and prefill run at the
+    # batch in use (decode buckets from 1, prefill rows (1, n)), and a request's output may change
+    # in the last bits with its neighbours. Explicit buckets that break it are refused while it is on.
+    batch_invariant: bool = True
     # Decode batch sizes compiled at start-up; a step runs the smallest that holds its active rows.
-    # None: powers of two from min(8, max_slots) up, and max_slots. Why not from 1: on XLA:CPU a row's
-    # result differs between batches of fewer than 8 rows and of 8 or more (matmul kernels), and
-    # from 8 rows up it is the same in every batch (measured on tiny; tests/serving/test_serving_jax
-    # checks a request alone against it among 31 others), so a stream's tokens never depend on how
-    # many others run beside it.
+    # None: powers of two up to max_slots, from min(INVARIANT_DECODE_ROWS, max_slots) (batch
+    # invariant) or 1.
     decode_buckets: tuple[int, ...] | None = None
     # Prefill batch sizes compiled at start-up (rows of one prefill program: each row one request's
     # chunk); a step's chunks run in the smallest that holds them, padded with idle rows. None: one
-    # size, min(4, max_slots). Why one: on XLA:CPU a row's prefill logits differ between programs of
-    # different row counts (measured on tiny: 1 row vs 2 or 4 vs 8, on a page that ends mid-way), so
-    # with several sizes a prefix-cache hit, computed beside other requests, is no longer
-    # bit-identical to its cold run; one size keeps it exact at the cost of idle rows (BENCHMARKS.md,
-    # Serving).
+    # size, min(4, max_slots), when batch-invariant; else (1, min(4, max_slots)). Why one: on XLA:CPU a
+    # row's prefill logits differ between programs of different row counts (measured on tiny: 1 row
+    # vs 2 or 4 vs 8, on a page that ends mid-way), so with several sizes a request's output, and a
+    # prefix-cache hit computed beside other requests, depend on what else is prefilled; one size
+    # keeps it exact at the cost of idle rows (BENCHMARKS.md, Serving).
     prefill_rows: tuple[int, ...] | None = None
     # Decode page-table widths (tokens of context) compiled at start-up: a decode step reads its rows'
     # page tables only up to the smallest width that holds its longest row, so its cost follows the
@@ -185,11 +196,18 @@ class ServeConfig:
         if self.num_pages is None:  # frozen: the default is filled in once, here
             object.__setattr__(self, "num_pages", self.max_slots * (self.max_context // self.page_size))
         if self.decode_buckets is None:
-            object.__setattr__(self, "decode_buckets", default_decode_buckets(self.max_slots))
+            buckets = default_decode_buckets(self.max_slots, batch_invariant=self.batch_invariant)
+            object.__setattr__(self, "decode_buckets", buckets)
         d = tuple(self.decode_buckets)
         if not d or list(d) != sorted(set(d)) or d[0] < 1 or d[-1] != self.max_slots:
             raise ValueError(
                 f"decode_buckets must be ascending, positive and end at max_slots ({self.max_slots}), got {d}"
+            )
+        if self.batch_invariant and d[0] < min(INVARIANT_DECODE_ROWS, self.max_slots):
+            raise ValueError(
+                f"decode_buckets {list(d)}: batches below {min(INVARIANT_DECODE_ROWS, self.max_slots)} rows "
+                "break batch invariance (a row's result depends on the batch's size); turn "
+                "batch_invariant off (--no-batch-invariant) to run them"
             )
         if self.decode_context_buckets is None:
             object.__setattr__(
@@ -207,11 +225,20 @@ class ServeConfig:
                 f"({self.page_size}) ending at max_context ({self.max_context}), got {c}"
             )
         if self.prefill_rows is None:
-            object.__setattr__(self, "prefill_rows", (min(4, self.max_slots),))
+            rows = min(4, self.max_slots)
+            object.__setattr__(
+                self, "prefill_rows", (rows,) if self.batch_invariant else tuple(sorted({1, rows}))
+            )
         r = tuple(self.prefill_rows)
         if not r or list(r) != sorted(set(r)) or r[0] < 1 or r[-1] > self.max_slots:
             raise ValueError(
                 f"prefill_rows must be ascending, positive and at most max_slots ({self.max_slots}), got {r}"
+            )
+        if self.batch_invariant and len(r) > 1:
+            raise ValueError(
+                f"prefill_rows {list(r)}: several prefill sizes break batch invariance (a row's result "
+                "depends on the program's row count); give one, or turn batch_invariant off "
+                "(--no-batch-invariant)"
             )
         if self.prefill_token_budget is None:
             object.__setattr__(self, "prefill_token_budget", 2 * self.page_size * r[-1])

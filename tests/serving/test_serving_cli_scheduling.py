@@ -28,6 +28,10 @@ def nothing_loads(monkeypatch):
         (["--max-slots", "2", "--prefill-rows", "1,4"], ("--prefill-rows", "--max-slots (2)")),
         (["--prefill-rows", "2,,4"], ("--prefill-rows", "comma-separated", "'2,,4'")),
         (["--prefill-rows", "four"], ("--prefill-rows", "'four'")),
+        (
+            ["--prefill-rows", "2,4"],
+            ("--prefill-rows 2,4", "break --batch-invariant", "--no-batch-invariant"),
+        ),
         (["--prefill-token-budget", "15"], ("--prefill-token-budget", ">= --page-size 16", "15")),
         (["--prefill-token-budget", "-1"], ("--prefill-token-budget", "-1")),
         (["--page-size", "32", "--prefill-token-budget", "16"], ("--prefill-token-budget", "32")),
@@ -55,8 +59,10 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
         return 0
 
     monkeypatch.setattr("serving.server.serve", fake_serve)
-    assert main([*BASE, "--prefill-rows", "2,4", "--prefill-token-budget", "96"]) == 0
+    argv = [*BASE, "--prefill-rows", "2,4", "--prefill-token-budget", "96", "--no-batch-invariant"]
+    assert main(argv) == 0
     assert seen["config"].prefill_rows == (2, 4) and seen["config"].prefill_token_budget == 96
+    assert not seen["config"].batch_invariant
     assert seen["config"].decode_segment_tokens == 4096  # the default: on
     assert main([*BASE, "--decode-segment-tokens", "0"]) == 0
     assert seen["config"].decode_segment_tokens == 0
@@ -66,6 +72,11 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
     assert (c.kv_host_bytes, c.kv_disk_dir, c.kv_disk_bytes, c.kv_tiers) == (4096, "/tmp/ced-kv", 8192, True)
     assert main([*BASE, "--max-slots", "2"]) == 0  # the defaults follow the shapes
     assert seen["config"].prefill_rows == (2,) and seen["config"].prefill_token_budget == 64
+    assert main([*BASE]) == 0  # batch invariant by default: decode from 8 rows, one prefill size
+    assert seen["config"].batch_invariant
+    assert (seen["config"].decode_buckets, seen["config"].prefill_rows) == ((8, 16, 32), (4,))
+    assert main([*BASE, "--no-batch-invariant"]) == 0  # the batch in use: from 1 row
+    assert (seen["config"].decode_buckets, seen["config"].prefill_rows) == ((1, 2, 4, 8, 16, 32), (1, 4))
 
 
 def test_a_busy_kv_disk_dir_fails_before_the_model_loads(tmp_path, capsys, nothing_loads):

@@ -62,7 +62,7 @@ def dp_model():
 
 def test_sizes_that_do_not_divide_over_the_devices_are_refused(dp_model):
     config = ServeConfig(max_slots=SLOTS, page_size=PAGE, max_context=CONTEXT, prefill_buckets=(CHUNK,),
-                         decode_buckets=(4, 8), metrics_port=None)  # fmt: skip
+                         decode_buckets=(4, 8), batch_invariant=False, metrics_port=None)  # fmt: skip
     with pytest.raises(ValueError, match=r"decode_buckets \[4, 8\].*multiple of the 8 devices"):
         JaxEngine(dp_model, config)
 

@@ -40,6 +40,22 @@ def test_engine_spec_validation_and_buckets():
             _spec(**bad)
 
 
+def test_batch_invariance_is_a_checked_choice():
+    on, off = ServeConfig(max_slots=32), ServeConfig(max_slots=32, batch_invariant=False)
+    assert (on.decode_buckets, on.prefill_rows) == ((8, 16, 32), (4,))
+    assert (off.decode_buckets, off.prefill_rows) == ((1, 2, 4, 8, 16, 32), (1, 4))
+    assert ServeConfig(max_slots=4).decode_buckets == (4,)  # fewer slots than 8: all of them
+    with pytest.raises(
+        ValueError, match=r"decode_buckets \[4, 8\]: batches below 8 rows break batch invariance"
+    ):
+        ServeConfig(max_slots=8, decode_buckets=(4, 8))
+    with pytest.raises(
+        ValueError, match=r"prefill_rows \[2, 4\]: several prefill sizes break batch invariance"
+    ):
+        ServeConfig(prefill_rows=(2, 4))
+    assert ServeConfig(max_slots=8, decode_buckets=(4, 8), prefill_rows=(2, 4), batch_invariant=False)
+
+
 def test_serve_config_validation_and_engine_check():
     with pytest.raises(ValueError, match="multiple of page_size"):
         ServeConfig(page_size=64, max_context=100)

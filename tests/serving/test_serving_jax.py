@@ -705,6 +705,37 @@ def test_sampling_alone_equals_sampling_among_31_others(server):
     server.assert_idle()
 
 
+def test_without_batch_invariance_a_lone_stream_decodes_at_one_row(model, monkeypatch):
+    """--no-batch-invariant: the batch in use, not 8 padded rows; a lone request's tokens and
+    log-probabilities are then the model's at one row (the mirror at 1 slot, 1 prefill row)."""
+    config = _config(max_slots=2, batch_invariant=False)
+    assert (config.decode_buckets, config.prefill_rows) == ((1, 2), (1, 2))
+    engine = JaxEngine(model, config)
+    engine.warmup()
+    rows = []
+    place = engine._place_rows
+    monkeypatch.setattr(engine, "_place_rows", lambda active: rows.append(len(p := place(active))) or p)
+    st = ServerThread(engine, ModelTokenizer(model), config)
+    try:
+        prompt = _prompt(37)
+        out = client.generate(st.addr, prompt, max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True,
+                              timeout=120)  # fmt: skip
+        ref = mirror(model, prompt, out.token_ids, slots=1, prefill_rows=1)
+        top_ids, top_logprobs = _logprob_arrays(out)
+        for step, (tok, ids, lps, r) in enumerate(
+            zip(out.token_ids, top_ids, top_logprobs, ref, strict=True)
+        ):
+            assert tok == int(np.argmax(r)), f"step {step}: greedy token differs"
+            np.testing.assert_allclose(
+                np.asarray(lps, np.float32), r[np.asarray(ids)], rtol=0, atol=LOGPROB_ATOL
+            )
+        assert rows and set(rows) == {1}
+        assert engine.compiles_after_warmup == 0
+        st.assert_idle()
+    finally:
+        st.close()
+
+
 def test_cancel_mid_stream_frees_slot_and_pages(server):
     prompt = _prompt(20)
     channel = grpc.insecure_channel(server.addr)
