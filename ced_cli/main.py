@@ -1153,7 +1153,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         "--prefill-token-budget",
         type=int,
         help="prompt tokens prefilled per step beside the running decodes, summed over requests "
-        "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams",
+        "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams. "
+        "With no stream decoding a step takes a full --prefill-chunk for every row",
     )
     g.add_argument(
         "--decode-segment-tokens",

@@ -106,9 +106,10 @@ class ServeConfig:
     max_prompt_bytes: int = 1 << 20
     max_tokenize_bytes: int = 1 << 20
 
-    # Scheduling. Prompt tokens prefilled per scheduler step, summed over the requests' chunks (at most
-    # max(prefill_rows) chunks, each at most max(prefill_buckets) tokens), handed out a page per request
-    # in turn, oldest first. It bounds how long a step's prefill holds up the running streams. None:
+    # Scheduling. Prompt tokens prefilled per scheduler step while any stream is decoding, summed over
+    # the requests' chunks (at most max(prefill_rows) chunks, each at most max(prefill_buckets) tokens),
+    # handed out a page per request in turn, oldest first. It bounds how long a step's prefill holds up
+    # the running streams; with none decoding a step takes every row's largest chunk. None:
     # 2 * page_size * max(prefill_rows), two pages of every row, so a step's prefill is at most two
     # forwards over [max(prefill_rows), page_size] tokens on JaxEngine (on tiny / XLA:CPU the best of
     # one, two and four pages a row for both TTFT and TPOT at 16 and 32 streams: BENCHMARKS.md,

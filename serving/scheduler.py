@@ -13,7 +13,9 @@ Request lifecycle (one request = one `_Seq`):
    tokens to rebuild its per-slot state (engine_api's module docstring); they count against the
    prefill budget, while usage's cached_prompt_tokens reports b.
 3. Prefill: one `engine.prefill_async` per step over the chunks of up to max(`prefill_rows`)
-   prefilling requests (oldest first), `prefill_token_budget` prompt tokens in all, handed out a
+   prefilling requests (oldest first), `prefill_token_budget` prompt tokens in all while any stream
+   is decoding (it bounds how long they wait), else every row's largest chunk (nobody waits: a
+   long prompt alone goes in as few steps as the buckets allow), handed out a
    page per request in turn (so a batch's chunks are about equally long: the engine runs as many
    page iterations as its longest chunk has pages); each chunk is at most the largest bucket and
    starts on a page boundary. After each chunk, the prompt blocks it completed are registered in
@@ -813,13 +815,16 @@ class Scheduler:
 
     def _plan_prefill(self) -> list[tuple[_Seq, int]]:
         """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
-        first, each chunk at most the largest bucket, together at most `prefill_token_budget` tokens.
-        The budget is handed out a page per request in turn, so the chunks end up about equally long:
-        a batched prefill runs as many page iterations as its longest chunk has pages. Every chunk
-        but a prompt's last ends on a page boundary (the next one must start on one)."""
+        first, each chunk at most the largest bucket, together at most `prefill_token_budget` tokens
+        while a stream is decoding (none: every row's largest chunk). The budget is handed out a page
+        per request in turn, so the chunks end up about equally long: a batched prefill runs as many
+        page iterations as its longest chunk has pages. Every chunk but a prompt's last ends on a page
+        boundary (the next one must start on one)."""
         ps, max_chunk = self.spec.page_size, self.spec.max_chunk
         rows = max(self.config.prefill_rows)
         budget = self.config.prefill_token_budget
+        if not any(s is not None and s.decoding for s in self._slots):
+            budget = max(budget, rows * max_chunk)
         seqs = self._prefilling[:rows]
         blocks = self.spec.kv_blocks
         if blocks > 1:  # data-parallel attention: each device block runs rows / blocks of them

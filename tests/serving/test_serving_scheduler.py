@@ -226,23 +226,46 @@ def _batches(engine) -> list[list[tuple[int, int, int]]]:
 
 
 def test_prefill_batches_several_requests_under_the_token_budget():
-    engine, sched = _sched(prefill_token_budget=24, prefill_rows=(2, 4), batch_invariant=False)
+    engine, sched = _sched(max_slots=8, prefill_token_budget=24, prefill_rows=(2, 4), batch_invariant=False)
+    streaming = _submit(sched, "s", "hi", max_tokens=40)
+    sched.step()  # "s" is prefilled and decodes from now on: the budget bounds every prefill step
+    engine.prefill_log.clear()
+    engine.prefill_batches.clear()
     prompts = {"a": "x" * 10, "b": "y" * 30, "c": "abc", "d": "z" * 20}
     events = {rid: _submit(sched, rid, p, max_tokens=6) for rid, p in prompts.items()}
     run_until_idle(sched)
     batches = _batches(engine)
     # Step 1: a page each in turn, oldest first (a 4, b 4, c its 3, d 4), then a second page for a
     # and b (23 tokens); d's second page would pass the budget of 24.
-    assert batches[0] == [(0, 0, 8), (1, 0, 8), (2, 0, 3), (3, 0, 4)]
+    assert batches[0] == [(1, 0, 8), (2, 0, 8), (3, 0, 3), (4, 0, 4)]
     # Step 2: a's last 2 tokens, b 4 + 4 + 4, d 4 + 4 (= 22; b's fourth page would pass 24)
-    assert batches[1] == [(0, 8, 2), (1, 8, 12), (3, 4, 8)]
-    for batch in batches:
+    assert batches[1] == [(1, 8, 2), (2, 8, 12), (4, 4, 8)]
+    for batch in batches[:3]:  # "s" decodes for 40 steps: the budget holds throughout
         assert sum(n for _, _, n in batch) <= 24 and len(batch) <= 4
         for _, start, n in batch:
             assert start % 4 == 0 and n <= 16
     for rid, p in prompts.items():
         assert collect(events[rid])[0] == mock_greedy_stream(TOK.encode(p), 6)
+    assert len(collect(streaming)[0]) == 40
     assert engine.compiles_after_warmup == 0
+    _assert_clean(engine, sched)
+
+
+def test_a_prompt_with_no_stream_decoding_takes_whole_chunks():
+    """The budget bounds how long decoding streams wait; with none, a step takes every row's
+    largest chunk (16 tokens here), so a long prompt alone goes in as few steps as it can."""
+    engine, sched = _sched(prefill_token_budget=8)
+    alone = _submit(sched, "long", "w" * 60, max_tokens=4)
+    run_until_idle(sched)
+    assert [n for _, _, n, _ in engine.prefill_log] == [16, 16, 16, 12]
+    engine.prefill_log.clear()
+    streaming = _submit(sched, "s", "hi", max_tokens=30)
+    sched.step()
+    beside = _submit(sched, "long2", "v" * 60, max_tokens=4)
+    run_until_idle(sched)
+    assert [n for s, _, n, _ in engine.prefill_log if s != 0][:7] == [8] * 7  # the budget, "s" decoding
+    for events, prompt, n in ((alone, "w" * 60, 4), (beside, "v" * 60, 4), (streaming, "hi", 30)):
+        assert collect(events)[0] == mock_greedy_stream(TOK.encode(prompt), n)
     _assert_clean(engine, sched)
 
 
