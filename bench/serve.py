@@ -11,7 +11,9 @@ others wait client-side, as behind a load balancer). Every request streams `--ou
 Reported per level: requests/s and output tokens/s over the level's wall time, TTFT (request sent ->
 first token received) and TPOT (time per output token after the first: (last - first) / (n - 1)),
 p50 and p99; and the ratio of output tokens/s at each level to the single-stream level. The server's
-compiles-after-warm-up counter (from /metrics when in-process) must stay 0.
+compiles-after-warm-up counter (from /metrics when in-process) must stay 0. In-process, also the
+mean scheduler step (first dispatch to last result) and the mean gap between steps in which the
+device waits for the host (`ced_device_idle_between_steps_seconds`), and the gap's share of both.
 
 With the in-process server, the library path is measured too, in the same process after the levels
 (`--library-requests`, 0 to skip): `ced_jax.load(model).generate` on prompts and outputs of the same
@@ -65,6 +67,29 @@ async def _one(addr: str, prompt: list[int], output_len: int, seed: int) -> dict
             last = now
             n += len(msg.token_ids)
     return {"ttft": first - sent, "tpot": (last - first) / (n - 1) if n > 1 else float("nan"), "tokens": n}
+
+
+def _step_sums(server) -> dict | None:
+    """The in-process server's step histograms' sums and counts (None: a remote server)."""
+    if server is None:
+        return None
+    get = server.metrics.registry.get_sample_value
+    names = ("ced_device_idle_between_steps_seconds", "ced_step_seconds")
+    return {f"{n}{k}": get(f"{n}{k}") or 0.0 for n in names for k in ("_sum", "_count")}
+
+
+def _step_shares(before: dict | None, after: dict | None) -> dict:
+    """Per level: mean device step and idle gap between steps (ms), and idle / (idle + step)."""
+    if before is None:
+        return {}
+    d = {k: after[k] - before[k] for k in after}
+    idle, steps = d["ced_device_idle_between_steps_seconds_sum"], d["ced_step_seconds_sum"]
+    n_idle, n_steps = d["ced_device_idle_between_steps_seconds_count"], d["ced_step_seconds_count"]
+    return {
+        "step_ms_mean": 1e3 * steps / max(n_steps, 1),
+        "idle_between_steps_ms_mean": 1e3 * idle / max(n_idle, 1),
+        "idle_share": idle / max(idle + steps, 1e-12),
+    }
 
 
 async def _level(addr: str, concurrency: int, args, rng: np.random.Generator) -> dict:
@@ -370,7 +395,11 @@ def main(argv=None) -> int:
         args.vocab = client.model_info(args.addr).vocab_size
     rng = np.random.default_rng(args.seed)
     asyncio.run(_level(args.addr, 1, argparse.Namespace(**{**vars(args), "requests_per_level": 1}), rng))
-    levels = [asyncio.run(_level(args.addr, c, args, rng)) for c in args.concurrency]
+    levels = []
+    for c in args.concurrency:
+        before = _step_sums(server)
+        levels.append(asyncio.run(_level(args.addr, c, args, rng)))
+        levels[-1].update(_step_shares(before, _step_sums(server)))
     base = levels[0]["output_tokens_per_s"]
     for lv in levels:
         lv["ratio_to_single"] = lv["output_tokens_per_s"] / base
@@ -388,14 +417,22 @@ def main(argv=None) -> int:
         cfg = server.config
         print(f"# prefill rows {cfg.prefill_rows}, token budget {cfg.prefill_token_budget}, "
               f"chunk {args.chunk}, decode buckets {cfg.decode_buckets}")  # fmt: skip
-    print("| C | requests | req/s | out tok/s | ratio to C=1 | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| C | requests | req/s | out tok/s | ratio to C=1 | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| step / idle between steps ms (idle share) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for lv in levels:
+        idle = (
+            f"{lv['step_ms_mean']:.1f} / {lv['idle_between_steps_ms_mean']:.1f} ({lv['idle_share']:.0%})"
+            if "idle_share" in lv
+            else "-"
+        )
         print(
             f"| {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} | "
             f"{lv['output_tokens_per_s']:.1f} | {lv['ratio_to_single']:.2f} | "
             f"{lv['ttft_p50_ms']:.0f} / {lv['ttft_p99_ms']:.0f} | "
-            f"{lv['tpot_p50_ms']:.1f} / {lv['tpot_p99_ms']:.1f} |"
+            f"{lv['tpot_p50_ms']:.1f} / {lv['tpot_p99_ms']:.1f} | {idle} |"
         )
     if library is not None:
         ratio = levels[0]["output_tokens_per_s"] / library["output_tokens_per_s"]

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
+_STEP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
@@ -159,6 +160,19 @@ class Metrics:
             "Mean accepted drafts per row per speculative decode step, since start.",
             registry=r,
         )
+        self.device_idle = Histogram(
+            "ced_device_idle_between_steps_seconds",
+            "From a scheduler step's last device result on the host to the next step's first dispatch, "
+            "while there is work: the device's idle time between steps, seen from the host.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "ced_step_seconds",
+            "A scheduler step's device time seen from the host: its first dispatch to its last result.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.decode_steps_per_output_token = Gauge(
             "ced_decode_steps_per_output_token",
             "Decode row-steps / tokens they produced, since start (1 without speculative decoding).",
@@ -172,6 +186,12 @@ class Metrics:
         self._spec_accepted = 0
         self._decode_row_steps = 0
         self._decode_tokens = 0
+
+    def observe_step(self, idle_before_s: float | None, busy_s: float) -> None:
+        """One scheduler step that ran work: the idle gap before it (None: the first after a pause)."""
+        if idle_before_s is not None:
+            self.device_idle.observe(idle_before_s)
+        self.step_time.observe(busy_s)
 
     def observe_decode_step(self, emitted, n_drafts=None) -> None:
         """One decode step: the tokens each active row produced (`emitted`, ints >= 1), and for a

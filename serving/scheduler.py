@@ -274,6 +274,11 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
+        # When this step's last device result reached the host, and when the step's first work was
+        # dispatched (time.perf_counter): the device's idle time between steps, seen from the host.
+        self._results_at: float | None = None
+        self._dispatched_at: float | None = None
+        self._idle_before: float | None = None
         self.clock = clock
         # KV tiers (module docstring, 6): blocks the device cache evicts are collected here and
         # demoted right after the allocation that evicted them.
@@ -608,14 +613,35 @@ class Scheduler:
         # prefill (Engram hashing, padding, page tables); then the decode's tokens are handled while
         # the prefill runs, and the prefill's results last.
         decoding = self._decode_dispatch()
+        if decoding is not None:
+            self._note_dispatch()
         prefill = self._prefill_dispatch()
+        if prefill is not None:
+            self._note_dispatch()
         if decoding is not None:
             self._decode_finish(*decoding)
         if prefill is not None:
             self._prefill_finish(*prefill)
+        if decoding is None and prefill is None:
+            self._results_at = None  # nothing ran: the wait for work is not idle time between steps
+        elif self.metrics is not None and self._dispatched_at is not None:
+            self.metrics.observe_step(self._idle_before, self._results_at - self._dispatched_at)
+        self._dispatched_at = None
         worked = worked or decoding is not None or prefill is not None
         self._update_gauges()
         return worked
+
+    def _note_dispatch(self) -> None:
+        """The step's first dispatch: the device waited since the previous step's last result (a
+        lower bound: it may have finished before the host asked for the result)."""
+        if self._dispatched_at is None:
+            self._dispatched_at = time.perf_counter()
+            self._idle_before = None if self._results_at is None else self._dispatched_at - self._results_at
+
+    def _result(self, pending):
+        result = pending.result()
+        self._results_at = time.perf_counter()
+        return result
 
     def _expire(self, now: float) -> None:
         expired = [s for s in self._waiting if s.req.deadline is not None and s.req.deadline <= now]
@@ -884,7 +910,7 @@ class Scheduler:
         )
 
     def _prefill_finish(self, plan, pending) -> None:
-        for (seq, end), result in zip(plan, pending.result(), strict=True):
+        for (seq, end), result in zip(plan, self._result(pending), strict=True):
             self._prefilled(seq, end, result)
 
     def _prefilled(self, seq: _Seq, end: int, result) -> None:
@@ -985,7 +1011,7 @@ class Scheduler:
         return active, self.engine.decode_async(batch), batch.n_drafts
 
     def _decode_finish(self, active: np.ndarray, pending, n_drafts: np.ndarray | None = None) -> None:
-        result = pending.result()
+        result = self._result(pending)
         slots = np.flatnonzero(active)
         if result.emitted is None:
             for slot in slots:

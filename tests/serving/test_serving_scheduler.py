@@ -616,3 +616,17 @@ def test_a_finished_request_leaves_its_output_in_the_prefix_cache():
     ids, _, last = collect(ev2)
     assert last.usage.cached_prompt_tokens == 28 and ids == mock_greedy_stream(turn2, 4)
     _assert_clean(engine, sched)
+
+
+def test_device_idle_between_steps_is_measured_only_while_there_is_work():
+    metrics = Metrics()
+    engine, sched = _sched(metrics)
+    value = lambda name: metrics.registry.get_sample_value(name) or 0.0
+    for round_ in range(2):
+        events = _submit(sched, f"r{round_}", "abcdefgh", max_tokens=5)
+        steps = run_until_idle(sched)  # the last step() found nothing to do
+        assert len(collect(events)[0]) == 5
+        # Every step that ran work is timed; each but the first of a busy spell has a gap before it.
+        assert value("ced_step_seconds_count") == steps * (round_ + 1)
+        assert value("ced_device_idle_between_steps_seconds_count") == (steps - 1) * (round_ + 1)
+    assert 0 < value("ced_device_idle_between_steps_seconds_sum") < 5.0
