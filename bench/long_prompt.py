@@ -35,7 +35,7 @@ from serving.scheduler import GenerationRequest, Scheduler  # noqa: E402
 
 def served_ttft(sched: Scheduler, rid: str, prompt: list[int]) -> tuple[float, int]:
     """(seconds to the first token, scheduler steps until then) of one request, run to its end."""
-    first, steps = [], [0]
+    first = []
     t0 = time.perf_counter()
 
     def sink(ev):
@@ -47,11 +47,14 @@ def served_ttft(sched: Scheduler, rid: str, prompt: list[int]) -> tuple[float, i
         sampling=SamplingParams(temperature=0.0), ignore_eos=True,
     )  # fmt: skip
     sched.submit(req, sink)
+    steps = 0
+    while not first and sched.step():
+        steps += 1
     while sched.step():
-        steps[0] += 0 if first else 1
+        pass
     if not first:
         raise RuntimeError(f"{rid}: no first token")
-    return first[0], steps[0]
+    return first[0], steps
 
 
 def main() -> int:
