@@ -5,9 +5,12 @@ socket through `_listen` (a busy port fails before the model loads) and starts i
 the model warms up; `Server.attach` hands it the scheduler; `Server.shutdown` stops it.
 
 Routes (api-surface §1): chat on `/chat/completions`, `/v1/chat/completions`, `/beta/chat/completions`;
-FIM on `/completions`, `/v1/completions`, `/beta/completions`; `/responses`, `/v1/responses`; Anthropic
-Messages on `/anthropic/v1/messages`, `/anthropic/messages`, `/v1/messages`; `GET /models`,
-`/v1/models`; `GET /health`. Every error is in its API's error body (`errors.py`); a handler never lets
+completions (plain, or FIM with a `suffix`) on `/completions`, `/v1/completions`, `/beta/completions`;
+`/responses`, `/v1/responses`; Anthropic Messages on `/anthropic/v1/messages`, `/anthropic/messages`,
+`/v1/messages`; `GET /models`, `/v1/models`; `GET /health`; token counting (serving/http/tokenize.py):
+`/tokenize`, `/detokenize` (vLLM's) and Anthropic's `/v1/messages/count_tokens`. Every request field
+is in serving/http/fields.py's tables: one it does not list is refused (400 naming it). Every error is
+in its API's error body (`errors.py`); a handler never lets
 a traceback reach a client (an unexpected exception is logged and answered 500 "internal error").
 
 API keys (`--api-key` / `--api-key-file`, serving/tenants.py, constant-time check): OpenAI routes take
@@ -43,8 +46,9 @@ from starlette.routing import Route
 from serving.config import ServeConfig
 from serving.files import IMAGE_PURPOSES, FileError, FilesConfig, FileStore, StoredFile
 from serving.http import stream as gen
+from serving.http import tokenize as counting
 from serving.http.accounting import CostLedger
-from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter, Prepared
+from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter, Prepared, parse_body
 from serving.http.errors import ApiError
 from serving.http.images import ImageInputConfig, ImageResolver
 from serving.http.limits import Admission, TooManyRequests
@@ -65,6 +69,9 @@ FIM_PATHS = ("/completions", "/v1/completions", "/beta/completions")
 RESPONSES_PATHS = ("/responses", "/v1/responses")
 MESSAGES_PATHS = ("/anthropic/v1/messages", "/anthropic/messages", "/v1/messages")
 MODELS_PATHS = ("/models", "/v1/models")
+TOKENIZE_PATHS = ("/tokenize", "/v1/tokenize")
+DETOKENIZE_PATHS = ("/detokenize", "/v1/detokenize")
+COUNT_TOKENS_PATHS = ("/anthropic/v1/messages/count_tokens", "/v1/messages/count_tokens")
 FILES_PATHS = ("/files", "/v1/files", "/anthropic/v1/files")
 _UPLOAD_OVERHEAD = 64 * 1024  # multipart headers and the other form fields, beyond the file's own bytes
 
@@ -218,6 +225,12 @@ class HttpFrontEnd:
         for paths, api in ((CHAT_PATHS, CHAT), (FIM_PATHS, COMPLETIONS), (RESPONSES_PATHS, RESPONSES)):
             routes += [Route(p, self._handler(api), methods=["POST"]) for p in paths]
         routes += [Route(p, self._handler(MESSAGES), methods=["POST"]) for p in MESSAGES_PATHS]
+        for paths, job, anthropic in (
+            (TOKENIZE_PATHS, "tokenize", False),
+            (DETOKENIZE_PATHS, "detokenize", False),
+            (COUNT_TOKENS_PATHS, "count_tokens", True),
+        ):
+            routes += [Route(p, self._counting(job, anthropic), methods=["POST"]) for p in paths]
         for p in FILES_PATHS:
             routes += [
                 Route(p, self._files_route(self._files_collection), methods=["GET", "POST"]),
@@ -279,6 +292,36 @@ class HttpFrontEnd:
                 return _error_response(e, anthropic)
 
         handle.__name__ = f"handle_{api}"
+        return handle
+
+    def _counting(self, job: str, anthropic: bool):
+        """A token counting route (serving/http/tokenize.py), run on the `prepare` pool as requests are."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                identity = self._authenticate(request, anthropic)
+                if self.unavailable is not None:
+                    raise ApiError(503, self.unavailable, headers={"Retry-After": "5"})
+                body = parse_body(await self._read_body(request))
+                tenant = (
+                    identity
+                    if identity is not None
+                    else f"addr:{request.client.host if request.client else ''}"
+                )
+                work = {
+                    "tokenize": lambda: counting.tokenize(self.converter, body, identity or ""),
+                    "detokenize": lambda: counting.detokenize(self.converter, body),
+                    "count_tokens": lambda: counting.count_tokens(self.converter, body, identity or ""),
+                }[job]
+                try:
+                    out = await asyncio.wrap_future(self.pools.prepare.submit(tenant, work))
+                except PoolBusy as e:
+                    raise ApiError(429, str(e), headers={"Retry-After": "1"}) from None
+                return JSONResponse(out)
+            except ApiError as e:
+                return _error_response(e, anthropic)
+
+        handle.__name__ = f"handle_{job}"
         return handle
 
     async def _handle(self, api: str, request: Request) -> Response:
@@ -522,7 +565,9 @@ class HttpFrontEnd:
 
     async def _sse_admitted(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome):
         if api == COMPLETIONS:
-            objs = gen.fim_objects(self.scheduler, p, rid, identity, outcome)
+            objs = gen.completion_objects(
+                self.scheduler, p, rid, identity, outcome, self.converter.token_text
+            )
             started = False
             try:
                 async for o in objs:
@@ -557,11 +602,22 @@ class HttpFrontEnd:
     # ---- non-streaming ---------------------------------------------------------------------------
     async def _full(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome) -> bytes:
         if api == COMPLETIONS:
-            text, last = "", None
-            async for o in gen.fim_objects(self.scheduler, p, rid, identity, outcome):
-                text += o["choices"][0]["text"]
+            text, last, lps = "", None, None
+            objs = gen.completion_objects(
+                self.scheduler, p, rid, identity, outcome, self.converter.token_text
+            )
+            async for o in objs:
+                choice = o["choices"][0]
+                text += choice["text"]
+                if choice["logprobs"] is not None:
+                    lps = (
+                        choice["logprobs"]
+                        if lps is None
+                        else {k: lps[k] + v for k, v in choice["logprobs"].items()}
+                    )
                 last = o
             last["choices"][0]["text"] = text
+            last["choices"][0]["logprobs"] = lps
             last["usage"] = last.get("usage")
             return json.dumps(last).encode()
         collected = []

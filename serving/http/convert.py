@@ -33,13 +33,13 @@ from serving.chat import ChatFormatError, PromptEncoder, render_conversation, re
 from serving.constraints import ConstraintError, OutputConstraint
 from serving.engine_api import PREFILL_MODES, SamplingParams
 from serving.http.errors import ApiError, from_conversion_error
+from serving.http.fields import CHAT, COMPLETIONS, MESSAGES, RESPONSES, check_fields
 from serving.http.images import ImageResolver, extract_images, index_of
 from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
 from serving.json_limits import MAX_NESTING, nesting_depth
 
-CHAT, COMPLETIONS, RESPONSES, MESSAGES = "chat", "completions", "responses", "messages"
-
 FIM_MAX_TOKENS = 4096  # the hosted FIM limit (api-surface §10)
+PLAIN_DEFAULT_MAX_TOKENS = 16  # a plain completion's default, as OpenAI's legacy route and vLLM's
 MAX_TOKENS_UPPER = 393216  # the hosted max_tokens range is [1, 393216]
 SEED_MODULUS = 2**32  # the engine's seed is uint32
 _SPECIAL = d.SpecialTokens(image="<｜deepseek_image｜>")  # V4.1 spelling of the image placeholder
@@ -71,9 +71,9 @@ class Prepared:
     images: tuple = ()  # the image spans for GenerationRequest.images (serving/vision.py RequestImage)
     leases: tuple = ()  # Files API leases held while the request runs (serving/files.py); see release()
     prefill_mode: str | None = None  # the body's `prefill_mode` extension ("exact" / "ced"); None: server's
-    ignore_eos: bool = (
-        False  # the body's `ignore_eos` extension (as vLLM's): generate through EOS to max_tokens
-    )
+    ignore_eos: bool = False  # the body's `ignore_eos` extension (as vLLM's): through EOS to max_tokens
+    stop_token_ids: tuple[int, ...] = ()  # the body's `stop_token_ids` extension
+    top_logprobs: int = 0  # completions: alternatives shown per token (`logprobs` asks the engine >= 1)
     identity_field: str = "user"  # where identity_hint came from (named in the over-long error)
 
     def release(self) -> None:
@@ -105,7 +105,7 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
     """body[name] if absent/None or of `kinds` (bool is not a number), else 400 naming the field."""
     v = body.get(name)
     if v is None:
@@ -117,25 +117,62 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
     return v
 
 
-def _prefill_mode(body: dict) -> str | None:
-    """The `prefill_mode` extension field ("exact" or "ced"; absent = the server's --prefill-mode),
-    taken out of the body so the API converters never see it."""
-    mode = _field(body, "prefill_mode", (str,), "a string")
-    body.pop("prefill_mode", None)
+@dataclasses.dataclass(frozen=True)
+class Extensions:
+    """Fields the hosted API does not have (serving/http/fields.py), taken out of the body so the API
+    converters never see them."""
+
+    prefill_mode: str | None = None  # "exact" / "ced"; None: the server's --prefill-mode
+    ignore_eos: bool = False  # vLLM's: generate through EOS to max_tokens
+    top_k: int = 0  # 0: off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # Responses / Messages (deepseek-recipe reads chat's own `seed`)
+
+
+def _extensions(api: str, body: dict) -> Extensions:
+    mode = body_field(body, "prefill_mode", (str,), "a string")
     if mode is not None and mode not in PREFILL_MODES:
         raise ApiError(
             400, f"prefill_mode: must be one of {list(PREFILL_MODES)}, got {mode!r}", param="prefill_mode"
         )
-    return mode
+    ignore_eos = bool(body_field(body, "ignore_eos", (bool,), "a boolean"))
+    top_k = body_field(body, "top_k", (int,), "an integer") or 0
+    if top_k < 0:
+        raise ApiError(400, f"top_k: must be >= 0 (0: off), got {top_k}", param="top_k")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (
+        isinstance(stop_ids, list) and all(type(t) is int and t >= 0 for t in stop_ids)
+    ):
+        raise ApiError(
+            400, "stop_token_ids: expected an array of token ids (integers >= 0)", param="stop_token_ids"
+        )
+    seed = None
+    if api in (RESPONSES, MESSAGES):
+        seed = body_field(body, "seed", (int,), "an integer")
+        if seed is not None and not 0 <= seed < 2**64:
+            raise ApiError(400, f"seed: must be in [0, 2^64), got {seed}", param="seed")
+        body.pop("seed", None)
+    for name in ("prefill_mode", "ignore_eos", "top_k", "stop_token_ids"):
+        body.pop(name, None)
+    return Extensions(mode, ignore_eos, top_k, tuple(stop_ids or ()), seed)
 
 
-def _ignore_eos(body: dict) -> bool:
-    """The `ignore_eos` extension field (vLLM's name: keep generating past the end-of-sentence token
-    until max_tokens or a stop; benchmarks and load tests use it), taken out of the body so the API
-    converters never see it."""
-    value = _field(body, "ignore_eos", (bool,), "a boolean")
-    body.pop("ignore_eos", None)
-    return bool(value)
+def _max_completion_tokens(body: dict) -> None:
+    """Chat's `max_completion_tokens` (the OpenAI SDK's current name) folded into `max_tokens`, which
+    deepseek-recipe reads: the smaller of the two when both are given."""
+    value = body_field(body, "max_completion_tokens", (int,), "an integer")
+    body.pop("max_completion_tokens", None)
+    if value is None:
+        return
+    if not 1 <= value <= MAX_TOKENS_UPPER:
+        raise ApiError(
+            400,
+            "max_completion_tokens: Invalid max_completion_tokens value, the valid range of "
+            f"max_completion_tokens is [1, {MAX_TOKENS_UPPER}]",
+            param="max_completion_tokens",
+        )
+    given = body.get("max_tokens")
+    body["max_tokens"] = value if not isinstance(given, int) or isinstance(given, bool) else min(given, value)
 
 
 class Converter:
@@ -199,8 +236,11 @@ class Converter:
         """The request's `Prepared`; `identity` scopes Files API ids (the API key's name, "" without keys).
         The caller must `release()` the result when the request ends (it may hold file leases)."""
         body = parse_body(raw)
+        check_fields(api, body)
         if api == COMPLETIONS:
-            return self._prepare_fim(body)
+            return self._prepare_completion(body, COMPLETIONS)
+        if api == CHAT and body.get("fim") is not None:
+            return self._prepare_completion(_fim_body(body), CHAT)
         leases: list = []
         try:
             p = self._prepare_chat(api, body, identity, leases)
@@ -209,6 +249,17 @@ class Converter:
                 lease.release()
             raise
         return dataclasses.replace(p, leases=tuple(leases))
+
+    def count_prompt(self, api: str, body: dict, identity: str = "") -> tuple[int, ...]:
+        """The prompt ids a chat-style request (`body`, parsed) would be served with (image spans
+        expanded), validated as `prepare` validates it, without the output limits."""
+        check_fields(api, body)
+        leases: list = []
+        try:
+            return self._prepare_chat(api, body, identity, leases, count_only=True)
+        finally:
+            for lease in leases:
+                lease.release()
 
     # ---- chat-style APIs ---------------------------------------------------------------------
     def _thinking_fields(self, api: str, body: dict) -> tuple[Any, Any, str]:
@@ -231,7 +282,7 @@ class Converter:
         if thinking_obj is None and model.thinking_override is not None:
             thinking_obj = {"type": "enabled" if model.thinking_override else "disabled"}
         try:
-            thinking, budget = resolve_thinking(thinking_obj, effort, default_thinking=True)
+            thinking, budget = resolve_thinking(thinking_obj, effort, default_thinking=model.default_thinking)
         except ChatFormatError as e:
             raise ApiError(400, str(e), param=effort_field.split(".")[0]) from None
         seed_effort = thinking_obj.get("effort") if isinstance(thinking_obj, dict) else None
@@ -262,10 +313,12 @@ class Converter:
             body["output_config"] = oc
         return thinking, budget
 
-    def _prepare_chat(self, api: str, body: dict, identity_scope: str, leases: list) -> Prepared:
+    def _prepare_chat(
+        self, api: str, body: dict, identity_scope: str, leases: list, count_only: bool = False
+    ):
         model = self.resolve_model(body.get("model"), anthropic=api == MESSAGES)
-        stream = _field(body, "stream", (bool,), "a boolean") or False
-        n = _field(body, "n", (int,), "an integer")
+        stream = body_field(body, "stream", (bool,), "a boolean") or False
+        n = body_field(body, "n", (int,), "an integer")
         if n is not None and n != 1:
             raise ApiError(400, "n: Invalid n value (currently only n = 1 is supported)", param="n")
         if api == RESPONSES and body.get("previous_response_id") is not None:
@@ -276,8 +329,9 @@ class Converter:
                 param="previous_response_id",
             )
         thinking, effort = self._normalize_thinking(api, body, model)
-        prefill_mode = _prefill_mode(body)
-        ignore_eos = _ignore_eos(body)
+        ext = _extensions(api, body)
+        if api == CHAT:
+            _max_completion_tokens(body)
         refs = extract_images(api, body)  # rewrites image parts in `body` before conversion
         if refs:
             if self.images is None:
@@ -320,8 +374,10 @@ class Converter:
             rendered = render_conversation(conversation, effort=effort)
         except ChatFormatError as e:
             raise ApiError(400, str(e)) from None
-        self._check_prompt_bytes("input" if api == RESPONSES else "messages", rendered.prompt)
+        self.check_prompt_bytes("input" if api == RESPONSES else "messages", rendered.prompt)
         ids, spans = self._prompt_ids(api, rendered, refs, identity_scope, leases)
+        if count_only:
+            return tuple(ids)
         io = conv.inference_options
         max_tokens = self._max_tokens(conv, len(ids), io.max_tokens, api)
         logprobs = 0
@@ -333,7 +389,8 @@ class Converter:
                     f"top_logprobs: {logprobs} exceeds this server's limit {self.max_logprobs}",
                     param="top_logprobs",
                 )
-        sampling = _sampling(io.temperature, io.top_p, io.seed)
+        seed = io.seed if ext.seed is None else ext.seed
+        sampling = _sampling(io.temperature, io.top_p, seed, ext.top_k)
         return Prepared(
             api=api,
             model=model,
@@ -352,8 +409,9 @@ class Converter:
             echo=echo,
             namespace_map=ns_map,
             constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body),
-            prefill_mode=prefill_mode,
-            ignore_eos=ignore_eos,
+            prefill_mode=ext.prefill_mode,
+            ignore_eos=ext.ignore_eos,
+            stop_token_ids=ext.stop_token_ids,
             images=spans,
         )
 
@@ -433,7 +491,7 @@ class Converter:
         except ConstraintError as e:
             raise ApiError(400, str(e), param="response_format") from None
 
-    def _check_prompt_bytes(self, field: str, text: str) -> None:
+    def check_prompt_bytes(self, field: str, text: str) -> None:
         """400 before tokenizing a prompt over `max_prompt_bytes`, or one certainly longer than the
         context (tokenizing a megabyte takes a core for a second; gRPC refuses such a prompt the same
         way)."""
@@ -454,18 +512,22 @@ class Converter:
                     param=field,
                 )
 
-    # ---- FIM -----------------------------------------------------------------------------------
-    def _prepare_fim(self, body: dict) -> Prepared:
+    # ---- completions: plain or fill-in-the-middle ----------------------------------------------------
+    def _prepare_completion(self, body: dict, api: str) -> Prepared:
+        """`/completions`: a plain text completion of `prompt`, or FIM when `suffix` is given (the hosted
+        beta route's layout, api-surface §10). `api` CHAT: the seeds' `fim` probe on the chat route,
+        answered as a chat completion."""
         model = self.resolve_model(body.get("model"), anthropic=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
+        where = "fim.prompt" if api == CHAT else "prompt"
         if not isinstance(prompt, str):
-            raise ApiError(400, "prompt: is required (a string)", param="prompt")
-        suffix = _field(body, "suffix", (str,), "a string") or ""
-        self._check_prompt_bytes("prompt", prompt + suffix)
-        prefill_mode = _prefill_mode(body)
-        ignore_eos = _ignore_eos(body)
+            raise ApiError(400, f"{where}: is required (a string)", param=where)
+        suffix = body_field(body, "suffix", (str,), "a string")
+        fim = suffix is not None or api == CHAT
+        self.check_prompt_bytes(where, prompt + (suffix or ""))
+        ext = _extensions(COMPLETIONS, body)
         thinking_obj = body.get("thinking")
         wants_thinking = model.thinking_override is True
         if thinking_obj is not None:
@@ -475,105 +537,192 @@ class Converter:
         effort = body.get("reasoning_effort")
         if effort is not None and effort != "none":
             wants_thinking = True
-        if wants_thinking:
+        # The chat route thinks by default: its `fim` probe must turn thinking off, as the seeds' does.
+        off = thinking_obj is not None and thinking_obj.get("type") == "disabled"
+        off = off or effort == "none" or model.thinking_override is False
+        if wants_thinking or (api == CHAT and not off):
+            what = "FIM completion" if fim else "Text completion"
             raise ApiError(
                 400,
-                "thinking: FIM completion is supported in non-thinking mode only; omit thinking or send "
-                '"thinking": {"type": "disabled"}',
+                f"thinking: {what} is supported in non-thinking mode only; "
+                + ("omit thinking or " if api != CHAT else "")
+                + 'send "thinking": {"type": "disabled"}',
                 param="thinking",
             )
-        n = _field(body, "n", (int,), "an integer")
+        n = body_field(body, "n", (int,), "an integer")
         if n is not None and n != 1:
             raise ApiError(400, "n: Invalid n value (currently only n = 1 is supported)", param="n")
-        stream = _field(body, "stream", (bool,), "a boolean") or False
+        stream = body_field(body, "stream", (bool,), "a boolean") or False
         so = body.get("stream_options")
         include_usage = isinstance(so, dict) and so.get("include_usage") is True
-        max_tokens = _field(body, "max_tokens", (int,), "an integer")
-        if max_tokens is not None and not 1 <= max_tokens <= FIM_MAX_TOKENS:
+        upper = FIM_MAX_TOKENS if fim else MAX_TOKENS_UPPER
+        max_tokens = body_field(body, "max_tokens", (int,), "an integer")
+        if max_tokens is not None and not 1 <= max_tokens <= upper:
             raise ApiError(
                 400,
-                "max_tokens: Invalid max_tokens value, the valid range of max_tokens is "
-                f"[1, {FIM_MAX_TOKENS}] for FIM completion",
+                f"max_tokens: Invalid max_tokens value, the valid range of max_tokens is [1, {upper}]"
+                + (" for FIM completion" if fim else ""),
                 param="max_tokens",
             )
-        temperature = _field(body, "temperature", (int, float), "a number")
+        temperature = body_field(body, "temperature", (int, float), "a number")
         if temperature is not None and not 0 <= temperature <= 2:
             raise ApiError(
                 400,
                 "temperature: Invalid temperature value, the valid range of temperature is [0, 2]",
                 param="temperature",
             )
-        top_p = _field(body, "top_p", (int, float), "a number")
+        top_p = body_field(body, "top_p", (int, float), "a number")
         if top_p is not None and not 0 < top_p <= 1:
             raise ApiError(
                 400, "top_p: Invalid top_p value, the valid range of top_p is (0, 1]", param="top_p"
             )
-        seed = _field(body, "seed", (int,), "an integer")
-        if seed is not None and seed < 0:
-            raise ApiError(400, "seed: must be >= 0", param="seed")
-        stop = body.get("stop")
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,)
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            stops = tuple(stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = body_field(body, name, (int, float), "a number")
+            if value is not None and not -2 <= value <= 2:
+                raise ApiError(
+                    400, f"{name}: Invalid {name} value, the valid range of {name} is [-2, 2]", param=name
+                )
+        seed = body_field(body, "seed", (int,), "an integer")
+        stops = _stops(body.get("stop"))
+        if api == CHAT:
+            logprobs = None
+            if body_field(body, "logprobs", (bool,), "a boolean"):
+                logprobs = body_field(body, "top_logprobs", (int,), "an integer") or 0
         else:
-            raise ApiError(400, "stop: expected a string or an array of strings", param="stop")
-        if len(stops) > 16:
-            raise ApiError(400, f"stop: Stop string array too long: {len(stops)}", param="stop")
-        if any(not s for s in stops):
-            raise ApiError(400, "stop: stop strings must not be empty", param="stop")
-        logprobs = _field(body, "logprobs", (int,), "an integer") or 0
-        if not 0 <= logprobs <= min(20, self.max_logprobs):
+            logprobs = body_field(body, "logprobs", (int,), "an integer")
+        top = min(20, self.max_logprobs)
+        if logprobs is not None and not 0 <= logprobs <= top:
+            field = "top_logprobs" if api == CHAT else "logprobs"
+            raise ApiError(400, f"{field}: must be in [0, {top}], got {logprobs}", param=field)
+        echo = body_field(body, "echo", (bool,), "a boolean") or False
+        if echo and logprobs is not None:
             raise ApiError(
                 400,
-                f"logprobs: must be in [0, {min(20, self.max_logprobs)}], got {logprobs}",
-                param="logprobs",
+                "echo: with logprobs it would need the prompt's log-probabilities, which are not computed; "
+                "send one of them",
+                param="echo",
             )
-        echo = _field(body, "echo", (bool,), "a boolean") or False
-        b, hole_begin, hole, hole_end = self.bos_id, *self._fim
-        ids = [b, hole_begin, *self.encoder.plain(prompt), hole, *self.encoder.plain(suffix), hole_end]
+        if fim:
+            b, hole_begin, hole, hole_end = self.bos_id, *self._fim
+            ids = [
+                b,
+                hole_begin,
+                *self.encoder.plain(prompt),
+                hole,
+                *self.encoder.plain(suffix or ""),
+                hole_end,
+            ]
+        else:
+            ids = [self.bos_id, *self.encoder.plain(prompt)]
         if len(ids) >= self.max_context:
             raise ApiError(
                 400,
-                f"prompt: This model's maximum context length is {self.max_context} tokens. However, your "
-                f"prompt and suffix resulted in {len(ids)} tokens. Please reduce their length.",
-                param="prompt",
+                f"{where}: This model's maximum context length is {self.max_context} tokens. However, your "
+                f"prompt{' and suffix' if fim else ''} resulted in {len(ids)} tokens. Please reduce "
+                f"{'their' if fim else 'its'} length.",
+                param=where,
             )
         if max_tokens is not None and max_tokens > self.max_tokens_limit:
             raise ApiError(
                 400,
                 f"max_tokens: {max_tokens} exceeds this server's limit of {self.max_tokens_limit} "
-                "output tokens",
+                "output tokens (ced-jax serve --max-tokens-limit)",
                 param="max_tokens",
             )
-        limit = max_tokens if max_tokens is not None else FIM_MAX_TOKENS
+        # Defaults: the hosted FIM limit; a plain completion's is OpenAI's (and vLLM's): 16 tokens.
+        limit = max_tokens if max_tokens is not None else FIM_MAX_TOKENS if fim else PLAIN_DEFAULT_MAX_TOKENS
+        max_tokens = max(1, min(limit, self.max_tokens_limit, self.max_context - len(ids)))
+        conv = None
+        if api == CHAT:  # deepseek-recipe shapes the chat answer (non-thinking text, stop strings)
+            chat = {
+                "model": SERVED_MODEL, "messages": [{"role": "user", "content": "-"}], "stop": list(stops),
+                "thinking": {"type": "disabled"}, "max_tokens": max_tokens,
+            }  # fmt: skip
+            conv = d.ChatCompletionRequest(chat).convert(self._opts)
+            stops = ()
+        user = body.get("user_id", body.get("user"))
         return Prepared(
-            api=COMPLETIONS,
+            api=api,
             model=model,
             stream=bool(stream),
             include_usage=include_usage,
             prompt_ids=tuple(ids),
-            max_tokens=max(1, min(limit, self.max_tokens_limit, self.max_context - len(ids))),
-            sampling=_sampling(1.0 if temperature is None else temperature, top_p, seed),
-            logprobs=logprobs,
-            want_logprobs=logprobs > 0,
+            max_tokens=max_tokens,
+            sampling=_sampling(1.0 if temperature is None else temperature, top_p, seed, ext.top_k),
+            logprobs=0 if logprobs is None else max(1, logprobs),
+            want_logprobs=logprobs is not None,
             thinking=False,
             effort=None,
-            identity_hint=body.get("user") if isinstance(body.get("user"), str) else "",
+            identity_hint=user if isinstance(user, str) else "",
+            identity_field="user_id" if "user_id" in body else "user",
+            conv=conv,
             stop=stops,
             fim_echo=prompt if echo else "",
-            prefill_mode=prefill_mode,
-            ignore_eos=ignore_eos,
+            prefill_mode=ext.prefill_mode,
+            ignore_eos=ext.ignore_eos,
+            stop_token_ids=ext.stop_token_ids,
+            top_logprobs=logprobs or 0,
         )
 
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
 
-def _sampling(temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
+    def decode(self, token_ids) -> str:
+        return self._hf.decode([int(t) for t in token_ids], skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as completions' `logprobs.tokens` show it (special tokens spelled out)."""
+        return self._hf.decode([int(token_id)], skip_special_tokens=False)
+
+
+def _fim_body(body: dict) -> dict:
+    """The seeds' `{"fim": {"prompt", "suffix"}}` chat body as a completions body (api-surface §10)."""
+    fim = body.get("fim")
+    if not isinstance(fim, dict):
+        raise ApiError(400, 'fim: expected an object {"prompt": ..., "suffix": ...}', param="fim")
+    if body.get("messages") is not None:
+        raise ApiError(400, "fim: send either `fim` or `messages`, not both", param="fim")
+    for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise ApiError(
+                400, f"{name}: not with `fim` (a fill-in-the-middle completion is plain text)", param=name
+            )
+    unknown = sorted(set(fim) - {"prompt", "suffix"})
+    if unknown:
+        raise ApiError(400, f"fim.{unknown[0]}: unknown field; fim takes prompt and suffix", param="fim")
+    suffix = fim.get("suffix", "")
+    if not isinstance(suffix, str):
+        raise ApiError(400, "fim.suffix: expected a string", param="fim")
+    out = {k: v for k, v in body.items() if k != "fim"}
+    if "max_completion_tokens" in out:
+        _max_completion_tokens(out)
+    return {**out, "prompt": fim.get("prompt"), "suffix": suffix}
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ApiError(400, "stop: expected a string or an array of strings", param="stop")
+    if len(stops) > 16:
+        raise ApiError(400, f"stop: Stop string array too long: {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop: stop strings must not be empty", param="stop")
+    return stops
+
+
+def _sampling(
+    temperature: float | None, top_p: float | None, seed: int | None, top_k: int = 0
+) -> SamplingParams:
     t = 1.0 if temperature is None else float(temperature)
     p = 1.0 if top_p is None or top_p <= 0 else min(1.0, float(top_p))
     s = secrets.randbits(32) if seed is None else int(seed) % SEED_MODULUS
-    return SamplingParams(temperature=t, top_p=p, top_k=0, seed=s)
+    return SamplingParams(temperature=t, top_p=p, top_k=int(top_k), seed=s)
 
 
 def _identity_hint(api: str, body: dict) -> tuple[str, str]:

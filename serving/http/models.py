@@ -9,7 +9,7 @@ from the hosted API may still send older names; those are accepted as aliases:
 | `DeepSeek-V4.1-Flash` | as requested | no: the model's own name (the one deepseek-recipe accepts) |
 | `deepseek-chat` | disabled | 2026-07-24 15:59 UTC (hosted docs) |
 | `deepseek-reasoner` | enabled | 2026-07-24 15:59 UTC |
-| `claude-*`, Anthropic routes only | as requested | no: a mapping, as on DeepSeek's Anthropic endpoint |
+| `claude-*`, Anthropic routes only | off unless asked (Anthropic's default) | no: a mapping (hosted) |
 
 (1) The V4.1-Flash launch (12:00 Beijing, when its pricing took effect); since then the hosted API serves
 these retired names with V4.1-Flash as a compatibility route (seeds).
@@ -133,6 +133,7 @@ class Resolved:
     warning: str | None  # None for the served name itself
     deprecated_at: datetime | None = None
     alias: bool = False
+    default_thinking: bool = True  # without a `thinking` field: claude-* names follow Anthropic (off)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +188,7 @@ class ModelNames:
                     note = (
                         " (the hosted API routes claude-opus* to deepseek-v4-pro, which is not served here)"
                     )
-                return self._alias(name, None, None, note)
+                return self._alias(name, None, None, note, default_thinking=False)
         shown = name if isinstance(name, str) else repr(name)
         raise UnknownModel(
             f"The supported API model names are {', '.join(self.supported(route))}, but you passed {shown}.",
@@ -195,7 +196,12 @@ class ModelNames:
         )
 
     def _alias(
-        self, name: str, thinking: bool | None, deprecated_at: datetime | None, note: str = ""
+        self,
+        name: str,
+        thinking: bool | None,
+        deprecated_at: datetime | None,
+        note: str = "",
+        default_thinking: bool = True,
     ) -> Resolved:
         mode = {None: "", True: " with thinking enabled", False: " with thinking disabled"}[thinking]
         warning = f"model {name!r} is an alias: served by {self.served!r}{mode}{note}"
@@ -210,6 +216,7 @@ class ModelNames:
             warning,
             deprecated_at=deprecated_at,
             alias=True,
+            default_thinking=default_thinking,
         )
 
 

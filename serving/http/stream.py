@@ -86,6 +86,7 @@ def submit(scheduler: Scheduler, p: Prepared, request_id: str, identity: str):
         constraint=p.constraint,
         prefill_mode=p.prefill_mode,
         ignore_eos=p.ignore_eos,
+        stop_token_ids=p.stop_token_ids,
         **images,
     )
     try:
@@ -254,21 +255,48 @@ def fim_usage(prompt_tokens: int, cached: int, completion: int) -> dict:
     }
 
 
-async def fim_objects(
-    scheduler: Scheduler, p: Prepared, rid: str, identity: str, outcome: Outcome
+class CompletionLogprobs:
+    """The legacy completions `logprobs` object, grown token by token: `tokens`, `token_logprobs`,
+    `top_logprobs` (one {token text: logprob} per token, `top` alternatives) and `text_offset` (where each
+    token's text starts in the choice's text, counted from the echoed prompt's end)."""
+
+    def __init__(self, token_text, top: int, start: int):
+        self._text, self._top, self._offset = token_text, top, start
+
+    def take(self, events_logprobs) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in events_logprobs:
+            text = self._text(lp.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(
+                {self._text(t): v for t, v in lp.top[: self._top]} if self._top else {}
+            )
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return out
+
+
+async def completion_objects(
+    scheduler: Scheduler, p: Prepared, rid: str, identity: str, outcome: Outcome, token_text
 ) -> AsyncIterator[dict]:
-    """`text_completion` objects: one per engine event with text, the last with finish_reason + usage."""
+    """`text_completion` objects: one per engine event with text, the last with finish_reason + usage.
+    `token_text(id)`: a token's text, for `logprobs`."""
     created = int(time.time())
     stream = submit(scheduler, p, rid, identity)
+    logprobs = CompletionLogprobs(token_text, p.top_logprobs, len(p.fim_echo)) if p.want_logprobs else None
 
-    def obj(text: str, finish: str | None, usage: dict | None) -> dict:
+    def obj(text: str, finish: str | None, usage: dict | None, ev=None) -> dict:
+        lps = None
+        if logprobs is not None:
+            lps = logprobs.take(ev.logprobs if ev is not None else ())
         o = {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": p.model.requested,
             "system_fingerprint": None,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"text": text, "index": 0, "logprobs": lps, "finish_reason": finish}],
         }
         if usage is not None or p.include_usage:
             o["usage"] = usage
@@ -288,10 +316,10 @@ async def fim_objects(
                 # completion_tokens: the tokens the client got text for (the stop token is not one).
                 outcome.sent_tokens += len(ev.token_ids)
                 usage = fim_usage(u.prompt_tokens, u.cached_prompt_tokens, outcome.sent_tokens)
-                yield obj(ev.text, _FIM_FINISH[ev.finish_reason], usage)
+                yield obj(ev.text, _FIM_FINISH[ev.finish_reason], usage, ev)
                 return
             outcome.sent_tokens += len(ev.token_ids)
-            if ev.text:
-                yield obj(ev.text, None, None)
+            if ev.text or (logprobs is not None and ev.logprobs):
+                yield obj(ev.text, None, None, ev)
     finally:
         stream.close()

@@ -336,6 +336,89 @@ def test_prefix_completion_and_fim(server, oai, hf):
     server.assert_idle()
 
 
+def test_plain_completion_with_logprobs_and_the_fim_probe(server, oai, hf):
+    """`/v1/completions` without a suffix completes the text itself (BOS + prompt), with the legacy
+    `logprobs` object when asked; the seeds' `fim` object on the chat route is FIM answered as chat."""
+    c = oai.completions.create(
+        model="deepseek-flash", prompt="The sky is", max_tokens=6, temperature=0, logprobs=2
+    )
+    ids = [hf.token_to_id("<｜begin▁of▁sentence｜>"), *PromptEncoder(hf).plain("The sky is")]
+    assert c.usage.prompt_tokens == len(ids)
+    expected = _engine_tokens(server, ids, 6)
+    assert c.choices[0].text == hf.decode(expected)
+    lp = c.choices[0].logprobs
+    n = len(expected)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.tokens == [hf.decode([t], skip_special_tokens=False) for t in expected]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 2
+        assert chosen >= max(top.values()) - 1e-5  # greedy: the chosen token is the most likely one
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    probe = {
+        "model": "deepseek-flash", "thinking": {"type": "disabled"}, "max_tokens": 8, "temperature": 0,
+        "fim": {"prompt": "def fib(n):\n    ", "suffix": "\n\nprint(fib(10))"},
+    }  # fmt: skip
+    r = httpx.post(f"{server.base}/chat/completions", json=probe, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=300)  # fmt: skip
+    assert r.status_code == 200, r.text
+    fim_ids = [hf.token_to_id(t) for t in ("<｜begin▁of▁sentence｜>", "<｜fim▁begin｜>")]
+    fim_ids += PromptEncoder(hf).plain("def fib(n):\n    ") + [hf.token_to_id("<｜fim▁hole｜>")]
+    fim_ids += PromptEncoder(hf).plain("\n\nprint(fib(10))") + [hf.token_to_id("<｜fim▁end｜>")]
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["usage"]["prompt_tokens"] == len(fim_ids)
+    text = hf.decode(_engine_tokens(server, fim_ids, 8), skip_special_tokens=False)
+    assert out["choices"][0]["message"]["content"] == text.lstrip("\n").rstrip("\ufffd")
+    server.assert_idle()
+
+
+def test_new_request_fields_have_their_effect(server, oai):
+    """max_completion_tokens bounds the answer; top_k 1 samples the argmax at any temperature;
+    stop_token_ids ends at the first such token; an unknown field is a 400 naming it."""
+    kw = dict(
+        model="deepseek-flash", messages=[{"role": "user", "content": "Tell me"}], extra_body=NO_THINKING
+    )
+    r = oai.chat.completions.create(max_completion_tokens=3, **kw, temperature=0)
+    assert r.usage.completion_tokens <= 3
+    greedy = oai.chat.completions.create(max_tokens=10, temperature=0, **kw).choices[0].message.content
+    for seed in range(2):
+        top1 = oai.chat.completions.create(
+            max_tokens=10, temperature=1.5, seed=seed, model=kw["model"], messages=kw["messages"],
+            extra_body={**NO_THINKING, "top_k": 1},
+        )  # fmt: skip
+        assert top1.choices[0].message.content == greedy
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(max_tokens=3, **{**kw, "extra_body": {**NO_THINKING, "frobnicate": 1}})
+    assert e.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(max_tokens=3, logit_bias={"5": 10}, **kw)
+    assert e.value.body["param"] == "logit_bias"
+    server.assert_idle()
+
+
+def test_token_counting_routes(server, oai, claude):
+    """`/tokenize` counts what a chat request is served with (its usage), `/detokenize` inverts a
+    plain prompt, and Anthropic's count_tokens equals the Messages request's input tokens."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "Count me"}]
+    r = oai.chat.completions.create(
+        model="deepseek-flash", messages=messages, max_tokens=1, extra_body=NO_THINKING
+    )
+    t = httpx.post(f"{server.base}/tokenize", json={"messages": messages, **NO_THINKING}, headers=auth)
+    assert t.status_code == 200 and t.json()["count"] == r.usage.prompt_tokens
+    plain = httpx.post(f"{server.base}/tokenize", json={"prompt": "abc def", "add_special_tokens": False},
+                       headers=auth).json()  # fmt: skip
+    back = httpx.post(f"{server.base}/detokenize", json={"tokens": plain["tokens"]}, headers=auth).json()
+    assert back == {"prompt": "abc def"}
+    bad = httpx.post(f"{server.base}/detokenize", json={"tokens": [-1]}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{server.base}/tokenize", json={"prompt": "x"}).status_code == 401
+    counted = claude.messages.count_tokens(model="claude-sonnet-4", messages=messages)
+    m = claude.messages.create(model="claude-sonnet-4", messages=messages, max_tokens=1)
+    assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert not m.content or m.content[0].type == "text"  # claude-* names do not think unless asked
+    server.assert_idle()
+
+
 # ------------------------------------------------------------------------------------------ responses
 
 
