@@ -148,10 +148,8 @@ def _write_atomic_safetensors(arrays: dict, out: str) -> None:
             os.unlink(tmp)
 
 
-def _setup_distributed(args, *, recoverable: bool = False) -> None:
-    """Join a multi-process JAX run (jax.distributed) before anything touches a device.
-    recoverable: the distributed runtime reports a dead process instead of terminating the others
-    (`serve`, which then turns NOT_SERVING: serving.multihost)."""
+def _check_processes(args) -> None:
+    """--coordinator / --num-processes / --process-id go together."""
     if args.coordinator is None:
         if args.num_processes is not None or args.process_id is not None:
             raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT")
@@ -160,6 +158,15 @@ def _setup_distributed(args, *, recoverable: bool = False) -> None:
         raise ValueError("--coordinator needs --num-processes and --process-id")
     if not 0 <= args.process_id < args.num_processes:
         raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def _setup_distributed(args, *, recoverable: bool = False) -> None:
+    """Join a multi-process JAX run (jax.distributed) before anything touches a device.
+    recoverable: the distributed runtime reports a dead process instead of terminating the others
+    (`serve`, which then turns NOT_SERVING: serving.multihost)."""
+    _check_processes(args)
+    if args.coordinator is None:
+        return
     import jax
 
     if recoverable:
@@ -265,13 +272,8 @@ def _check_mesh_and_hosts(args) -> None:
 def _context_length(model: str) -> int | None:
     """The context (max_position_embeddings) of a preset or checkpoint directory; None when `model`
     is neither, which loading then reports."""
-    from ced_jax.config import PRESETS, ModelConfig, preset
-
-    if model in PRESETS:
-        return preset(model).max_position_embeddings
-    if Path(model).is_dir():
-        return ModelConfig.from_pretrained(model).max_position_embeddings
-    return None
+    cfg = _model_config(model)
+    return None if cfg is None else cfg.max_position_embeddings
 
 
 def _check_logits_options(args) -> None:
@@ -298,9 +300,82 @@ def _check_generate_options(args) -> None:
         raise ValueError(f"--max-tokens {args.max_tokens} is beyond the model's context of {context} tokens")
 
 
+def _int_or_auto(flag: str):
+    """An argparse type: an int, or the string "auto" (resolved by _check_serve_options)."""
+
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+
+    parse.__name__ = flag  # argparse names the type in its error
+    return parse
+
+
+def _model_config(model: str):
+    """The ModelConfig of a preset or checkpoint directory; None when `model` is neither (loading
+    then reports it)."""
+    from ced_jax.config import PRESETS, ModelConfig, preset
+
+    if model in PRESETS:
+        return preset(model)
+    if Path(model).is_dir() and (Path(model) / "config.json").is_file():
+        return ModelConfig.from_pretrained(model)
+    return None
+
+
+def _auto_context(args) -> int:
+    """--max-context auto (serving.capacity.auto_max_context): from the model, the memory and --num-pages."""
+    page = args.page_size
+    _check_at_least("--max-slots", args.max_slots, 1)
+    _check_at_least("--page-size", page, 1)
+    cfg = _model_config(args.model)
+    if cfg is None:
+        return _serve_defaults().max_context
+    if args.num_pages is not None:
+        _check_at_least("--num-pages", args.num_pages, 1)
+        pool = args.num_pages * page // args.max_slots // page * page
+        context = min(cfg.max_position_embeddings // page * page, pool)
+        if context < page:
+            raise ValueError(
+                f"--max-context auto: --num-pages {args.num_pages} hold less than a page for each of "
+                f"--max-slots {args.max_slots} sequences; give --max-context"
+            )
+        return context
+    if args.coordinator is not None:
+        if args.mesh is None and args.num_processes and args.num_processes > 1:
+            raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
+        _check_processes(args)
+        raise ValueError(
+            "--max-context auto: a multi-process server does not size its context from each process's "
+            "memory (every process must compile the same shapes); give --max-context"
+        )
+    import jax
+
+    from ced_jax import sharding
+    from serving import capacity
+
+    device = jax.local_devices()[0]
+    device_bytes = None if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit")
+    mesh = sharding.parse_mesh(args.mesh) if args.mesh else dict.fromkeys(sharding.MESH_AXES, 1)
+    return capacity.auto_max_context(
+        cfg, device_bytes=device_bytes, mesh=mesh, rules=args.rules,
+        engram_on_host=args.engram_placement != "device", max_seqs=args.max_slots,
+        prefill_bucket=args.prefill_chunk, page_size=page, dspark=args.dspark,
+    )  # fmt: skip
+
+
 def _check_serve_options(args) -> None:
-    """Each shape and limit by its flag (ServeConfig then checks how they combine)."""
+    """Each shape and limit by its flag (ServeConfig then checks how they combine). `auto` values are
+    resolved here, first."""
     _check_mesh_and_hosts(args)
+    if args.max_context == "auto":
+        args.max_context = _auto_context(args)
+    if args.max_tokens_limit == "auto":
+        args.max_tokens_limit = args.max_context
     at_least = (
         ("--max-slots", args.max_slots, 1),
         ("--page-size", args.page_size, 1),
@@ -706,7 +781,8 @@ def _serve_config(args):
             raise ValueError(str(e).replace("line 1: ", "")) from None
     _check_port_option("--port", args.port)
     _check_port_option("--metrics-port", args.metrics_port, off=-1)
-    _check_port_option("--http-port", args.http_port, off=-1)
+    if args.http_port != 0:  # 0 (or -1) turns the HTTP API off
+        _check_port_option("--http-port", args.http_port, off=-1)
     _check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
     _check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
     for flag in ("--prepare-workers", "--image-fetch-workers", "--tokenize-workers"):
@@ -744,7 +820,7 @@ def _serve_config(args):
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.host,
-        http_port=None if args.http_port < 0 else args.http_port,
+        http_port=None if args.http_port <= 0 else args.http_port,
         http_host=args.http_host,
         http_models=_http_models(args),
         http_limits=_http_limits(args),
@@ -1001,6 +1077,29 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_convert, command="convert", prog=p.prog)  # prog: for the interruption line
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text.lower()
+            or action.default == argparse.SUPPRESS
+            and (isinstance(action, argparse._HelpAction))
+        ):
+            return text
+        if action.required:
+            return f"{text} (required)".strip()
+        if action.nargs == 0:  # a switch
+            shown = "on" if action.default is True else "off"
+        elif action.default is None or action.default == argparse.SUPPRESS:
+            shown = "none"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})".strip()
+
+
 class _ImplAction(argparse.Action):
     """`--impl reference|pallas` and `--interpret` combined into one `ced_jax.ops` impl string in
     `args.impl` ("reference", "pallas", "pallas:interpret"), whatever their order."""
@@ -1114,7 +1213,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--page-size", type=int, default=serve.page_size, help="tokens per KV page")
     g.add_argument(
-        "--max-context", type=int, default=serve.max_context, help="prompt + generated tokens per request"
+        "--max-context",
+        type=_int_or_auto("--max-context"),
+        default="auto",
+        help="prompt + generated tokens per request; auto: the largest the KV pool holds for --max-slots "
+        "sequences (an accelerator's memory to 90 %% after weights and activations, on CPU 256 MiB of KV, "
+        "or --num-pages), at most the model's own context",
     )
     g.add_argument(
         "--num-pages", type=int, help="KV pages in the buffer (default: max-slots x max-context / page-size)"
@@ -1192,7 +1296,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="waiting requests; beyond: RESOURCE_EXHAUSTED",
     )
     g.add_argument(
-        "--max-tokens-limit", type=int, default=serve.max_tokens_limit, help="largest accepted max_tokens"
+        "--max-tokens-limit",
+        type=_int_or_auto("--max-tokens-limit"),
+        default="auto",
+        help="largest accepted max_tokens; auto: --max-context",
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
     g.add_argument(
@@ -1267,9 +1374,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--http-port",
         type=int,
-        default=-1,
-        help="HTTP API port: OpenAI Chat Completions / Completions (FIM) / Responses and Anthropic Messages, "
-        "as DeepSeek's hosted API (0: any free port, -1: off)",
+        default=8000,
+        help="HTTP API port: OpenAI Chat Completions / Completions / Responses and Anthropic Messages, as "
+        "DeepSeek's hosted API (0 or -1: off)",
     )
     g.add_argument("--http-host", help="address the HTTP API listens on (default: --host)")
     limits = serve.http_limits
@@ -1509,6 +1616,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     _add_train_draft_parser(sub)
+    for sub_parser in sub.choices.values():
+        sub_parser.formatter_class = _DefaultsHelp
     return parser
 
 

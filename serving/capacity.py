@@ -499,6 +499,55 @@ def evaluate(
     }
 
 
+# On CPU (development, tests) the KV pool is host memory: a fixed budget, as vLLM's CPU backend has
+# one (4 GiB there). Smaller here: every context width the pool allows is another set of compiled
+# programs (--decode-context-buckets), which a CPU compiles slowly (tiny at 32 slots: 2 widths and
+# about 3 minutes cold at 256 MiB; 4 widths, 7 minutes and 7.5 GB at 4 GiB; BENCHMARKS.md).
+CPU_KV_BUDGET_BYTES = 256 * 1024**2
+HEADROOM = 0.9  # of an accelerator's memory, as vLLM's gpu_memory_utilization
+
+
+def auto_max_context(
+    cfg: ModelConfig,
+    *,
+    device_bytes: int | None,
+    mesh: dict[str, int],
+    rules: str = sharding.DEFAULT_RULES,
+    engram_on_host: bool = True,
+    max_seqs: int,
+    prefill_bucket: int,
+    page_size: int,
+    dspark: int = 0,
+) -> int:
+    """`serve --max-context auto`: the largest context (whole pages, at most the model's own) at which
+    `max_seqs` sequences fit. `device_bytes`: one accelerator's memory, filled to HEADROOM with the
+    four ledgers; None (CPU): the KV ledger alone within CPU_KV_BUDGET_BYTES. ValueError when not even
+    one page per sequence fits."""
+
+    def need(context: int) -> tuple[int, int]:
+        e = evaluate(
+            cfg, Hardware(1, (device_bytes or GIB) / GIB), mesh, rules=rules, engram_on_host=engram_on_host,
+            max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket, page_size=page_size,
+            dspark=dspark,
+        )  # fmt: skip
+        return e["per_device_total"], e["ledgers"]["kv"]["per_device"]
+
+    limit = cfg.max_position_embeddings // page_size * page_size
+    small, large = page_size, max(limit, 2 * page_size)
+    (total0, kv0), (total1, kv1) = need(small), need(large)
+    if device_bytes is None:  # grows with the KV ledger alone
+        budget, base, slope = CPU_KV_BUDGET_BYTES, kv0, (kv1 - kv0) / (large - small)
+    else:
+        budget, base, slope = int(HEADROOM * device_bytes), total0, (total1 - total0) / (large - small)
+    if base > budget:
+        raise ValueError(
+            f"--max-context auto: {max_seqs} sequences of one page already need {_g(base)} GiB per device, "
+            f"beyond the {_g(budget)} GiB available; lower --max-slots or add devices (ced-jax plan)"
+        )
+    context = small + int((budget - base) / slope) if slope > 0 else limit
+    return max(page_size, min(limit, context // page_size * page_size))
+
+
 def mesh_candidates(devices: int) -> list[dict[str, int]]:
     """Every (data, expert, tensor) factorisation of the device count."""
     out = []

@@ -71,7 +71,9 @@ def build_request(
         ignore_eos=ignore_eos,
         user=user,
         constraint=constraint,
-        prefill_mode={None: 0, "exact": ced_pb2.PREFILL_MODE_EXACT, "ced": ced_pb2.PREFILL_MODE_CED}[prefill_mode],
+        prefill_mode={None: 0, "exact": ced_pb2.PREFILL_MODE_EXACT, "ced": ced_pb2.PREFILL_MODE_CED}[
+            prefill_mode
+        ],
     )
     for image in images:
         if isinstance(image, str):
@@ -218,7 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=0)
     p.add_argument("--seed", type=_int_in(0, UINT32_MAX))
     p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--logprobs", type=_int_in(0, INT32_MAX), default=0)
+    p.add_argument(
+        "--logprobs",
+        type=_int_in(0, INT32_MAX),
+        default=0,
+        help="print each token's log-probability and this many alternatives (id:logprob) on stderr",
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float)
     p.add_argument("--user", default="", help="end user the request is for (the identity without API keys)")
@@ -279,16 +286,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_mode=a.prefill_mode,
     )
     try:
-        finish, usage = None, None
+        finish, usage, logprobs = None, None, []
         for msg in stream(a.addr, prompt, timeout=a.timeout, api_key=a.api_key, **kwargs):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
+            logprobs.extend(msg.logprobs)
             if msg.finish_reason != ced_pb2.FINISH_REASON_UNSPECIFIED:
                 finish, usage = FINISH_NAMES[msg.finish_reason], msg.usage
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
+    for i, lp in enumerate(logprobs):  # --logprobs N: one line per generated token, on stderr
+        top = " ".join(f"{t.token_id}:{t.logprob:.6g}" for t in lp.top)
+        print(f"logprobs[{i}] token={lp.token_id} logprob={lp.logprob:.6g} top={top}", file=sys.stderr)
     print(
         f"finish_reason={finish} prompt_tokens={usage.prompt_tokens} "
         f"cached_prompt_tokens={usage.cached_prompt_tokens} completion_tokens={usage.completion_tokens}",

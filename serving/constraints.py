@@ -83,7 +83,8 @@ class OutputConstraint:
     `parallel_tool_calls`, then at most `max_tool_calls` (None = no limit; the Responses API's
     `max_tool_calls`).
     start_after_token: the constraint starts after this token has been generated (thinking mode:
-    the id of `</think>`); until then rows are unconstrained. None = from the first token.
+    the id of `</think>`); until then rows are unconstrained except that the output may not end
+    (EOS is masked), so the constrained part always comes. None = from the first token.
     """
 
     kind: Literal["json_schema", "json_object", "regex", "tool_calls"]
@@ -376,6 +377,12 @@ class ConstraintTokenizer:
         self.lltok = llg.LLTokenizer(str(path), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
+        # The mask before a constraint's start token: anything but EOS (the constrained part must come).
+        words = np.full(self.words, 0xFFFFFFFF, np.uint32)
+        for t in eos_token_ids:
+            if 0 <= t < vocab_size:
+                words[t >> 5] &= ~np.uint32(1 << (t & 31))
+        self.before_start = words.view(np.int32)
         # Fills the rows of one step on several threads, without the GIL (llguidance's own pool).
         self._executor = llg.LLExecutor()
 
@@ -389,7 +396,7 @@ class ConstraintTokenizer:
             if m.active:
                 active.append((m._m, r))
             else:
-                bitmask[r] = -1
+                bitmask[r] = m.before_start
         if active:
             llg_np.fill_next_token_bitmask_par(self._executor, active, bitmask)
 
@@ -407,23 +414,25 @@ class ConstraintTokenizer:
         m = llg.LLMatcher(self.lltok, grammar, log_level=0)
         if m.is_error():
             raise ConstraintError(field, _first_line(m.get_error()))
-        return ConstraintMatcher(m, constraint.start_after_token)
+        return ConstraintMatcher(m, constraint.start_after_token, self.before_start)
 
 
 class ConstraintMatcher:
     """The grammar state of one sequence. `fill(row)` writes the mask of the next token; `consume`
-    advances past a sampled token. Before `start_after_token` has been generated the mask is all ones
-    and tokens are not fed to the grammar (the token itself is not part of the constrained output)."""
+    advances past a sampled token. Before `start_after_token` has been generated the mask is
+    `before_start` (all ones but EOS; default all ones) and tokens are not fed to the grammar (the
+    token itself is not part of the constrained output)."""
 
-    def __init__(self, matcher: llg.LLMatcher, start_after_token: int | None):
+    def __init__(self, matcher: llg.LLMatcher, start_after_token: int | None, before_start=None):
         self._m = matcher
         self._start = start_after_token
         self.active = start_after_token is None
+        self.before_start = np.int32(-1) if before_start is None else before_start
 
     def fill(self, row: np.ndarray) -> None:
-        """row: i32[W], written in place (all ones while inactive)."""
+        """row: i32[W], written in place (`before_start` while inactive)."""
         if not self.active:
-            row[:] = -1
+            row[:] = self.before_start
             return
         llg_np.fill_next_token_bitmask(self._m, row.reshape(1, -1), 0)
 

@@ -281,7 +281,10 @@ class DiskTier:
         if removed:
             log.info(
                 "kv disk dir %s: removed %d block(s) of another model or format, %d corrupt, %d temporary",
-                self.directory, self.refused_removed, self.corrupt_removed, self.stale_temp_removed,
+                self.directory,
+                self.refused_removed,
+                self.corrupt_removed,
+                self.stale_temp_removed,
             )
 
     @staticmethod

@@ -375,8 +375,8 @@ class Scheduler:
         if n >= spec.max_context:
             raise InvalidRequest(
                 "prompt",
-                f"has {n} tokens; the limit is max_context - 1 = {spec.max_context - 1} "
-                f"(max_context = {spec.max_context} tokens of prompt plus output)",
+                f"has {n} tokens; the limit is max_context - 1 = {spec.max_context - 1} (max_context = "
+                f"{spec.max_context} tokens of prompt plus output; ced-jax serve --max-context)",
             )
         ids = np.asarray(req.prompt_token_ids)
         if ids.min() < 0 or ids.max() >= spec.vocab_size:
@@ -386,7 +386,9 @@ class Scheduler:
                 raise InvalidRequest("max_tokens", f"must be >= 1, got {req.max_tokens}")
             if req.max_tokens > cfg.max_tokens_limit:
                 raise InvalidRequest(
-                    "max_tokens", f"{req.max_tokens} exceeds the limit max_tokens = {cfg.max_tokens_limit}"
+                    "max_tokens",
+                    f"{req.max_tokens} exceeds the limit max_tokens = {cfg.max_tokens_limit} "
+                    "(--max-tokens-limit)",
                 )
         if not 0 <= req.logprobs <= cfg.max_logprobs:
             raise InvalidRequest(
@@ -476,7 +478,8 @@ class Scheduler:
                 self._reject("queue_full")
                 raise AdmissionError(
                     "queue_full",
-                    f"{len(self._live)} requests in flight; the limit is max_running + max_queued = {limit}",
+                    f"{len(self._live)} requests in flight; the limit is max_running + max_queued = {limit} "
+                    "(--max-running, --max-queued)",
                 )
             self._live[seq.live_key] = seq
             self._inbox.append(seq)

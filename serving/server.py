@@ -260,7 +260,9 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
             raise InvalidRequest("images", "this model has no vision tower: it takes no images")
         limit = pipeline.max_images_per_request
         if count > limit:  # before any file is looked up or image decoded
-            raise InvalidRequest("images", f"{count} images in one request; the limit is {limit}")
+            raise InvalidRequest(
+                "images", f"{count} images in one request; the limit is {limit} (--max-images-per-request)"
+            )
         _check_text_size("prompt", request.prompt, "max_prompt_bytes", self._config.max_prompt_bytes)
         blobs = []
         for i, image in enumerate(request.images):
@@ -437,7 +439,10 @@ def _check_text_size(field: str, text: str, limit_name: str, limit: int) -> None
         return
     size = len(text.encode("utf-8"))
     if size > limit:
-        raise InvalidRequest(field, f"has {size} bytes of UTF-8; the limit is {limit_name} = {limit}")
+        flag = "--" + limit_name.replace("_", "-")
+        raise InvalidRequest(
+            field, f"has {size} bytes of UTF-8; the limit is {limit_name} = {limit} ({flag})"
+        )
 
 
 # ---- request decoding -------------------------------------------------------------------------------

@@ -100,7 +100,9 @@ class ImagePipeline:
             raise ImageInputError(field, "expected the image's encoded bytes")
         if len(data) > self.max_image_bytes:
             raise ImageInputError(
-                field, f"image of {len(data)} bytes exceeds the limit of {self.max_image_bytes} bytes"
+                field,
+                f"image of {len(data)} bytes exceeds the limit of {self.max_image_bytes} bytes "
+                "(--max-image-bytes)",
             )
         try:
             image = prepare_image(bytes(data), self.vcfg, max_bytes=self.max_image_bytes)
@@ -157,7 +159,8 @@ class ImagePipeline:
         if len(images) > self.max_images_per_request:
             raise ImageInputError(
                 field,
-                f"{len(images)} images in one request; the limit is {self.max_images_per_request}",
+                f"{len(images)} images in one request; the limit is {self.max_images_per_request} "
+                "(--max-images-per-request)",
             )
         placeholders = prompt_text.count(IMAGE_PLACEHOLDER)
         if placeholders != len(images):

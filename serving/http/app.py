@@ -359,7 +359,10 @@ class HttpFrontEnd:
         body without Content-Length is counted as it streams in)."""
         limit = self.body_limit()
         length = request.headers.get("content-length")
-        too_large = f"request body: more than {limit} bytes; the limit is http_max_body_bytes = {limit}"
+        too_large = (
+            f"request body: more than {limit} bytes; the limit is http_max_body_bytes = {limit} "
+            "(--http-max-body-bytes)"
+        )
         if length is not None and length.isdigit() and int(length) > limit:
             raise ApiError(413, too_large)
         chunks, received = [], 0
@@ -582,7 +585,14 @@ class HttpFrontEnd:
                 await objs.aclose()
             return
         chunks = gen.chunks(
-            self.scheduler, p, self.tokenizer, self.converter.think_end_id, rid, identity, outcome
+            self.scheduler,
+            p,
+            self.tokenizer,
+            self.converter.think_end_id,
+            rid,
+            identity,
+            outcome,
+            self.converter.hidden_special_ids,
         )
         started = False
         try:
@@ -622,7 +632,14 @@ class HttpFrontEnd:
             return json.dumps(last).encode()
         collected = []
         async for batch in gen.chunks(
-            self.scheduler, p, self.tokenizer, self.converter.think_end_id, rid, identity, outcome
+            self.scheduler,
+            p,
+            self.tokenizer,
+            self.converter.think_end_id,
+            rid,
+            identity,
+            outcome,
+            self.converter.hidden_special_ids,
         ):
             collected += batch
         u = outcome.usage
@@ -630,11 +647,10 @@ class HttpFrontEnd:
         resp = gen.new_response(api, rid, p.model.requested, len(p.prompt_ids), cached)
         for c in collected:
             resp.accumulate(c)
-        if u is None:
-            return resp.to_json().encode()
-        return json.dumps(
-            gen.patch_usage(api, json.loads(resp.to_json()), outcome), ensure_ascii=False
-        ).encode()
+        obj = json.loads(resp.to_json())
+        if u is not None:
+            obj = gen.patch_usage(api, obj, outcome)
+        return json.dumps(gen.without_cut_tool_use(api, obj), ensure_ascii=False).encode()
 
 
 def _wants_anthropic_files(request: Request) -> bool:

@@ -39,10 +39,13 @@ from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownMod
 from serving.json_limits import MAX_NESTING, nesting_depth
 
 FIM_MAX_TOKENS = 4096  # the hosted FIM limit (api-surface §10)
+# Named in every context-length error: the server's limit, which an operator can raise.
+CONTEXT_FLAG = " (this server's limit: ced-jax serve --max-context)"
 PLAIN_DEFAULT_MAX_TOKENS = 16  # a plain completion's default, as OpenAI's legacy route and vLLM's
 MAX_TOKENS_UPPER = 393216  # the hosted max_tokens range is [1, 393216]
 SEED_MODULUS = 2**32  # the engine's seed is uint32
 _SPECIAL = d.SpecialTokens(image="<｜deepseek_image｜>")  # V4.1 spelling of the image placeholder
+_PARSED_SPECIALS = ("<think>", "</think>", "｜DSML｜")  # what deepseek-recipe's stream parser reads
 _EFFORT_NAMES = {"none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"}
 
 
@@ -219,6 +222,12 @@ class Converter:
                 raise ValueError(f"tokenizer: has no special token {name}")
             return tid
 
+        # Special tokens a random or confused model may emit that no text field shows (the stream
+        # parser reads only the thinking and tool-call markers, which stay).
+        self.hidden_special_ids = frozenset(
+            i for i, t in hf_tokenizer.get_added_tokens_decoder().items()
+            if t.special and t.content not in _PARSED_SPECIALS
+        )  # fmt: skip
         self.bos_id = special("<｜begin▁of▁sentence｜>")
         self.think_end_id = special("</think>")
         self._fim = [special("<｜fim▁begin｜>"), special("<｜fim▁hole｜>"), special("<｜fim▁end｜>")]
@@ -348,6 +357,7 @@ class Converter:
         if isinstance(so, dict) and so.get("include_usage") is True:
             include_usage = True
         body["model"] = SERVED_MODEL
+        forced = _forced_tools(api, body, thinking)
         cls = {CHAT: d.ChatCompletionRequest, RESPONSES: d.ResponsesRequest, MESSAGES: d.MessagesRequest}[api]
         echo = ns_map = None
         try:
@@ -408,7 +418,7 @@ class Converter:
             conv=conv,
             echo=echo,
             namespace_map=ns_map,
-            constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body),
+            constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body, api, forced),
             prefill_mode=ext.prefill_mode,
             ignore_eos=ext.ignore_eos,
             stop_token_ids=ext.stop_token_ids,
@@ -455,14 +465,15 @@ class Converter:
                 400,
                 f"messages: This model's maximum context length is {self.max_context} tokens. However, "
                 f"your messages resulted in {prompt_tokens} tokens. "
-                "Please reduce the length of the messages.",
+                "Please reduce the length of the messages." + CONTEXT_FLAG,
                 param="messages",
             )
         try:
             resolved = conv.resolve_max_tokens(prompt_tokens, self.max_context)
         except d.ConversionError as e:
             err = from_conversion_error(e.status_code, e.body)
-            raise ApiError(err.status, f"{field}: {err.message}", param=field) from None
+            hint = CONTEXT_FLAG if "context length" in err.message else ""
+            raise ApiError(err.status, f"{field}: {err.message}{hint}", param=field) from None
         if requested is not None and requested > self.max_tokens_limit:
             raise ApiError(
                 400,
@@ -472,24 +483,45 @@ class Converter:
             )
         return max(1, min(resolved, self.max_tokens_limit, self.max_context - prompt_tokens))
 
-    def _constraint(self, oc, thinking: bool, body: dict) -> OutputConstraint | None:
+    def _constraint(
+        self, oc, thinking: bool, body: dict, api: str, forced: str | bool | None = None
+    ) -> OutputConstraint | None:
         """The engine's constraint for deepseek-recipe's `output_constraint` (JSON schema / object, regex,
         a required or named tool call); in thinking mode it starts after `</think>`. The request's
-        `parallel_tool_calls` (false: one call) and Responses' `max_tool_calls` bound the calls."""
+        `parallel_tool_calls` (false: one call) and Responses' `max_tool_calls` bound the calls.
+        `forced` (`_forced_tools`): a tool call the request requires, True for any tool or a tool's name,
+        which deepseek-recipe does not constrain (thinking mode, Anthropic `any`). A strict JSON schema
+        is enforced as the client sent it (deepseek-recipe drops the keywords OpenAI's strict mode once
+        lacked: minLength, maxItems, ...)."""
         if oc is None:
             return None
         parallel = body.get("parallel_tool_calls")
         max_calls = body.get("max_tool_calls")
+        kind, schema = oc.kind, oc.schema
+        if forced is not None and kind == "tool_call":  # every declared tool, as `auto` lists them
+            tools = json.loads(schema) if isinstance(schema, str) else list(schema)
+            if forced is not True:
+                tools = [t for t in tools if _tool_name(t) == forced]
+                if not tools:
+                    field = "tool_choice"
+                    raise ApiError(400, f"{field}: names {forced!r}, which is not in `tools`", param=field)
+            kind, schema = "tool_call_required", json.dumps(tools)
+        elif kind == "json" and schema:
+            sent = _sent_schema(api, body)
+            if sent is not None:
+                schema = json.dumps(sent)
         try:
             return OutputConstraint.from_recipe(
-                oc.kind,
-                oc.schema,
+                kind,
+                schema,
                 start_after_token=self.think_end_id if thinking else None,
                 parallel_tool_calls=parallel if isinstance(parallel, bool) else True,
                 max_tool_calls=max_calls if type(max_calls) is int else None,
             )
         except ConstraintError as e:
-            raise ApiError(400, str(e), param="response_format") from None
+            field = "tools" if kind == "tool_call_required" else "text.format" if api == RESPONSES else None
+            field = field or ("response_format" if api == CHAT else "request")
+            raise ApiError(400, f"{field}: {e}", param=field) from None
 
     def check_prompt_bytes(self, field: str, text: str) -> None:
         """400 before tokenizing a prompt over `max_prompt_bytes`, or one certainly longer than the
@@ -499,8 +531,8 @@ class Converter:
         if limit is not None and len(text) > limit // 4 and len(text.encode("utf-8")) > limit:
             n = len(text.encode("utf-8"))
             raise ApiError(
-                400, f"{field}: the prompt has {n} bytes of UTF-8; the limit is max_prompt_bytes = {limit}",
-                param=field,
+                400, f"{field}: the prompt has {n} bytes of UTF-8; the limit is max_prompt_bytes = {limit} "
+                "(--max-prompt-bytes)", param=field,
             )  # fmt: skip
         if len(text) > self.max_context:  # else it cannot be certainly too long: no need to count bytes
             at_least = -(-len(text.encode("utf-8")) // self._bytes_per_token_bound)
@@ -508,7 +540,8 @@ class Converter:
                 raise ApiError(
                     400,
                     f"{field}: This model's maximum context length is {self.max_context} tokens. However, "
-                    f"your {field} resulted in at least {at_least} tokens. Please reduce their length.",
+                    f"your {field} resulted in at least {at_least} tokens. Please reduce their length."
+                    + CONTEXT_FLAG,
                     param=field,
                 )
 
@@ -619,7 +652,7 @@ class Converter:
                 400,
                 f"{where}: This model's maximum context length is {self.max_context} tokens. However, your "
                 f"prompt{' and suffix' if fim else ''} resulted in {len(ids)} tokens. Please reduce "
-                f"{'their' if fim else 'its'} length.",
+                f"{'their' if fim else 'its'} length." + CONTEXT_FLAG,
                 param=where,
             )
         if max_tokens is not None and max_tokens > self.max_tokens_limit:
@@ -674,6 +707,58 @@ class Converter:
     def token_text(self, token_id: int) -> str:
         """One token's text, as completions' `logprobs.tokens` show it (special tokens spelled out)."""
         return self._hf.decode([int(token_id)], skip_special_tokens=False)
+
+
+def _forced_tools(api: str, body: dict, thinking: bool) -> str | bool | None:
+    """A tool call the request requires where deepseek-recipe would not constrain one: `tool_choice`
+    required / named in thinking mode (it refuses those: the model then reasons first and must call
+    after `</think>`), Anthropic `any` (it treats that as auto). True: any declared tool; a str: that
+    tool. The body's choice is set to `auto` for the conversion; None: nothing forced here."""
+    choice = body.get("tool_choice")
+    if api == MESSAGES:
+        if isinstance(choice, dict) and choice.get("type") == "any":
+            body["tool_choice"] = {**choice, "type": "auto"}
+            return True
+        if (
+            thinking
+            and isinstance(choice, dict)
+            and choice.get("type") == "tool"
+            and isinstance(choice.get("name"), str)
+        ):
+            body["tool_choice"] = {k: v for k, v in choice.items() if k != "name"} | {"type": "auto"}
+            return choice["name"]
+        return None
+    if not thinking or not body.get("tools"):
+        return None
+    if choice == "required":
+        body["tool_choice"] = "auto"
+        return True
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("function", {}).get("name") if api == CHAT else choice.get("name")
+        if isinstance(name, str):
+            body["tool_choice"] = "auto"
+            return name
+    return None
+
+
+def _tool_name(tool: dict) -> str | None:
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return fn.get("name")
+
+
+def _sent_schema(api: str, body: dict):
+    """The JSON schema of the request's structured output as the client sent it (None if absent)."""
+    if api == CHAT:
+        rf = body.get("response_format")
+        js = rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+        schema = js.get("schema") if isinstance(js, dict) else None
+    elif api == RESPONSES:
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+        schema = fmt.get("schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    else:
+        schema = None
+    return schema if isinstance(schema, dict) else None
 
 
 def _fim_body(body: dict) -> dict:

@@ -136,7 +136,8 @@ class Admission:
                 self._refuse(
                     "default",
                     "concurrency",
-                    f"too many concurrent requests: {self.limits.max_concurrent} in flight (the limit)",
+                    f"too many concurrent requests: {self.limits.max_concurrent} in flight "
+                    "(the limit: --http-max-concurrent)",
                 )
             self._take("default")
         else:
@@ -188,7 +189,8 @@ class Admission:
             self._refuse(
                 "default",
                 "concurrency",
-                f"too many concurrent requests: {self.limits.max_concurrent} in flight (the limit)",
+                f"too many concurrent requests: {self.limits.max_concurrent} in flight "
+                "(the limit: --http-max-concurrent)",
             )
 
     def _global_free(self) -> bool:

@@ -124,8 +124,11 @@ async def chunks(
     rid: str,
     identity: str,
     outcome: Outcome,
+    hidden: frozenset[int] = frozenset(),
 ) -> AsyncIterator[list]:
-    """deepseek-recipe chunk objects (Chat chunks / Responses events / Messages events), a list per step."""
+    """deepseek-recipe chunk objects (Chat chunks / Responses events / Messages events), a list per step.
+    `hidden`: special token ids that are not shown (Converter.hidden_special_ids); they still count
+    in usage."""
     gen = _REQUEST_CLASS[p.api].chunk_generator(p.conv, rid, p.model.requested)
     if p.api == RESPONSES:
         if p.echo is not None:
@@ -153,8 +156,13 @@ async def chunks(
                 out += proc.push(d.InferenceChunk.ready(prompt_usage=usage))
             outcome.count(ev.token_ids, think_end)
             if ev.token_ids and not proc.finished:
+                ids = list(ev.token_ids)
                 lps = _logprobs(ev, p.logprobs) if p.want_logprobs else None
-                out += proc.push(d.InferenceChunk.tokens(list(ev.token_ids), lps))
+                if hidden and not hidden.isdisjoint(ids):  # never spelled out in a text field
+                    keep = [i for i, t in enumerate(ids) if t not in hidden]
+                    ids, lps = [ids[i] for i in keep], None if lps is None else [lps[i] for i in keep]
+                if ids:
+                    out += proc.push(d.InferenceChunk.tokens(ids, lps))
             if ev.final:
                 outcome.usage, outcome.finish = ev.usage, ev.finish_reason
             if proc.finished:  # a stop string matched: the rest of the engine's output is not wanted
@@ -217,6 +225,21 @@ def patch_usage(api: str, obj: dict, outcome: Outcome) -> dict:
         u["output_tokens_details"] = {"reasoning_tokens": outcome.reasoning_tokens}
     elif api == MESSAGES and (obj.get("type") in ("message", "message_delta")):
         u["output_tokens"] = n
+    return obj
+
+
+def without_cut_tool_use(api: str, obj: dict) -> dict:
+    """A Messages answer cut by max_tokens inside a tool call: its last `tool_use` block holds the
+    unfinished call with `input: {}` (deepseek-recipe cannot parse part of one), which a client could
+    run as if the model had asked for it. The block is dropped; `stop_reason: max_tokens` says why."""
+    content = obj.get("content")
+    if (
+        api == MESSAGES
+        and obj.get("stop_reason") == "max_tokens"
+        and content
+        and content[-1].get("type") == "tool_use"
+    ):
+        obj["content"] = content[:-1]
     return obj
 
 

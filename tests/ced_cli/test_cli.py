@@ -124,14 +124,17 @@ def test_serve_bad_options_exit_2_before_loading(capsys):
         (["--max-slots", "0"], "--max-slots must be >= 1"),
         (["--decode-context-buckets", "24"], "must be ascending multiples of --page-size 16"),
         (["--decode-context-buckets", "512,a"], "must be comma-separated token counts"),
-        (["--decode-context-buckets", "4096"], "--decode-context-buckets 4096: at most --max-context 2048"),
+        (
+            ["--max-context", "2048", "--decode-context-buckets", "4096"],
+            "--decode-context-buckets 4096: at most --max-context 2048",
+        ),
         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "needs --mesh"),
     ]
     for extra, message in cases:
         assert main(["serve", "tiny", *extra]) == 2
         assert message in capsys.readouterr().err
     # The ports are bound before the model is loaded: free ones, so only the model can be at fault.
-    assert main(["serve", "/no/such/dir", "--port", "0", "--metrics-port", "-1"]) == 2
+    assert main(["serve", "/no/such/dir", "--port", "0", "--metrics-port", "-1", "--http-port", "0"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 
 
@@ -257,7 +260,9 @@ def test_unreadable_ids_file_exits_2(tmp_path, capsys, nothing_loads):
     ],
 )
 def test_serve_bad_numbers_exit_2_before_loading(extra, needles, capsys, nothing_loads):
-    _refused(["serve", "tiny", "--port", "0", "--metrics-port", "-1", *extra], capsys, *needles)
+    _refused(
+        ["serve", "tiny", "--port", "0", "--metrics-port", "-1", "--http-port", "0", *extra], capsys, *needles
+    )
 
 
 def test_console_script_bad_number_is_one_line_without_traceback():
@@ -293,7 +298,7 @@ def test_serve_bad_ports_and_text_limits_exit_2(extra, needles, capsys, nothing_
 def _serve_subprocess(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "ced_cli.main", "serve", "tiny", *args],
+        [sys.executable, "-m", "ced_cli.main", "serve", "tiny", "--http-port", "0", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -330,3 +335,20 @@ def test_serve_on_a_busy_metrics_port_exits_2_before_loading():
     ]
     assert run.stdout == ""
     assert elapsed < 30, elapsed
+
+
+def test_every_option_states_its_default():
+    """Each subcommand's --help names every option's default (or says it is required)."""
+    import argparse
+
+    from ced_cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._get_help_string(action).lower()
+            assert "default" in text or "(required)" in text, (name, action.option_strings, text)
+        assert "(default: auto)" in " ".join(sub.choices["serve"].format_help().split())

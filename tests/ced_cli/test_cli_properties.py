@@ -189,12 +189,13 @@ def not_multiple_of_page(limit: int):
     return st.integers(1, limit).filter(lambda n: n % 16)  # the default --page-size is 16
 
 
-# Defaults: --max-slots 32 --page-size 16 --max-context 2048 --prefill-chunk 128.
+# Defaults: --max-slots 32 --page-size 16 --max-context auto --prefill-chunk 128 (--num-pages below 32
+# leave less than a page for each of the 32 sequences that auto sizes the context for).
 SERVE_BAD = st.one_of(
     st.tuples(st.just("--max-slots"), non_positive_ints()),
     st.tuples(st.just("--page-size"), non_positive_ints()),
     st.tuples(st.just("--max-context"), st.one_of(non_positive_ints(), not_multiple_of_page(10**6))),
-    st.tuples(st.just("--num-pages"), st.one_of(negative_ints(), st.integers(1, 2048 // 16 - 1))),
+    st.tuples(st.just("--num-pages"), st.one_of(negative_ints(), st.integers(1, 31))),
     st.tuples(st.just("--prefill-chunk"), st.one_of(non_positive_ints(), not_multiple_of_page(4096))),
     st.tuples(st.just("--max-running"), st.one_of(non_positive_ints(), st.integers(min_value=33))),
     st.tuples(st.just("--max-queued"), negative_ints()),

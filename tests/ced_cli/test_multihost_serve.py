@@ -108,7 +108,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def one_process_tokens(tmp_path_factory) -> list[list[int]]:
     """The single-process server on 8 devices, mesh (1, 4, 2)."""
     log_path = tmp_path_factory.mktemp("one") / "serve.log"
-    proc = _serve(["--port", "0", "--metrics-port", "-1"], 8, log_path)
+    proc = _serve(["--port", "0", "--metrics-port", "-1", "--http-port", "0"], 8, log_path)
     try:
         addr = _wait_serving([proc], log_path)
         tokens = _complete_all(addr)
@@ -127,7 +127,7 @@ def test_two_processes_serve_the_tokens_of_one_then_a_dead_peer_is_not_serving(o
     procs = []
     for pid in range(2):
         extra = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
-        extra += ["--init-timeout", "300", "--port", "0", "--metrics-port", "-1"]
+        extra += ["--init-timeout", "300", "--port", "0", "--metrics-port", "-1", "--http-port", "0"]
         procs.append(_serve(extra, 4, logs[pid]))
     try:
         addr = _wait_serving(procs, logs[0])
@@ -288,7 +288,7 @@ def test_encode_refuses_what_it_cannot_send():
 def test_serve_multi_host_options_are_checked(capsys):
     from ced_cli.main import main
 
-    base = ["serve", "tiny", "--port", "0", "--metrics-port", "-1"]
+    base = ["serve", "tiny", "--port", "0", "--metrics-port", "-1", "--http-port", "0"]
     assert main([*base, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]) == 2
     assert "needs --mesh" in capsys.readouterr().err
     mesh = ["--mesh", "expert=4,tensor=2"]

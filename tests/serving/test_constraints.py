@@ -179,16 +179,22 @@ def test_json_object_is_any_object(ctok, hf):
     assert rejected(ctok, c, ids(hf, ' {"a": 1}'))  # no leading whitespace
 
 
-def test_start_after_token_leaves_rows_unconstrained_until_it(ctok, hf):
+def test_start_after_token_leaves_rows_unconstrained_until_it_but_for_eos(ctok, hf):
+    """Before the start token any token may come but EOS: the output cannot end before its constrained
+    part (a JSON answer in thinking mode that stopped inside the reasoning had empty content)."""
     c = OutputConstraint(kind="regex", regex="yes|no", start_after_token=THINK_END)
     m = ctok.matcher(c)
     row = np.zeros(ctok.words, np.int32)
+    everything_but_eos = set(range(V)) - {EOS}
     for t in ids(hf, "some thoughts"):
         m.fill(row)
-        assert (row == -1).all()
+        assert allowed(row) == everything_but_eos
         m.consume(t)
+    batched = np.zeros((2, ctok.words), np.int32)
+    ctok.fill_masks([(m, 1)], batched)  # the scheduler's batched fill writes the same row
+    assert allowed(batched[1]) == everything_but_eos
     m.fill(row)
-    assert (row == -1).all()
+    assert allowed(row) == everything_but_eos
     m.consume(THINK_END)
     for t in ids(hf, "yes"):
         m.fill(row)
@@ -582,7 +588,7 @@ def test_scheduler_without_a_constraint_tokenizer_refuses_constraints():
 
 
 def test_batched_fill_equals_row_fills(ctok, hf):
-    """`fill_masks` (one parallel call) writes what `fill` writes row by row; inactive rows all ones."""
+    """`fill_masks` (one parallel call) writes what `fill` writes row by row; inactive rows all but EOS."""
     cs = [
         OutputConstraint(kind="json_schema", json_schema=SCHEMA),
         OutputConstraint(kind="tool_calls", tools=[WEATHER]),
@@ -600,5 +606,5 @@ def test_batched_fill_equals_row_fills(ctok, hf):
         row = np.zeros(ctok.words, np.int32)
         m.fill(row)
         np.testing.assert_array_equal(batch[r], row)
-    assert (batch[5] == -1).all() and (batch[[1, 3]] == 0).all()
+    assert allowed(batch[5]) == set(range(V)) - {EOS} and (batch[[1, 3]] == 0).all()
     assert allowed(batch[0]) == {DSML}

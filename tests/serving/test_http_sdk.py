@@ -104,15 +104,25 @@ def _encode(hf, prompt: str, specials: list[str]) -> list[int]:
     return PromptEncoder(hf).encode(RenderedPrompt(prompt, [], ranges))
 
 
+def _hidden(hf) -> set[int]:
+    """Special tokens no text field shows: all but the markers the stream parser reads."""
+    parsed = ("<think>", "</think>", "｜DSML｜")
+    return {i for i, t in hf.get_added_tokens_decoder().items() if t.special and t.content not in parsed}
+
+
+def _shown(hf, ids: list[int]) -> str:
+    """The text of generated ids as the HTTP API shows it (hidden special tokens left out)."""
+    hidden = _hidden(hf)
+    return hf.decode([t for t in ids if t not in hidden], skip_special_tokens=False)
+
+
 def _split_thinking(hf, ids: list[int]) -> tuple[str, str]:
     """(reasoning, answer) of a thinking-mode completion: the text before / after `</think>`."""
     end = hf.token_to_id("</think>")
     if end in ids:
         i = ids.index(end)
-        return hf.decode(ids[:i], skip_special_tokens=False), hf.decode(
-            ids[i + 1 :], skip_special_tokens=False
-        )
-    return hf.decode(ids, skip_special_tokens=False), ""
+        return _shown(hf, ids[:i]), _shown(hf, ids[i + 1 :])
+    return _shown(hf, ids), ""
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -134,7 +144,7 @@ def test_chat_non_thinking_is_greedy_generation_of_the_rendered_prompt(server, o
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.prompt_cache_hit_tokens + r.usage.prompt_cache_miss_tokens == len(ids)
     expected = _engine_tokens(server, ids, 12)
-    text = hf.decode(expected, skip_special_tokens=False)
+    text = _shown(hf, expected)
     # deepseek-recipe drops leading newlines of an answer and an incomplete UTF-8 sequence at its end
     # (the tokenizer decodes that to U+FFFD).
     assert r.choices[0].message.content == text.lstrip("\n").rstrip("\ufffd")
@@ -366,8 +376,33 @@ def test_plain_completion_with_logprobs_and_the_fim_probe(server, oai, hf):
     fim_ids += PromptEncoder(hf).plain("\n\nprint(fib(10))") + [hf.token_to_id("<｜fim▁end｜>")]
     out = r.json()
     assert out["object"] == "chat.completion" and out["usage"]["prompt_tokens"] == len(fim_ids)
-    text = hf.decode(_engine_tokens(server, fim_ids, 8), skip_special_tokens=False)
+    text = _shown(hf, _engine_tokens(server, fim_ids, 8))
     assert out["choices"][0]["message"]["content"] == text.lstrip("\n").rstrip("\ufffd")
+    server.assert_idle()
+
+
+def test_special_tokens_never_show_in_text(server, oai, hf):
+    """A sampled answer that holds special tokens (the random model emits them) shows none of them:
+    the content is the engine's tokens without them (the stream parser's markers aside)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "Go"}]
+    ids = httpx.post(
+        f"{server.base}/tokenize", json={"messages": messages, **NO_THINKING}, headers=auth
+    ).json()
+    hidden = _hidden(hf)
+    for seed in range(40):
+        tokens = _engine_tokens(server, ids["tokens"], 48, temperature=1.0, seed=seed, ignore_eos=True)
+        if hidden & set(tokens):
+            break
+    else:
+        raise AssertionError("no seed in 0..39 samples a special token: pick another prompt")
+    r = oai.chat.completions.create(
+        model="deepseek-flash", messages=messages, max_tokens=48, temperature=1.0, seed=seed,
+        extra_body={**NO_THINKING, "ignore_eos": True},
+    )  # fmt: skip
+    content = r.choices[0].message.content
+    assert content == _shown(hf, tokens).lstrip("\n").rstrip("\ufffd")
+    assert not [hf.id_to_token(t) for t in hidden if hf.id_to_token(t) in content]
     server.assert_idle()
 
 

@@ -8,7 +8,7 @@ from ced_cli.main import main
 
 pytestmark = pytest.mark.timeout(120)
 
-BASE = ["serve", "tiny", "--port", "0", "--metrics-port", "-1"]
+BASE = ["serve", "tiny", "--port", "0", "--metrics-port", "-1", "--http-port", "0"]
 
 
 @pytest.fixture
@@ -102,3 +102,38 @@ def test_a_foreign_kv_disk_dir_exits_2_and_keeps_its_files(tmp_path, capsys, not
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "report.kvb"]
     assert (tmp_path / "notes.tmp").read_text() == "notes\n"
     assert (tmp_path / "report.kvb").read_text() == "x\n"
+
+
+def test_auto_context_and_output_limit_follow_the_kv_budget(monkeypatch, capsys):
+    """--max-context auto (the default): on CPU the largest context whose KV pages for --max-slots
+    sequences fit serving.capacity's 4 GiB budget, at most the model's own; --num-pages bounds it;
+    --max-tokens-limit auto follows it. The HTTP API is on by default (port 8000; 0 turns it off)."""
+    from ced_jax.config import preset
+    from serving import capacity
+
+    seen = {}
+    monkeypatch.setattr("serving.server.serve", lambda config, load: seen.update(config=config) or 0)
+    per_token = capacity.kv_bytes_per_token(preset("tiny"))
+    for slots in (32, 1):
+        assert main([*BASE, "--max-slots", str(slots)]) == 0
+        c = seen["config"]
+        expected = min(
+            preset("tiny").max_position_embeddings, capacity.CPU_KV_BUDGET_BYTES // (slots * per_token)
+        )
+        # Whole pages; below the pages alone by the per-slot state the ledger also counts (rings etc.).
+        assert c.max_context % 16 == 0 and expected - 8 * 16 <= c.max_context <= expected
+        assert c.max_tokens_limit == c.max_context and c.http_port is None
+    assert seen["config"].max_context == preset("tiny").max_position_embeddings  # 1 slot: the model's limit
+    assert main([*BASE, "--max-slots", "4", "--num-pages", "100"]) == 0
+    assert seen["config"].max_context == 100 * 16 // 4 // 16 * 16
+    assert main([*BASE, "--max-context", "4096", "--max-tokens-limit", "512"]) == 0
+    assert (seen["config"].max_context, seen["config"].max_tokens_limit) == (4096, 512)
+    argv = ["serve", "tiny", "--port", "0", "--metrics-port", "-1", "--max-context", "64"]
+    assert main(argv) == 0 and seen["config"].http_port == 8000  # HTTP on by default
+    assert main([*argv, "--http-port", "-1"]) == 0 and seen["config"].http_port is None
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # argparse's own exit
+        main([*BASE, "--max-context", "lots"])
+    assert e.value.code == 2 and "--max-context: expected a whole number or auto" in capsys.readouterr().err
+    assert main([*BASE, "--max-slots", "4", "--num-pages", "3"]) == 2
+    assert "--num-pages 3" in capsys.readouterr().err

@@ -816,7 +816,7 @@ def test_ced_jax_serve_and_client_then_sigterm(engine, tmp_path):
         "PYTHONPATH": str(REPO),
     }
     cmd = [sys.executable, "-m", "ced_cli.main", "serve", "tiny", *SERVE_ARGS]
-    cmd += ["--port", "0", "--metrics-port", "-1"]
+    cmd += ["--port", "0", "--metrics-port", "-1", "--http-port", "0"]
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:

@@ -84,7 +84,7 @@ def _start(impl_args: list[str], log_path):
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
     cmd = [sys.executable, "-m", "ced_cli.main", "serve", "tiny", *SHAPES, *impl_args]
-    cmd += ["--port", "0", "--metrics-port", "-1", "--max-tokens-limit", str(COMPARED)]
+    cmd += ["--port", "0", "--metrics-port", "-1", "--http-port", "0", "--max-tokens-limit", str(COMPARED)]
     log = open(log_path, "w+")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log
 

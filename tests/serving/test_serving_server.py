@@ -236,6 +236,22 @@ def test_client_cli_streams(srv, capsys):
     out, err = capsys.readouterr()
     assert out.strip() == TOK.decode(mock_greedy_stream(TOK.encode("cli"), 5))
     assert "finish_reason=length" in err and "completion_tokens=5" in err
+    assert "logprobs[" not in err
+    assert (
+        client.main(
+            [srv.addr, "--prompt", "cli", "--max-tokens", "3", "--temperature", "0", "--logprobs", "2"]
+        )
+        == 0
+    )
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("logprobs[")]
+    expected = client.generate(srv.addr, "cli", max_tokens=3, temperature=0.0, logprobs=2)
+    assert len(lines) == len(expected.logprobs) == 3
+    for i, (line, lp) in enumerate(zip(lines, expected.logprobs, strict=True)):
+        top = " ".join(f"{t.token_id}:{t.logprob:.6g}" for t in lp.top)
+        assert (
+            len(lp.top) == 2
+            and line == f"logprobs[{i}] token={lp.token_id} logprob={lp.logprob:.6g} top={top}"
+        )
 
 
 def test_graceful_shutdown_in_process_health_and_abort():
