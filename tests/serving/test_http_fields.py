@@ -212,3 +212,78 @@ def test_token_counting(converter):
 
 def test_the_docs_table_is_generated_from_the_code():
     assert (REPO / "docs" / "api-fields.md").read_text() == markdown()
+
+
+# ---- structured output (issue 36.3) -----------------------------------------------------------------
+TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}},
+]  # fmt: skip
+
+
+def test_forced_tool_choice_in_thinking_mode_reasons_then_calls(converter):
+    body = {**BODIES[CHAT], "tools": TOOLS}
+    required = prepare(converter, CHAT, {**body, "tool_choice": "required"})
+    assert required.thinking and required.constraint.kind == "tool_calls"
+    assert [t["function"]["name"] for t in required.constraint.tools] == ["f", "g"]
+    assert required.constraint.start_after_token == converter.think_end_id
+    named = prepare(converter, CHAT, {**body, "tool_choice": {"type": "function", "function": {"name": "g"}}})
+    assert [t["function"]["name"] for t in named.constraint.tools] == ["g"]
+    err = refused(converter, CHAT, {**body, "tool_choice": {"type": "function", "function": {"name": "h"}}})
+    assert err.param == "tool_choice" and "'h'" in err.message
+    responses = {**BODIES[RESPONSES], "tools": [{"type": "function", **t["function"]} for t in TOOLS]}
+    p = prepare(converter, RESPONSES, {**responses, "tool_choice": {"type": "function", "name": "f"}})
+    assert p.thinking and [t["function"]["name"] for t in p.constraint.tools] == ["f"]
+    # Non-thinking: deepseek-recipe's own constraint, from the first token.
+    off = prepare(converter, CHAT, {**body, "tool_choice": "required", "thinking": {"type": "disabled"}})
+    assert off.constraint.kind == "tool_calls" and off.constraint.start_after_token is None
+
+
+def test_anthropic_tool_choice_any_and_tool_are_enforced(converter):
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
+    body = {**BODIES[MESSAGES], "model": "claude-sonnet-4", "tools": tools}
+    any_ = prepare(converter, MESSAGES, {**body, "tool_choice": {"type": "any"}})
+    assert not any_.thinking and any_.constraint.kind == "tool_calls"
+    assert prepare(converter, MESSAGES, {**body, "tool_choice": {"type": "auto"}}).constraint is None
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    named = prepare(
+        converter, MESSAGES, {**body, "thinking": thinking, "tool_choice": {"type": "tool", "name": "f"}}
+    )
+    assert named.thinking and named.constraint.kind == "tool_calls"
+    assert named.constraint.start_after_token == converter.think_end_id
+
+
+def test_a_strict_schema_is_enforced_as_sent(converter):
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 2, "maxLength": 5},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}
+    assert prepare(converter, CHAT, {**BODIES[CHAT], "response_format": fmt}).constraint.json_schema == schema
+    text = {"format": {"type": "json_schema", "name": "p", "schema": schema, "strict": True}}
+    assert prepare(converter, RESPONSES, {**BODIES[RESPONSES], "text": text}).constraint.json_schema == schema
+    # A keyword the grammar library cannot enforce is a 400 naming it, never dropped.
+    unique = {
+        "type": "object",
+        "properties": {"t": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+    fmt["json_schema"]["schema"] = unique
+    err = refused(converter, CHAT, {**BODIES[CHAT], "response_format": fmt})
+    assert err.param == "response_format" and "uniqueItems" in err.message
+
+
+def test_a_messages_answer_cut_inside_a_tool_call_drops_the_call():
+    from serving.http.stream import without_cut_tool_use
+
+    cut = {
+        "stop_reason": "max_tokens",
+        "content": [{"type": "text", "text": "x"}, {"type": "tool_use", "input": {}}],
+    }
+    assert without_cut_tool_use(MESSAGES, dict(cut))["content"] == [{"type": "text", "text": "x"}]
+    done = {**cut, "stop_reason": "tool_use"}
+    assert without_cut_tool_use(MESSAGES, dict(done))["content"] == cut["content"]

@@ -286,7 +286,7 @@ def test_json_schema_response_validates(server, oai):
     schema = {
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 8},
+            "name": {"type": "string", "minLength": 2, "maxLength": 8},
             "score": {"type": "integer", "minimum": 0, "maximum": 99},
         },
         "required": ["name", "score"],
@@ -295,17 +295,64 @@ def test_json_schema_response_validates(server, oai):
     for thinking in (NO_THINKING, {}):  # in thinking mode the grammar starts after </think>
         r = oai.chat.completions.create(
             model="deepseek-flash", messages=[{"role": "user", "content": "Give name and score for Ada."}],
-            # Not strict: deepseek-recipe's strict normalization (OpenAI strict mode) drops maxLength.
-            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            # Strict: enforced as sent (deepseek-recipe's strict normalization would drop the lengths).
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}},
             max_tokens=400, extra_body=thinking, seed=7, temperature=0,  # thinking mode samples at 1.0 anyway
         )  # fmt: skip
-        content = r.choices[0].message.content
-        if thinking is not NO_THINKING and not content:
-            # The random model may end (EOS) or run out of tokens inside its reasoning, before </think>,
-            # where the grammar does not apply yet: then there is no answer to check.
-            continue
-        assert r.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(content), schema)
+        finish = r.choices[0].finish_reason
+        # The answer cannot end inside the reasoning (EOS is masked before </think>); it may run out
+        # of tokens there, which finish_reason says.
+        assert finish in ("stop", "length")
+        if finish == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        else:
+            assert thinking is not NO_THINKING
+    server.assert_idle()
+
+
+def test_sdk_parse_with_a_pydantic_model_that_has_length_limits(server, oai):
+    """`client.chat.completions.parse(response_format=Model)` sends a strict schema: its
+    minLength / maxLength / minItems / maxItems are enforced, so the parsed object validates."""
+    from typing import Annotated
+
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(min_length=2, max_length=6)
+        tags: list[Annotated[str, pydantic.StringConstraints(max_length=4)]] = pydantic.Field(
+            min_length=1, max_length=2
+        )
+
+    r = oai.chat.completions.parse(
+        model="deepseek-flash", messages=[{"role": "user", "content": "A city?"}], response_format=City,
+        max_tokens=400, temperature=0, extra_body=NO_THINKING,
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and 2 <= len(city.name) <= 6 and 1 <= len(city.tags) <= 2
+    assert all(len(t) <= 4 for t in city.tags)
+    server.assert_idle()
+
+
+def test_required_tool_call_in_thinking_mode_reasons_then_calls(server, oai):
+    """tool_choice required in the default (thinking) mode: the model reasons, then the grammar makes
+    it call (the hosted API refuses this with 400). The random model closes its reasoning at some
+    point; until then the answer cannot end (finish_reason is never stop without a call)."""
+    for seed in range(6):
+        r = oai.chat.completions.create(
+            model="deepseek-flash", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=512, seed=seed,
+        )  # fmt: skip
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            break
+        assert choice.finish_reason == "length" and not choice.message.tool_calls, (seed, choice)
+    else:
+        raise AssertionError("no seed in 0..5 closed its reasoning within 512 tokens")
+    assert choice.message.reasoning_content
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     server.assert_idle()
 
 
