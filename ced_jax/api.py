@@ -32,9 +32,11 @@ kept, replicated on a mesh); `Model.dspark` says whether they are there.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -341,7 +343,8 @@ class Model:
             raise ValueError("prefill_mode 'ced': capture, replay and patch need prefill_mode 'exact'")
         dec = _check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
         types, spans = self._prompt_image_inputs(len(prompt), token_types, span_embeds, images)
-        replay, patch = replay or {}, patch or {}
+        replay = fixture_decisions(replay, index_k_mode)[0] if _is_fixture(replay) else replay or {}
+        patch = fixture_decisions(patch, index_k_mode)[1] if _is_fixture(patch) else patch or {}
         t, n = len(prompt), len(dec)
         _check_replay_patch(self.cfg, replay, patch, t, n)
         if patch_layers is not None:
@@ -351,34 +354,39 @@ class Model:
                 raise ValueError(f"patch_layers: layer {bad[0]} is outside [0, {self.cfg.num_layers})")
             if "prefill_block_input" not in patch and "decode_block_input" not in patch:
                 raise ValueError("patch_layers: given without block inputs in `patch`")
-        session = self.new_session(1, _round_up(t + n, 64))
+        # Power-of-two buckets for the context and every prefill piece (the padding is not written and
+        # its rows are dropped), as in `generate`: a new prompt length reuses the compiled programs.
+        session = self.new_session(1, _bucket(t + n, floor=256))
         chunk = prefill_chunk or t
         out: dict[str, list] = {}
         capture_blocks = bool(patch)
         split = prefill_split(self.cfg, t, prefill_mode)
         if split:
             out["prefill_logits_full"] = [np.full((split, self.cfg.vocab_size), np.nan, np.float32)]
+
+        def piece_inputs(s: int, e: int) -> tuple[int, dict]:
+            width = _bucket(e - s, cap=prefill_chunk)
+            tokens = np.full((1, width), self.cfg.pad_token_id, np.int32)
+            tokens[0, : e - s] = prompt[s:e]
+            inputs = dict(tokens=tokens, lens=np.array([e - s], np.int32), index_k_mode=index_k_mode)
+            if types is not None:
+                inputs["token_types"] = _pad_axis(types[None, s:e], 1, width, -1)
+                inputs["span_embeds"] = _pad_axis(spans[None, s:e], 1, width)
+            return width, inputs
+
         for s, e in _pieces(0, split, chunk):  # CED's encoder pass
-            session.step(
-                np.asarray(prompt[s:e])[None],
-                index_k_mode=index_k_mode,
-                token_types=None if types is None else types[None, s:e],
-                span_embeds=None if spans is None else spans[None, s:e],
-                encoder_only=True,
-            )
+            session.step(**piece_inputs(s, e)[1], encoder_only=True)
         for s, e in _pieces(split, t, chunk):
-            forced = _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e), patch_layers)
-            logits, aux = session.step(
-                np.asarray(prompt[s:e])[None],
-                forced=forced,
-                capture_blocks=capture_blocks,
-                index_k_mode=index_k_mode,
-                token_types=None if types is None else types[None, s:e],
-                span_embeds=None if spans is None else spans[None, s:e],
-                decoder_from=np.array([split], np.int32) if split else None,
+            width, inputs = piece_inputs(s, e)
+            forced = _pad_forced(
+                _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e), patch_layers), width
             )
-            out.setdefault("prefill_logits_full", []).append(logits[0])
-            _collect(out, aux, "prefill", capture_blocks, batch_index=0)
+            logits, aux = session.step(
+                **inputs, forced=forced, capture_blocks=capture_blocks,
+                decoder_from=np.array([split], np.int32) if split else None,
+            )  # fmt: skip
+            out.setdefault("prefill_logits_full", []).append(logits[0, : e - s])
+            _collect(out, aux, "prefill", capture_blocks, batch_index=0, length=e - s)
         for i, tok in enumerate(dec):
             forced = _forced_slice(self.cfg, replay, patch, "decode", i, patch_layers)
             logits, aux = session.step(
@@ -505,34 +513,139 @@ class Model:
 
     def generate(
         self,
-        prompt: str | list[int],
-        max_tokens: int = 32,
+        prompt: str | list[int] | Sequence[str | list[int]],
+        max_new_tokens: int | None = None,
         *,
+        max_tokens: int | None = None,
         temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
         seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
         stop_at_eos: bool = True,
         images: Sequence | None = None,
         token_types=None,
         dspark: int = 0,
         prefill_mode: str = "exact",
-    ) -> dict:
-        """Autoregressive generation for one prompt. Temperature 0 is greedy; otherwise a categorical
-        draw keyed by (seed, position) with the server's sampler, so a seed reproduces its tokens.
+    ):
+        """Autoregressive generation. Temperature 0 is greedy; otherwise a draw keyed by (seed,
+        position) with the server's sampler (temperature, then top_k and top_p; 0 and 1 are off), so a
+        seed reproduces its tokens.
 
-        dspark: speculative decoding with up to this many DSpark drafts per step (0 = off; the model
-        must carry the stages). Greedy output is the same as without; sampled output follows the
-        same distribution (rejection sampling). The result then has 'dspark': {'steps', 'proposed',
-        'accepted'} (decode steps, drafts verified, drafts accepted).
+        prompt: text or token ids, or a list of them: a batch, prefilled and decoded together in one
+        program (the result is then a list, in order). max_new_tokens (alias max_tokens; default 32):
+        tokens generated per prompt. stop: strings that end a prompt's generation when its text holds
+        one (the text is cut before it; token_ids keep the token that completed it).
+        Each result: prompt_ids, token_ids, text (with a tokenizer), finish_reason ("stop": EOS or a
+        stop string; "length").
+
+        stream: an iterator of {"index", "token_id", "text"} as tokens come (text: what the token
+        adds; index: the prompt's place in a batch), instead of the results.
+
+        dspark: speculative decoding with up to this many DSpark drafts per step (0 = off; one prompt;
+        the model must carry the stages). Greedy output is the same as without; sampled output follows
+        the same distribution (rejection sampling). The result then has 'dspark': {'steps',
+        'proposed', 'accepted'}.
 
         images: with a text prompt, one image per placeholder `<｜deepseek_image｜>` (`encode_vl`);
-        with a list of ids, `token_types` places them (as in `logits`).
+        with a list of ids, `token_types` places them (as in `logits`). One prompt.
 
         prefill_mode: "exact" or "ced" (`prefill_split`; as in `logits`)."""
         check_prefill_mode(prefill_mode)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
+            raise ValueError(f"max_new_tokens {max_new_tokens} and max_tokens {max_tokens}: give one")
+        limit = next((v for v in (max_new_tokens, max_tokens) if v is not None), 32)
+        if limit < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2^32), got {seed}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(x, str) or not x for x in stops):
+            raise ValueError("stop: expected non-empty strings")
+        batch = (
+            not isinstance(prompt, str) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
+        )
+        prompts = list(prompt) if batch else [prompt]
+        if not prompts:
+            raise ValueError("prompt: an empty batch")
+        if batch and (images is not None or token_types is not None or dspark):
+            raise ValueError("images, token_types and dspark take one prompt, not a batch")
+        sampling = _Sampling(temperature, top_p, top_k, seed)
+        rows = _Rows(self, prompts, limit, stops, stop_at_eos, incremental=stream or bool(stops))
+        if batch:
+            events = self._decode_batch(rows, sampling, prefill_mode)
+        else:
+            events = self._decode_one(rows, sampling, images, token_types, dspark, prefill_mode)
+        if stream:
+            return rows.stream(events)
+        for _ in rows.stream(events):
+            pass
+        results = rows.results()
+        if dspark:
+            results[0]["dspark"] = rows.dspark_stats
+        return results if batch else results[0]
+
+    def chat_prompt(
+        self, messages: list[dict], *, thinking: bool = True, effort: str | int | None = None
+    ) -> list[int]:
+        """The prompt ids of a conversation, rendered by the server's chat encoder (`ced_jax.chat`,
+        exact to DeepSeek's reference): messages in the reference's dict format (system / user /
+        assistant / tool; `tools` on the first system message). effort: the hosted names (low, medium,
+        high, max, ...) or a budget 1-100; None: high."""
+        from ced_jax.chat import PromptEncoder, render_messages, resolve_thinking
+
+        on, budget = resolve_thinking({"type": "enabled" if thinking else "disabled"}, effort)
+        rendered = render_messages(
+            messages, thinking_mode="thinking" if on else "chat", reasoning_effort=budget
+        )
+        return PromptEncoder(self.tokenizer).encode(rendered)
+
+    def chat(
+        self,
+        messages: list[dict],
+        *,
+        thinking: bool = True,
+        effort: str | int | None = None,
+        **generate_kwargs,
+    ) -> dict:
+        """One assistant turn: `generate` (its arguments, one conversation, no streaming: stream
+        `generate(model.chat_prompt(...), stream=True)`) on `chat_prompt`, with the answer parsed as
+        the reference parses it into `message` {role, content, reasoning_content, tool_calls}. An
+        answer cut by max_new_tokens keeps its text, split at `</think>`, without tool calls."""
+        from ced_jax.chat import ChatFormatError, parse_completion
+        from ced_jax.chat.encoding import EOS, THINK_END
+
+        if generate_kwargs.get("stream"):
+            raise ValueError("chat: stream with generate(model.chat_prompt(messages), stream=True)")
+        result = self.generate(
+            self.chat_prompt(messages, thinking=thinking, effort=effort), **generate_kwargs
+        )
+        text = self.tokenizer.decode(result["token_ids"], skip_special_tokens=False)
+        mode = "thinking" if thinking and effort != "none" else "chat"
+        try:
+            message = parse_completion(text if text.endswith(EOS) else text + EOS, mode)
+        except ChatFormatError:
+            reasoning, _, content = text.partition(THINK_END) if mode == "thinking" else ("", "", text)
+            message = {
+                "role": "assistant",
+                "content": content,
+                "reasoning_content": reasoning,
+                "tool_calls": [],
+            }
+        return {**result, "message": message}
+
+    def _decode_one(
+        self, rows: _Rows, sampling: _Sampling, images, token_types, dspark: int, prefill_mode: str
+    ):
+        """(row, token) events of one prompt (rows.ids[0]), with images or DSpark drafting."""
+        prompt = rows.prompts[0]
         types = spans = None
         if images is not None and isinstance(prompt, str):
             if token_types is not None:
@@ -547,16 +660,16 @@ class Model:
             )
             if images is not None or token_types is not None:
                 types, spans = self._prompt_image_inputs(len(ids), token_types, None, images)
+        rows.ids = [ids]
         if not 0 <= dspark <= self.cfg.dspark_block_size:
             raise ValueError(
                 f"dspark must be 0..{self.cfg.dspark_block_size} (the model's draft block), got {dspark}"
             )
+        max_tokens = rows.limit
         # Power-of-two context buckets: a new prompt or output length reuses the compiled programs.
         # (A speculative step writes up to `dspark` positions past the sequence before it knows
         # which are kept.)
-        session = self.new_session(
-            1, max(256, 1 << (len(ids) + max_tokens + dspark - 1).bit_length()), dspark=dspark > 0
-        )
+        session = self.new_session(1, _bucket(len(ids) + max_tokens + dspark, floor=256), dspark=dspark > 0)
         chunk = self.prefill_chunk
         split = prefill_split(self.cfg, len(ids), prefill_mode)
         pieces = [(s, e, True) for s, e in _pieces(0, split, chunk)]  # CED's encoder pass
@@ -565,7 +678,7 @@ class Model:
             piece = ids[s:e]
             # Chunks are padded to power-of-two lengths (the padding is not written), so prompts of
             # new lengths reuse the compiled programs.
-            padded = np.full(min(chunk, max(16, 1 << (len(piece) - 1).bit_length())), self.cfg.pad_token_id)
+            padded = np.full(_bucket(len(piece), cap=chunk), self.cfg.pad_token_id)
             padded[: len(piece)] = piece
             image_inputs = {}
             if types is not None:
@@ -578,31 +691,151 @@ class Model:
                 padded[None], np.array([len(piece)], np.int32), **image_inputs, encoder_only=encoder_only,
                 decoder_from=np.array([split], np.int32) if split and not encoder_only else None,
             )  # fmt: skip
-        out = [_sample(logits[0, len(piece) - 1], temperature, seed, len(ids))]
-        done = lambda: len(out) >= max_tokens or (stop_at_eos and out[-1] == self.cfg.eos_token_id)
-        stats = {"steps": 0, "proposed": 0, "accepted": 0}
+        out = [sampling.draw(logits[0, len(piece) - 1], len(ids))]
+        yield 0, out[-1]
         if dspark:
+            stats = rows.dspark_stats
             drafts, n = np.zeros((1, dspark), np.int32), 0  # no drafts before the first step
-            while not done():
+            while not rows.done[0]:
                 # Never verify past max_tokens: at most max_tokens - len(out) - 1 drafts are useful.
                 n = min(n, max_tokens - len(out) - 1)
-                step = session.speculative_step(out[-1], drafts, n, temperature, seed)
+                step = session.speculative_step(out[-1], drafts, n, **sampling.arrays(1))
                 stats["steps"] += 1
                 stats["proposed"] += n
                 stats["accepted"] += int(step.accepted[0])
                 for token in step.tokens[0, : step.accepted[0] + 1]:
-                    if done():
+                    if rows.done[0]:
                         break
                     out.append(int(token))
+                    yield 0, out[-1]
                 drafts, n = step.next_drafts[:, :dspark], dspark
-        while not done():
-            out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), temperature, seed)[0]))
-        result = {"prompt_ids": ids, "token_ids": out}
-        if dspark:
-            result["dspark"] = stats
-        if self.tokenizer_path is not None:
-            result["text"] = self.decode_text(out)
-        return result
+        while not rows.done[0]:
+            out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), **sampling.arrays(1))[0]))
+            yield 0, out[-1]
+
+    def _decode_batch(self, rows: _Rows, sampling: _Sampling, prefill_mode: str):
+        """(row, token) events of a batch of prompts: one session of len(prompts) rows, prefilled in
+        lockstep pieces (a row whose prompt is done feeds nothing) and decoded together; a finished
+        row keeps its slot until every row is done (its tokens are not used)."""
+        ids = [
+            self.encode(p) if isinstance(p, str) else _check_ids(p, f"prompt[{i}]", self.cfg.vocab_size)
+            for i, p in enumerate(rows.prompts)
+        ]
+        rows.ids = ids
+        b, chunk = len(ids), self.prefill_chunk
+        session = self.new_session(b, _bucket(max(map(len, ids)) + rows.limit, floor=256))
+        splits = [prefill_split(self.cfg, len(x), prefill_mode) for x in ids]
+        last = [None] * b  # each row's logits at its last prompt token
+        for encoder_only, ranges in (
+            (True, [(0, sp) for sp in splits]),
+            (False, list(zip(splits, map(len, ids), strict=True))),
+        ):
+            steps = max(-(-(e - s) // chunk) for s, e in ranges)
+            for k in range(steps):
+                spans_k = [(min(s + k * chunk, e), min(s + (k + 1) * chunk, e)) for s, e in ranges]
+                lens = np.array([e - s for s, e in spans_k], np.int32)
+                tokens = np.full((b, _bucket(int(lens.max()), cap=chunk)), self.cfg.pad_token_id, np.int32)
+                for r, (s, e) in enumerate(spans_k):
+                    tokens[r, : e - s] = ids[r][s:e]
+                floor = None if encoder_only or not any(splits) else np.array(splits, np.int32)
+                logits, _ = session.step(tokens, lens, encoder_only=encoder_only, decoder_from=floor)
+                if not encoder_only:
+                    for r, (s, e) in enumerate(spans_k):
+                        if e > s and e == len(ids[r]):
+                            last[r] = logits[r, e - s - 1]
+        out = np.array([sampling.draw(last[r], len(ids[r])) for r in range(b)], np.int32)
+        for r in range(b):
+            yield r, int(out[r])
+        while not all(rows.done):
+            out = session.step_and_sample(out[:, None], **sampling.arrays(b))
+            for r in range(b):
+                if not rows.done[r]:
+                    yield r, int(out[r])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    """`generate`'s sampling parameters, as the server's sampler takes them."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+    def arrays(self, rows: int) -> dict:
+        return dict(
+            temperature=np.full(rows, self.temperature, np.float32),
+            top_p=np.full(rows, self.top_p, np.float32),
+            top_k=np.full(rows, self.top_k, np.int32),
+            seed=np.full(rows, self.seed, np.uint32),
+        )  # fmt: skip
+
+    def draw(self, logits: np.ndarray, position: int) -> int:
+        """One token from one row of logits (the first generated token, sampled on the host)."""
+        return _sample(logits, self.temperature, self.seed, position, self.top_p, self.top_k)
+
+
+class _Rows:
+    """The outputs of `generate`'s prompts as their tokens come: limits, EOS, stop strings, text."""
+
+    def __init__(
+        self,
+        model: Model,
+        prompts: list,
+        limit: int,
+        stops: tuple[str, ...],
+        stop_at_eos: bool,
+        incremental: bool,
+    ):
+        """incremental: text decoded as tokens come (streaming, stop strings); else once at the end."""
+        self.model, self.prompts, self.limit, self.stops, self.stop_at_eos = (
+            model,
+            prompts,
+            limit,
+            stops,
+            stop_at_eos,
+        )
+        self.incremental = incremental and model.tokenizer_path is not None
+        self.ids: list[list[int]] = []  # each prompt's ids, set by the decoder
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.text = [""] * len(prompts)  # shown so far (cut before a stop string)
+        self.done = [False] * len(prompts)
+        self.finish: list[str | None] = [None] * len(prompts)
+        self.dspark_stats = {"steps": 0, "proposed": 0, "accepted": 0}
+
+    def _add(self, row: int, token: int) -> str:
+        """Records a token; returns the text it adds."""
+        tokens = self.tokens[row]
+        tokens.append(token)
+        if self.stop_at_eos and token == self.model.cfg.eos_token_id:
+            self.done[row], self.finish[row] = True, "stop"
+        elif len(tokens) >= self.limit:
+            self.done[row], self.finish[row] = True, "length"
+        if not self.incremental:
+            return ""
+        full = self.model.decode_text(tokens)
+        hit = min((i for i in (full.find(x) for x in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            full, self.done[row], self.finish[row] = full[:hit], True, "stop"
+        elif not self.done[row]:
+            full = full.rstrip("\ufffd")  # an incomplete UTF-8 sequence: shown once it is whole
+        delta, self.text[row] = full[len(self.text[row]) :], full
+        return delta
+
+    def stream(self, events):
+        for row, token in events:
+            if self.done[row]:
+                continue
+            yield {"index": row, "token_id": token, "text": self._add(row, token)}
+
+    def results(self) -> list[dict]:
+        out = []
+        for r in range(len(self.prompts)):
+            result = {"prompt_ids": self.ids[r], "token_ids": self.tokens[r], "finish_reason": self.finish[r]}
+            if self.model.tokenizer_path is not None:
+                result["text"] = self.text[r] if self.incremental else self.model.decode_text(self.tokens[r])
+            out.append(result)
+        return out
 
 
 class Session:
@@ -661,21 +894,27 @@ class Session:
             }
         return jax.tree.map(lambda a: a[:b], tree)
 
-    def step_and_sample(self, tokens: np.ndarray, temperature: float, seed: int) -> np.ndarray:
+    def step_and_sample(self, tokens: np.ndarray, temperature, seed, top_p=1.0, top_k=0) -> np.ndarray:
         """Feed one token per row [B, 1] and draw each row's next token with `ced_jax.sampling`
-        (keyed by seed and the new token's position, top-p / top-k off) in the engine's decode
-        program, the server's: int32 [B]."""
+        (keyed by seed and the new token's position; top_p 1 and top_k 0 are off) in the engine's
+        decode program, the server's: int32 [B]. The parameters are numbers or one per row."""
         tokens, lens = self._check(tokens, None)
-        b = self.rows
+        b = self.batch
+        params = [
+            self._pad(np.broadcast_to(np.asarray(v, dtype), (b,)), value=fill)
+            for v, dtype, fill in ((temperature, np.float32, 0), (top_p, np.float32, 1), (top_k, np.int32, 0),
+                                   (seed, np.uint32, 0))
+        ]  # fmt: skip
         tok, *_ = self.engine.decode(
             self.slots, tokens[:, 0], self.positions, self._pad(np.ones(self.batch, bool)), self.page_tables,
-            np.full(b, temperature, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32),
-            np.full(b, seed, np.uint32), max_logprobs=0,
+            *params, max_logprobs=0,
         )  # fmt: skip
         self.positions = self.positions + lens
         return np.asarray(tok)[: self.batch]
 
-    def speculative_step(self, token: int, drafts: np.ndarray, n_drafts: int, temperature: float, seed: int):
+    def speculative_step(
+        self, token: int, drafts: np.ndarray, n_drafts: int, temperature, seed, top_p=1.0, top_k=0
+    ):
         """One speculative decode step of a one-row session: feed `token` (the last emitted one) and
         verify the first n_drafts of drafts [1, K] (`Engine.speculative_decode`). Returns the
         `ced_jax.engine.SpecOutput`; the session advances by the accepted drafts + 1."""
@@ -688,8 +927,9 @@ class Session:
         out = self.engine.speculative_decode(
             self.slots, self._pad(np.array([token], np.int32)), self._pad(drafts),
             self._pad(np.array([n_drafts], np.int32)), self.positions, live, self.page_tables,
-            np.full(r, temperature, np.float32), np.ones(r, np.float32), np.zeros(r, np.int32),
-            np.full(r, seed, np.uint32), max_logprobs=0,
+            *(np.full(r, np.asarray(v).flat[0], dtype) for v, dtype in (
+                (temperature, np.float32), (top_p, np.float32), (top_k, np.int32), (seed, np.uint32))),
+            max_logprobs=0,
         )  # fmt: skip
         out = type(out)(*(np.asarray(a)[:1] for a in out))
         self.positions = self.positions + self._pad(out.accepted + 1)
@@ -787,15 +1027,45 @@ def _check_ids(ids, field: str, vocab: int, allow_empty: bool = False) -> list[i
     return values
 
 
-def _sample(logits: np.ndarray, temperature: float, seed: int, position: int) -> int:
+def _sample(
+    logits: np.ndarray, temperature: float, seed: int, position: int, top_p: float = 1.0, top_k: int = 0
+) -> int:
     """One token from one row of logits with the server's sampler (`ced_jax.sampling`), so that a
     seed means the same draw in `generate` as in `ced-jax serve` (keyed by seed and position)."""
     token, *_ = jitted_sample(0)(
         np.asarray(logits, np.float32)[None], np.array([position], np.int32),
-        np.array([temperature], np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
+        np.array([temperature], np.float32), np.array([top_p], np.float32), np.array([top_k], np.int32),
         np.array([seed], np.uint32),
     )  # fmt: skip
     return int(token[0])
+
+
+_FIXTURE_MODES = ("intended", "reference")
+
+
+def _is_fixture(arrays: dict | None) -> bool:
+    """A golden fixture's expected.safetensors (its decode arrays are recorded per index-key mode)."""
+    return bool(arrays) and any(k.startswith(("decode_intended_", "decode_reference_")) for k in arrays)
+
+
+def fixture_decisions(fixture: dict, index_k_mode: str = "intended") -> tuple[dict, dict]:
+    """(replay, patch) for `Model.logits` from a golden fixture's arrays (`expected.safetensors`, as
+    loaded): the recorded routing and top-k rows, and the block inputs, of the prefill and of the
+    decode run in `index_k_mode`. `logits` applies it itself to a fixture given as replay or patch."""
+    if index_k_mode not in _FIXTURE_MODES:
+        raise ValueError(f"index_k_mode must be one of {list(_FIXTURE_MODES)}, got {index_k_mode!r}")
+
+    layers = sorted({k.rsplit("topk_layer", 1)[1] for k in fixture if re.fullmatch(r".+_topk_layer\d+", k)})
+    replay, patch = {}, {}
+    for phase in ("prefill", "decode"):
+        source = "prefill_" if phase == "prefill" else f"decode_{index_k_mode}_"
+        for name in ("gate_indices", *(f"topk_layer{layer}" for layer in layers)):
+            if source + name in fixture:
+                replay[f"{phase}_{name}"] = fixture[source + name]
+        for name in ("block_input", "pre_mix_input"):
+            if source + name in fixture:
+                patch[f"{phase}_{name}"] = fixture[source + name]
+    return replay, patch
 
 
 def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: int) -> None:
@@ -830,6 +1100,34 @@ def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: 
             raise ValueError(f"patch: {a} and {b} must be given together")
 
 
+def _bucket(n: int, *, floor: int = 16, cap: int | None = None) -> int:
+    """The power of two >= n (at least `floor`, at most `cap`): a shape many lengths share."""
+    width = max(floor, 1 << max(0, n - 1).bit_length())
+    return width if cap is None else min(cap, width)
+
+
+def _pad_axis(a: np.ndarray, axis: int, width: int, value=0) -> np.ndarray:
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, width - a.shape[axis])
+    return np.pad(a, pad, constant_values=value)
+
+
+def _pad_forced(forced: dict | None, width: int) -> dict | None:
+    """A prefill piece's forced decisions and block inputs padded to `width` positions (their padding
+    is never used: those positions are not written and their outputs are dropped)."""
+    if forced is None:
+        return None
+    out = dict(forced)
+    if "topk" in out:
+        out["topk"] = {k: _pad_axis(v, 1, width) for k, v in out["topk"].items()}
+    if "experts" in out:
+        out["experts"] = _pad_axis(out["experts"], 2, width)
+    for name in ("block_input", "pre_mix"):
+        if name in out:
+            out[name] = {k: _pad_axis(v, 1, width) for k, v in out[name].items()}
+    return out
+
+
 def _forced_slice(
     cfg: ModelConfig, replay: dict, patch: dict, phase: str, where, patch_layers: Sequence[int] | None = None
 ) -> dict | None:
@@ -862,15 +1160,18 @@ def _forced_slice(
     return forced or None
 
 
-def _collect(out: dict, aux: dict, phase: str, capture_blocks: bool, batch_index: int) -> None:
+def _collect(
+    out: dict, aux: dict, phase: str, capture_blocks: bool, batch_index: int, length: int | None = None
+) -> None:
+    """Appends one step's decisions (prefill: the first `length` positions, the rest being padding)."""
     for layer, topk in aux["topk"].items():
-        out.setdefault(f"{phase}_topk_layer{layer}", []).append(topk[batch_index])
-    experts = aux["experts"][:, batch_index]  # [L, T, X]
+        out.setdefault(f"{phase}_topk_layer{layer}", []).append(topk[batch_index, :length])
+    experts = aux["experts"][:, batch_index, :length]  # [L, T, X]
     out.setdefault(f"{phase}_gate_indices", []).append(
         experts if phase == "prefill" else experts.transpose(1, 0, 2)
     )
     if capture_blocks:
-        blocks = aux["block_output"][:, batch_index]  # [L, T, M, D]
+        blocks = aux["block_output"][:, batch_index, :length]  # [L, T, M, D]
         out.setdefault(f"{phase}_block_output", []).append(
             blocks if phase == "prefill" else blocks.transpose(1, 0, 2, 3)
         )

@@ -1,14 +1,10 @@
-"""DeepSeek-V4.1 chat format for the HTTP API: prompt rendering, tokenization, completion parsing, effort.
-
-- `encoding.py`: our encoder, exact to DeepSeek's reference `encoding.py` (why not deepseek-recipe's:
-  see there).
-- `effort.py`: the hosted API's thinking switch and effort names -> (thinking mode, prompt budget).
-- `bridge.py`: a deepseek-recipe `Conversation` (from its request converters) rendered with our encoder.
+"""The chat format for the HTTP API: `ced_jax.chat` (the encoder and effort rules, shared with the
+notebook API) plus `bridge.py`, a deepseek-recipe `Conversation` (from its request converters) rendered
+with that encoder.
 """
 
-from serving.chat.bridge import render_conversation
-from serving.chat.effort import resolve_thinking
-from serving.chat.encoding import (
+from ced_jax.chat.effort import resolve_thinking
+from ced_jax.chat.encoding import (
     ChatFormatError,
     PromptEncoder,
     RenderedPrompt,
@@ -16,6 +12,7 @@ from serving.chat.encoding import (
     parse_completion,
     render_messages,
 )
+from serving.chat.bridge import render_conversation
 
 __all__ = [
     "ChatFormatError",

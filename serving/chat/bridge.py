@@ -41,7 +41,7 @@ from typing import Any
 
 import deepseek_recipe as d
 
-from serving.chat.encoding import (
+from ced_jax.chat.encoding import (
     ASSISTANT,
     DSML,
     EFFORT_BUDGETS,

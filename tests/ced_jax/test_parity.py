@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import ced_jax
 from ced_jax.api import load
 from tests.conftest import GOLDEN_TINY_A
 
@@ -39,23 +40,30 @@ def _kl(ref_logits: np.ndarray, our_logits: np.ndarray) -> np.ndarray:
 
 
 def _replay(g, cfg, mode: str) -> dict:
-    replay = {
-        "prefill_gate_indices": g["prefill_gate_indices"],
-        "decode_gate_indices": g[f"decode_{mode}_gate_indices"],
-    }
-    for layer in cfg.index_source_layer_ids:
-        replay[f"prefill_topk_layer{layer}"] = g[f"prefill_topk_layer{layer}"]
-        replay[f"decode_topk_layer{layer}"] = g[f"decode_{mode}_topk_layer{layer}"]
-    return replay
+    return ced_jax.fixture_decisions(g, mode)[0]
 
 
 def _patch(g, mode: str) -> dict:
-    return {
-        "prefill_block_input": g["prefill_block_input"],
-        "prefill_pre_mix_input": g["prefill_pre_mix_input"],
-        "decode_block_input": g[f"decode_{mode}_block_input"],
-        "decode_pre_mix_input": g[f"decode_{mode}_pre_mix_input"],
-    }
+    return ced_jax.fixture_decisions(g, mode)[1]
+
+
+@pytest.mark.parametrize("mode", ["intended", "reference"])
+def test_fixture_decisions_take_the_modes_arrays(golden, model, mode):
+    """`ced_jax.fixture_decisions`: the prefill's recorded arrays and the decode run's of the mode, under
+    the names `Model.logits` takes; `logits` applies it itself to a fixture given as it is."""
+    replay, patch = ced_jax.fixture_decisions(golden, mode)
+    want = {"prefill_gate_indices": golden["prefill_gate_indices"],
+            "decode_gate_indices": golden[f"decode_{mode}_gate_indices"]}  # fmt: skip
+    for layer in model.cfg.index_source_layer_ids:
+        want[f"prefill_topk_layer{layer}"] = golden[f"prefill_topk_layer{layer}"]
+        want[f"decode_topk_layer{layer}"] = golden[f"decode_{mode}_topk_layer{layer}"]
+    assert replay.keys() == want.keys() and all(replay[k] is want[k] for k in want)
+    assert sorted(patch) == ["decode_block_input", "decode_pre_mix_input", "prefill_block_input",
+                             "prefill_pre_mix_input"]  # fmt: skip
+    assert all(patch[k] is golden[k] for k in patch if k.startswith("prefill"))
+    assert all(
+        patch[k] is golden[k.replace("decode_", f"decode_{mode}_")] for k in patch if k.startswith("decode")
+    )
 
 
 def _rows_equal_up_to_ties(own: np.ndarray, rec: np.ndarray, scores: np.ndarray) -> list[bool]:
@@ -75,8 +83,8 @@ def mode_a_run(model, g, mode: str) -> dict:
         g["prompt_ids"],
         g["decode_ids"],
         index_k_mode=mode,
-        replay=_replay(g, model.cfg, mode),
-        patch=_patch(g, mode),
+        replay=g,  # the fixture as it is: logits takes the mode's arrays (ced_jax.fixture_decisions)
+        patch=g,
         capture=True,
     )
 
@@ -174,9 +182,7 @@ def test_mode_a_decode_logits(mode_a, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_b_decisions_replayed(model, golden, mode):
     g = golden
-    res = model.logits(
-        g["prompt_ids"], g["decode_ids"], index_k_mode=mode, replay=_replay(g, model.cfg, mode)
-    )
+    res = model.logits(g["prompt_ids"], g["decode_ids"], index_k_mode=mode, replay=g)
     ours, ref = res["prefill_logits_full"], g["prefill_logits_full"]
     assert np.abs(ours - ref).mean() <= 0.18
     assert _kl(ref, ours).mean() <= 0.025

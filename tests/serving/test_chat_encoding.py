@@ -1,4 +1,4 @@
-"""serving.chat.encoding beyond the golden set: special-token tracking, tokenizing client text, errors."""
+"""ced_jax.chat.encoding beyond the golden set: special-token tracking, tokenizing client text, errors."""
 
 import json
 

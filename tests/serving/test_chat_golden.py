@@ -14,7 +14,7 @@ import pytest
 import tokenizers
 
 from serving.chat import ChatFormatError, PromptEncoder, parse_completion, render_messages
-from serving.chat.encoding import EOS
+from ced_jax.chat.encoding import EOS
 
 _OPTIONS = ("context", "drop_thinking", "add_default_bos_token")
 

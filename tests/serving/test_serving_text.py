@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.chat.encoding import PromptEncoder
+from ced_jax.chat.encoding import PromptEncoder
 from serving.mock_engine import ByteTokenizer
 from serving.text import HFTokenizer, IncrementalDetokenizer, StreamText
 

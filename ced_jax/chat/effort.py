@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.chat.encoding import EFFORT_BUDGETS, ChatFormatError
+from ced_jax.chat.encoding import EFFORT_BUDGETS, ChatFormatError
 
 # Requested name -> the encoder's name (spec 3.2, DeepSeek's thinking_mode doc). "none" turns thinking off.
 HOSTED_EFFORTS = {
