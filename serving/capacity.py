@@ -504,7 +504,6 @@ def evaluate(
 # programs (--decode-context-buckets), which a CPU compiles slowly (tiny at 32 slots: 2 widths and
 # about 3 minutes cold at 256 MiB; 4 widths, 7 minutes and 7.5 GB at 4 GiB; BENCHMARKS.md).
 CPU_KV_BUDGET_BYTES = 256 * 1024**2
-HEADROOM = 0.9  # of an accelerator's memory, as vLLM's gpu_memory_utilization
 
 
 def auto_max_context(
@@ -520,9 +519,9 @@ def auto_max_context(
     dspark: int = 0,
 ) -> int:
     """`serve --max-context auto`: the largest context (whole pages, at most the model's own) at which
-    `max_seqs` sequences fit. `device_bytes`: one accelerator's memory, filled to HEADROOM with the
-    four ledgers; None (CPU): the KV ledger alone within CPU_KV_BUDGET_BYTES. ValueError when not even
-    one page per sequence fits."""
+    `max_seqs` sequences fit. `device_bytes`: one accelerator's memory, filled with the four ledgers
+    up to HEADROOM free (90 % used, as vLLM's gpu_memory_utilization); None (CPU): the KV ledger alone
+    within CPU_KV_BUDGET_BYTES. ValueError when not even one page per sequence fits."""
 
     def need(context: int) -> tuple[int, int]:
         e = evaluate(
@@ -538,7 +537,7 @@ def auto_max_context(
     if device_bytes is None:  # grows with the KV ledger alone
         budget, base, slope = CPU_KV_BUDGET_BYTES, kv0, (kv1 - kv0) / (large - small)
     else:
-        budget, base, slope = int(HEADROOM * device_bytes), total0, (total1 - total0) / (large - small)
+        budget, base, slope = int((1 - HEADROOM) * device_bytes), total0, (total1 - total0) / (large - small)
     if base > budget:
         raise ValueError(
             f"--max-context auto: {max_seqs} sequences of one page already need {_g(base)} GiB per device, "

@@ -13,8 +13,8 @@ import deepseek_recipe as d
 import pytest
 import tokenizers
 
-from serving.chat import ChatFormatError, PromptEncoder, parse_completion, render_messages
 from ced_jax.chat.encoding import EOS
+from serving.chat import ChatFormatError, PromptEncoder, parse_completion, render_messages
 
 _OPTIONS = ("context", "drop_thinking", "add_default_bos_token")
 

@@ -1,8 +1,9 @@
 """Every request field of the HTTP API is implemented, a documented no-op, or refused naming it
-(serving/http/fields.py), checked field by field against the hosted API's tables in
-`../shared/spec/api-surface.md`; the fields this issue added (max_completion_tokens, top_k,
-stop_token_ids, seed), plain completions beside FIM, the seeds' `fim` probe, Anthropic's thinking
-default for claude-* names, and the token counting functions. Converter level: no engine, no model."""
+(serving/http/fields.py), checked field by field against the hosted API's tables of
+`../shared/spec/api-surface.md` (copied to tests/serving/hosted_api_fields.md); the fields issue 36
+added (max_completion_tokens, top_k, stop_token_ids, seed), plain completions beside FIM, the seeds'
+`fim` probe, Anthropic's thinking default for claude-* names, token counting, structured output.
+Converter level: no engine, no model."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from serving.http.fields import TABLES, Handling, markdown
 from serving.http.models import ModelCatalog
 from tests.conftest import GOLDEN_TINY_V, REPO
 
-SPEC = REPO.parent / "shared" / "spec" / "api-surface.md"
+SPEC = REPO / "tests" / "serving" / "hosted_api_fields.md"  # api-surface.md's tables, copied
 LIMIT = 1024
 BODIES = {
     CHAT: {"model": "deepseek-flash", "messages": [{"role": "user", "content": "hi"}]},
@@ -215,10 +216,14 @@ def test_the_docs_table_is_generated_from_the_code():
 
 
 # ---- structured output (issue 36.3) -----------------------------------------------------------------
-TOOLS = [
-    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}},
-]  # fmt: skip
+def _tool(name: str, properties: dict) -> dict:
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": properties}},
+    }
+
+
+TOOLS = [_tool("f", {"a": {"type": "string"}}), _tool("g", {})]
 
 
 def test_forced_tool_choice_in_thinking_mode_reasons_then_calls(converter):

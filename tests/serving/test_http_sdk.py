@@ -296,7 +296,8 @@ def test_json_schema_response_validates(server, oai):
         r = oai.chat.completions.create(
             model="deepseek-flash", messages=[{"role": "user", "content": "Give name and score for Ada."}],
             # Strict: enforced as sent (deepseek-recipe's strict normalization would drop the lengths).
-            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}},
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "s", "schema": schema, "strict": True}},
             max_tokens=400, extra_body=thinking, seed=7, temperature=0,  # thinking mode samples at 1.0 anyway
         )  # fmt: skip
         finish = r.choices[0].finish_reason
@@ -340,8 +341,8 @@ def test_required_tool_call_in_thinking_mode_reasons_then_calls(server, oai):
     point; until then the answer cannot end (finish_reason is never stop without a call)."""
     for seed in range(6):
         r = oai.chat.completions.create(
-            model="deepseek-flash", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-            tool_choice="required", parallel_tool_calls=False, max_tokens=512, seed=seed,
+            model="deepseek-flash", messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=512, seed=seed,
         )  # fmt: skip
         choice = r.choices[0]
         if choice.finish_reason == "tool_calls":
