@@ -494,6 +494,12 @@ class Converter:
         is enforced as the client sent it (deepseek-recipe drops the keywords OpenAI's strict mode once
         lacked: minLength, maxItems, ...)."""
         if oc is None:
+            if body.get("tools") and _no_tools(api, body.get("tool_choice")):
+                # tool_choice none: the answer is text; no grammar path spells a special token, so the
+                # tool-call marker cannot come (deepseek-recipe only stops parsing calls).
+                return OutputConstraint(
+                    kind="regex", regex=r"(?s:.*)", start_after_token=self.think_end_id if thinking else None
+                )
             return None
         parallel = body.get("parallel_tool_calls")
         max_calls = body.get("max_tool_calls")
@@ -739,6 +745,11 @@ def _forced_tools(api: str, body: dict, thinking: bool) -> str | bool | None:
             body["tool_choice"] = "auto"
             return name
     return None
+
+
+def _no_tools(api: str, choice) -> bool:
+    """tool_choice none, as each API spells it."""
+    return choice == {"type": "none"} if api == MESSAGES else choice == "none"
 
 
 def _tool_name(tool: dict) -> str | None:

@@ -74,7 +74,11 @@ TABLES: dict[str, tuple[Field, ...]] = {
             "response_format", I, "text, json_object, json_schema (strict), regex: enforced while decoding"
         ),
         Field("tools", I, "function tools"),
-        Field("tool_choice", I, "none / auto / required / a named function"),
+        Field(
+            "tool_choice",
+            I,
+            "none / auto / required / a named function; required and named in thinking mode too",
+        ),
         Field("parallel_tool_calls", I, "false: at most one call"),
         Field("thinking", I, '{"type": "enabled" | "disabled" | "adaptive"}; default enabled'),
         Field("reasoning_effort", I, "low / medium / high / max (and the hosted aliases), or 1-100"),
@@ -160,7 +164,7 @@ TABLES: dict[str, tuple[Field, ...]] = {
         Field("top_p", I, "as chat"),
         Field("top_k", I, "keep the k most likely tokens (the hosted API ignores it; applied here)"),
         Field("tools", I, "name, description, input_schema"),
-        Field("tool_choice", I, "auto / any / tool / none"),
+        Field("tool_choice", I, "auto / any / tool / none, each enforced by the grammar"),
         Field("thinking", I, '{"type": "enabled" | "disabled" | "adaptive"}; `budget_tokens` ignored'),
         Field("output_config", I, "`effort`"),
         Field("metadata", I, "`user_id`: the end user (scopes the prefix cache without API keys)"),

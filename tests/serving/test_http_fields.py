@@ -292,3 +292,32 @@ def test_a_messages_answer_cut_inside_a_tool_call_drops_the_call():
     assert without_cut_tool_use(MESSAGES, dict(cut))["content"] == [{"type": "text", "text": "x"}]
     done = {**cut, "stop_reason": "tool_use"}
     assert without_cut_tool_use(MESSAGES, dict(done))["content"] == cut["content"]
+
+
+@pytest.mark.parametrize("api", [CHAT, MESSAGES])
+def test_tool_choice_none_cannot_call(converter, api):
+    """tool_choice none with tools declared: the answer is text, and the grammar never allows the
+    tool-call marker (nor any other special token but EOS)."""
+    import numpy as np
+
+    from serving.constraints import DSML_TOKEN, ConstraintTokenizer
+
+    if api == CHAT:
+        body = {**BODIES[CHAT], "tools": TOOLS, "tool_choice": "none"}
+    else:
+        tools = [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
+        body = {**BODIES[MESSAGES], "tools": tools, "tool_choice": {"type": "none"}}
+    p = prepare(converter, api, body)
+    assert p.constraint.kind == "regex" and p.constraint.start_after_token == converter.think_end_id
+    hf = converter._hf
+    eos = hf.token_to_id("<｜end▁of▁sentence｜>")
+    ctok = ConstraintTokenizer(
+        GOLDEN_TINY_V / "tokenizer.json", vocab_size=hf.get_vocab_size(), eos_token_ids=(eos,)
+    )
+    matcher = ctok.matcher(p.constraint)
+    matcher.consume(converter.think_end_id)  # the reasoning ends; the answer starts
+    row = np.zeros(ctok.words, np.int32)
+    matcher.fill(row)
+    allowed = set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist())
+    assert hf.token_to_id(DSML_TOKEN) not in allowed and eos in allowed and len(allowed) > 100
+    assert prepare(converter, api, {k: v for k, v in body.items() if k != "tool_choice"}).constraint is None
