@@ -157,3 +157,14 @@ def test_chat_renders_as_the_server_does_and_parses_the_answer(model):
     assert out["message"]["content"] == text and out["message"]["reasoning_content"] == ""
     with pytest.raises(ValueError, match="stream"):
         model.chat(messages, stream=True)
+
+
+def test_a_second_load_of_the_same_model_compiles_nothing(model):
+    """Compiled programs are shared process-wide by config, layout and shapes (`Programs.shared`)."""
+    want = model.generate("hi there", 3, stop_at_eos=False)
+    model.logits([1, 2, 3])
+    again = ced_jax.load("tiny", prefill_chunk=16)
+    with compiles() as seen:
+        got = again.generate("hi there", 3, stop_at_eos=False)
+        again.logits([4, 5, 6, 7])
+    assert seen[0] == 0 and got == want
