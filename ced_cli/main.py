@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from serving.cli_help import DefaultsHelp
+
 
 def _read_ids(path: str, field: str) -> list[int]:
     try:
@@ -1077,29 +1079,6 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_convert, command="convert", prog=p.prog)  # prog: for the interruption line
 
 
-class _DefaultsHelp(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already states one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            not action.option_strings
-            or "default" in text.lower()
-            or action.default == argparse.SUPPRESS
-            and (isinstance(action, argparse._HelpAction))
-        ):
-            return text
-        if action.required:
-            return f"{text} (required)".strip()
-        if action.nargs == 0:  # a switch
-            shown = "on" if action.default is True else "off"
-        elif action.default is None or action.default == argparse.SUPPRESS:
-            shown = "none"
-        else:
-            shown = "%(default)s"
-        return f"{text} (default: {shown})".strip()
-
-
 class _ImplAction(argparse.Action):
     """`--impl reference|pallas` and `--interpret` combined into one `ced_jax.ops` impl string in
     `args.impl` ("reference", "pallas", "pallas:interpret"), whatever their order."""
@@ -1617,7 +1596,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train_draft_parser(sub)
     for sub_parser in sub.choices.values():
-        sub_parser.formatter_class = _DefaultsHelp
+        sub_parser.formatter_class = DefaultsHelp
     return parser
 
 
@@ -1650,7 +1629,9 @@ def _one_line(message: str) -> str:
 def convert_main(argv: list[str] | None = None) -> int:
     """The `convert_weights` console script: the same as `ced-jax convert`."""
     parser = argparse.ArgumentParser(
-        prog="convert_weights", description="released HF checkpoint -> Orbax checkpoint (streaming)"
+        prog="convert_weights",
+        description="released HF checkpoint -> Orbax checkpoint (streaming)",
+        formatter_class=DefaultsHelp,
     )
     _add_convert_options(parser)
     return _run(parser.parse_args(argv), prog="convert_weights")

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from serving.cli_help import DefaultsHelp
 from serving.proto import ced_pb2, ced_pb2_grpc
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # ced_jax.vision's; not imported, so the client needs no JAX
@@ -207,10 +208,12 @@ def _address(text: str) -> str:
     return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`ced-jax client ADDR --prompt TEXT`: prints the text as it streams, a summary on stderr."""
+def build_parser() -> argparse.ArgumentParser:
+    """`ced-jax client`'s options."""
     p = argparse.ArgumentParser(
-        prog="ced-jax client", description="Stream a completion from a ced-jax server."
+        prog="ced-jax client",
+        description="Stream a completion from a ced-jax server.",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument("addr", type=_address, help="host:port of the server")
     p.add_argument("--prompt", required=True)
@@ -252,6 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--json-schema", help="constrain the output to JSON matching this JSON Schema (JSON text)")
     g.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
     g.add_argument("--regex", help="constrain the output to match this regular expression")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`ced-jax client ADDR --prompt TEXT`: prints the text as it streams, a summary on stderr."""
+    p = build_parser()
     a = p.parse_args(argv)
     images: list[bytes | str] = []
     for path in a.image:

@@ -337,18 +337,28 @@ def test_serve_on_a_busy_metrics_port_exits_2_before_loading():
     assert elapsed < 30, elapsed
 
 
-def test_every_option_states_its_default():
-    """Each subcommand's --help names every option's default (or says it is required)."""
+def test_every_option_states_its_default(capsys):
+    """Each --help (every subcommand, `ced-jax client`, `convert_weights`) names every option's
+    default (or says it is required)."""
     import argparse
 
-    from ced_cli.main import build_parser
+    from ced_cli.main import build_parser, convert_main
+    from serving.client import build_parser as client_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for name, parser in sub.choices.items():
+    parsers = dict(sub.choices, client=client_parser())
+    for name, parser in parsers.items():
         formatter = parser._get_formatter()
         for action in parser._actions:
             if not action.option_strings or isinstance(action, argparse._HelpAction):
                 continue
             text = formatter._get_help_string(action).lower()
             assert "default" in text or "(required)" in text, (name, action.option_strings, text)
-        assert "(default: auto)" in " ".join(sub.choices["serve"].format_help().split())
+    assert "(default: auto)" in " ".join(sub.choices["serve"].format_help().split())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        convert_main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out.split("options:")[1]
+    for chunk in text.split("\n  --")[1:]:  # one per option after -h
+        assert "default" in chunk.lower() or "(required)" in chunk, chunk
