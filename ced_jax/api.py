@@ -32,7 +32,6 @@ kept, replicated on a mesh); `Model.dspark` says whether they are there.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -48,7 +47,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import compile_cache, ops, sharding
+from ced_jax import compile_cache, generation, ops, sharding
 from ced_jax.checkpoint.converted import (
     included_parts,
     is_converted_checkpoint,
@@ -65,8 +64,8 @@ from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engine import Engine, Programs, StateShapes
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw, table_leaves
+from ced_jax.generation import bucket, check_ids, check_prefill_mode, pieces, prefill_split
 from ced_jax.model import flatten_specs, param_specs
-from ced_jax.sampling import jitted_sample
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
 from ced_jax.text_ids import encode_ids
 from ced_jax.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
@@ -337,11 +336,11 @@ class Model:
         (`prefill_split`: the encoder layers over the whole prompt, the decoder layers only over its
         last window; prefill_logits_full rows before that window are NaN, and capture, replay and
         patch are refused: they need every layer at every position)."""
-        prompt = _check_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size, allow_empty=False)
+        prompt = check_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size, allow_empty=False)
         check_prefill_mode(prefill_mode)
         if prefill_mode == "ced" and (capture or replay or patch):
             raise ValueError("prefill_mode 'ced': capture, replay and patch need prefill_mode 'exact'")
-        dec = _check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
+        dec = check_ids(decode_ids, "decode_ids", self.cfg.vocab_size, allow_empty=True)
         types, spans = self._prompt_image_inputs(len(prompt), token_types, span_embeds, images)
         replay = fixture_decisions(replay, index_k_mode)[0] if _is_fixture(replay) else replay or {}
         patch = fixture_decisions(patch, index_k_mode)[1] if _is_fixture(patch) else patch or {}
@@ -356,7 +355,7 @@ class Model:
                 raise ValueError("patch_layers: given without block inputs in `patch`")
         # Power-of-two buckets for the context and every prefill piece (the padding is not written and
         # its rows are dropped), as in `generate`: a new prompt length reuses the compiled programs.
-        session = self.new_session(1, _bucket(t + n, floor=256))
+        session = self.new_session(1, bucket(t + n, floor=256))
         chunk = prefill_chunk or t
         out: dict[str, list] = {}
         capture_blocks = bool(patch)
@@ -365,7 +364,7 @@ class Model:
             out["prefill_logits_full"] = [np.full((split, self.cfg.vocab_size), np.nan, np.float32)]
 
         def piece_inputs(s: int, e: int) -> tuple[int, dict]:
-            width = _bucket(e - s, cap=prefill_chunk)
+            width = bucket(e - s, cap=prefill_chunk)
             tokens = np.full((1, width), self.cfg.pad_token_id, np.int32)
             tokens[0, : e - s] = prompt[s:e]
             inputs = dict(tokens=tokens, lens=np.array([e - s], np.int32), index_k_mode=index_k_mode)
@@ -374,9 +373,9 @@ class Model:
                 inputs["span_embeds"] = _pad_axis(spans[None, s:e], 1, width)
             return width, inputs
 
-        for s, e in _pieces(0, split, chunk):  # CED's encoder pass
+        for s, e in pieces(0, split, chunk):  # CED's encoder pass
             session.step(**piece_inputs(s, e)[1], encoder_only=True)
-        for s, e in _pieces(split, t, chunk):
+        for s, e in pieces(split, t, chunk):
             width, inputs = piece_inputs(s, e)
             forced = _pad_forced(
                 _forced_slice(self.cfg, replay, patch, "prefill", slice(s, e), patch_layers), width
@@ -552,45 +551,11 @@ class Model:
         with a list of ids, `token_types` places them (as in `logits`). One prompt.
 
         prefill_mode: "exact" or "ced" (`prefill_split`; as in `logits`)."""
-        check_prefill_mode(prefill_mode)
-        if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
-            raise ValueError(f"max_new_tokens {max_new_tokens} and max_tokens {max_tokens}: give one")
-        limit = next((v for v in (max_new_tokens, max_tokens) if v is not None), 32)
-        if limit < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
-        if not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2^32), got {seed}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(x, str) or not x for x in stops):
-            raise ValueError("stop: expected non-empty strings")
-        batch = (
-            not isinstance(prompt, str) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
-        )
-        prompts = list(prompt) if batch else [prompt]
-        if not prompts:
-            raise ValueError("prompt: an empty batch")
-        if batch and (images is not None or token_types is not None or dspark):
-            raise ValueError("images, token_types and dspark take one prompt, not a batch")
-        sampling = _Sampling(temperature, top_p, top_k, seed)
-        rows = _Rows(self, prompts, limit, stops, stop_at_eos, incremental=stream or bool(stops))
-        if batch:
-            events = self._decode_batch(rows, sampling, prefill_mode)
-        else:
-            events = self._decode_one(rows, sampling, images, token_types, dspark, prefill_mode)
-        if stream:
-            return rows.stream(events)
-        for _ in rows.stream(events):
-            pass
-        results = rows.results()
-        if dspark:
-            results[0]["dspark"] = rows.dspark_stats
-        return results if batch else results[0]
+        return generation.run(
+            self, prompt, max_new_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, stream=stream, stop_at_eos=stop_at_eos, images=images,
+            token_types=token_types, dspark=dspark, prefill_mode=prefill_mode,
+        )  # fmt: skip
 
     def chat_prompt(
         self, messages: list[dict], *, thinking: bool = True, effort: str | int | None = None
@@ -640,202 +605,6 @@ class Model:
                 "tool_calls": [],
             }
         return {**result, "message": message}
-
-    def _decode_one(
-        self, rows: _Rows, sampling: _Sampling, images, token_types, dspark: int, prefill_mode: str
-    ):
-        """(row, token) events of one prompt (rows.ids[0]), with images or DSpark drafting."""
-        prompt = rows.prompts[0]
-        types = spans = None
-        if images is not None and isinstance(prompt, str):
-            if token_types is not None:
-                raise ValueError("token_types: not with a text prompt (its placeholders place the images)")
-            ids, types, spans = self.encode_vl(prompt, images)
-            ids = ids.tolist()
-        else:
-            ids = (
-                self.encode(prompt)
-                if isinstance(prompt, str)
-                else _check_ids(prompt, "prompt", self.cfg.vocab_size)
-            )
-            if images is not None or token_types is not None:
-                types, spans = self._prompt_image_inputs(len(ids), token_types, None, images)
-        rows.ids = [ids]
-        if not 0 <= dspark <= self.cfg.dspark_block_size:
-            raise ValueError(
-                f"dspark must be 0..{self.cfg.dspark_block_size} (the model's draft block), got {dspark}"
-            )
-        max_tokens = rows.limit
-        # Power-of-two context buckets: a new prompt or output length reuses the compiled programs.
-        # (A speculative step writes up to `dspark` positions past the sequence before it knows
-        # which are kept.)
-        session = self.new_session(1, _bucket(len(ids) + max_tokens + dspark, floor=256), dspark=dspark > 0)
-        chunk = self.prefill_chunk
-        split = prefill_split(self.cfg, len(ids), prefill_mode)
-        pieces = [(s, e, True) for s, e in _pieces(0, split, chunk)]  # CED's encoder pass
-        pieces += [(s, e, False) for s, e in _pieces(split, len(ids), chunk)]
-        for s, e, encoder_only in pieces:
-            piece = ids[s:e]
-            # Chunks are padded to power-of-two lengths (the padding is not written), so prompts of
-            # new lengths reuse the compiled programs.
-            padded = np.full(_bucket(len(piece), cap=chunk), self.cfg.pad_token_id)
-            padded[: len(piece)] = piece
-            image_inputs = {}
-            if types is not None:
-                piece_types = np.full(len(padded), -1, np.int32)
-                piece_types[: len(piece)] = types[s:e]
-                piece_spans = np.zeros((len(padded), self.cfg.hidden_size), np.float32)
-                piece_spans[: len(piece)] = spans[s:e]
-                image_inputs = dict(token_types=piece_types[None], span_embeds=piece_spans[None])
-            logits, _ = session.step(
-                padded[None], np.array([len(piece)], np.int32), **image_inputs, encoder_only=encoder_only,
-                decoder_from=np.array([split], np.int32) if split and not encoder_only else None,
-            )  # fmt: skip
-        out = [sampling.draw(logits[0, len(piece) - 1], len(ids))]
-        yield 0, out[-1]
-        if dspark:
-            stats = rows.dspark_stats
-            drafts, n = np.zeros((1, dspark), np.int32), 0  # no drafts before the first step
-            while not rows.done[0]:
-                # Never verify past max_tokens: at most max_tokens - len(out) - 1 drafts are useful.
-                n = min(n, max_tokens - len(out) - 1)
-                step = session.speculative_step(out[-1], drafts, n, **sampling.arrays(1))
-                stats["steps"] += 1
-                stats["proposed"] += n
-                stats["accepted"] += int(step.accepted[0])
-                for token in step.tokens[0, : step.accepted[0] + 1]:
-                    if rows.done[0]:
-                        break
-                    out.append(int(token))
-                    yield 0, out[-1]
-                drafts, n = step.next_drafts[:, :dspark], dspark
-        while not rows.done[0]:
-            out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), **sampling.arrays(1))[0]))
-            yield 0, out[-1]
-
-    def _decode_batch(self, rows: _Rows, sampling: _Sampling, prefill_mode: str):
-        """(row, token) events of a batch of prompts: one session of len(prompts) rows, prefilled in
-        lockstep pieces (a row whose prompt is done feeds nothing) and decoded together; a finished
-        row keeps its slot until every row is done (its tokens are not used)."""
-        ids = [
-            self.encode(p) if isinstance(p, str) else _check_ids(p, f"prompt[{i}]", self.cfg.vocab_size)
-            for i, p in enumerate(rows.prompts)
-        ]
-        rows.ids = ids
-        b, chunk = len(ids), self.prefill_chunk
-        session = self.new_session(b, _bucket(max(map(len, ids)) + rows.limit, floor=256))
-        splits = [prefill_split(self.cfg, len(x), prefill_mode) for x in ids]
-        last = [None] * b  # each row's logits at its last prompt token
-        for encoder_only, ranges in (
-            (True, [(0, sp) for sp in splits]),
-            (False, list(zip(splits, map(len, ids), strict=True))),
-        ):
-            steps = max(-(-(e - s) // chunk) for s, e in ranges)
-            for k in range(steps):
-                spans_k = [(min(s + k * chunk, e), min(s + (k + 1) * chunk, e)) for s, e in ranges]
-                lens = np.array([e - s for s, e in spans_k], np.int32)
-                tokens = np.full((b, _bucket(int(lens.max()), cap=chunk)), self.cfg.pad_token_id, np.int32)
-                for r, (s, e) in enumerate(spans_k):
-                    tokens[r, : e - s] = ids[r][s:e]
-                floor = None if encoder_only or not any(splits) else np.array(splits, np.int32)
-                logits, _ = session.step(tokens, lens, encoder_only=encoder_only, decoder_from=floor)
-                if not encoder_only:
-                    for r, (s, e) in enumerate(spans_k):
-                        if e > s and e == len(ids[r]):
-                            last[r] = logits[r, e - s - 1]
-        out = np.array([sampling.draw(last[r], len(ids[r])) for r in range(b)], np.int32)
-        for r in range(b):
-            yield r, int(out[r])
-        while not all(rows.done):
-            out = session.step_and_sample(out[:, None], **sampling.arrays(b))
-            for r in range(b):
-                if not rows.done[r]:
-                    yield r, int(out[r])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-    """`generate`'s sampling parameters, as the server's sampler takes them."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-
-    def arrays(self, rows: int) -> dict:
-        return dict(
-            temperature=np.full(rows, self.temperature, np.float32),
-            top_p=np.full(rows, self.top_p, np.float32),
-            top_k=np.full(rows, self.top_k, np.int32),
-            seed=np.full(rows, self.seed, np.uint32),
-        )  # fmt: skip
-
-    def draw(self, logits: np.ndarray, position: int) -> int:
-        """One token from one row of logits (the first generated token, sampled on the host)."""
-        return _sample(logits, self.temperature, self.seed, position, self.top_p, self.top_k)
-
-
-class _Rows:
-    """The outputs of `generate`'s prompts as their tokens come: limits, EOS, stop strings, text."""
-
-    def __init__(
-        self,
-        model: Model,
-        prompts: list,
-        limit: int,
-        stops: tuple[str, ...],
-        stop_at_eos: bool,
-        incremental: bool,
-    ):
-        """incremental: text decoded as tokens come (streaming, stop strings); else once at the end."""
-        self.model, self.prompts, self.limit, self.stops, self.stop_at_eos = (
-            model,
-            prompts,
-            limit,
-            stops,
-            stop_at_eos,
-        )
-        self.incremental = incremental and model.tokenizer_path is not None
-        self.ids: list[list[int]] = []  # each prompt's ids, set by the decoder
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.text = [""] * len(prompts)  # shown so far (cut before a stop string)
-        self.done = [False] * len(prompts)
-        self.finish: list[str | None] = [None] * len(prompts)
-        self.dspark_stats = {"steps": 0, "proposed": 0, "accepted": 0}
-
-    def _add(self, row: int, token: int) -> str:
-        """Records a token; returns the text it adds."""
-        tokens = self.tokens[row]
-        tokens.append(token)
-        if self.stop_at_eos and token == self.model.cfg.eos_token_id:
-            self.done[row], self.finish[row] = True, "stop"
-        elif len(tokens) >= self.limit:
-            self.done[row], self.finish[row] = True, "length"
-        if not self.incremental:
-            return ""
-        full = self.model.decode_text(tokens)
-        hit = min((i for i in (full.find(x) for x in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
-            full, self.done[row], self.finish[row] = full[:hit], True, "stop"
-        elif not self.done[row]:
-            full = full.rstrip("\ufffd")  # an incomplete UTF-8 sequence: shown once it is whole
-        delta, self.text[row] = full[len(self.text[row]) :], full
-        return delta
-
-    def stream(self, events):
-        for row, token in events:
-            if self.done[row]:
-                continue
-            yield {"index": row, "token_id": token, "text": self._add(row, token)}
-
-    def results(self) -> list[dict]:
-        out = []
-        for r in range(len(self.prompts)):
-            result = {"prompt_ids": self.ids[r], "token_ids": self.tokens[r], "finish_reason": self.finish[r]}
-            if self.model.tokenizer_path is not None:
-                result["text"] = self.text[r] if self.incremental else self.model.decode_text(self.tokens[r])
-            out.append(result)
-        return out
 
 
 class Session:
@@ -974,33 +743,6 @@ class Session:
         return (None if logits is None else np.asarray(logits)[: self.batch]), aux
 
 
-PREFILL_MODES = ("exact", "ced")
-
-
-def check_prefill_mode(mode: str) -> None:
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"prefill_mode must be one of {list(PREFILL_MODES)}, got {mode!r}")
-
-
-def prefill_split(cfg: ModelConfig, prompt_len: int, mode: str) -> int:
-    """Where a prompt's decoder pass starts: 0 for "exact" (every layer over every token); for "ced"
-    (spec 4.2, CED prefill) prompt_len - sliding_window, the start of the prompt's last window: the
-    tokens before it run only the encoder pass (the layers below `cfg.ced_boundary` plus that layer's
-    compressed-KV projection), the rest every layer, the decoder layers' SWA truncated to the window
-    (decoder SWA bounded replay). A prompt no longer than the window is the same in both modes.
-    Raises for "ced" on a model without the CED layout."""
-    check_prefill_mode(mode)
-    if mode == "exact":
-        return 0
-    cfg.ced_boundary  # noqa: B018 (raises ConfigError without the layout)
-    return max(0, prompt_len - cfg.sliding_window)
-
-
-def _pieces(begin: int, end: int, chunk: int):
-    """[begin, end) cut into chunks of at most `chunk` tokens."""
-    return [(s, min(end, s + chunk)) for s in range(begin, end, chunk)]
-
-
 def session_page_size(cfg: ModelConfig) -> int:
     """Tokens per page of a notebook session: the smallest multiple of 16 that holds whole entries of
     every KV source (pages are private to a session's rows, so their size changes no value)."""
@@ -1010,34 +752,6 @@ def session_page_size(cfg: ModelConfig) -> int:
 # ---------------------------------------------------------------------- helpers
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _check_ids(ids, field: str, vocab: int, allow_empty: bool = False) -> list[int]:
-    try:
-        values = [int(v) for v in ids]
-        if any(float(v) != int(v) for v in ids):
-            raise TypeError
-    except (TypeError, ValueError):
-        raise ValueError(f"{field}: expected a list of integer token ids") from None
-    if not values and not allow_empty:
-        raise ValueError(f"{field}: must not be empty")
-    bad = [v for v in values if not 0 <= v < vocab]
-    if bad:
-        raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    return values
-
-
-def _sample(
-    logits: np.ndarray, temperature: float, seed: int, position: int, top_p: float = 1.0, top_k: int = 0
-) -> int:
-    """One token from one row of logits with the server's sampler (`ced_jax.sampling`), so that a
-    seed means the same draw in `generate` as in `ced-jax serve` (keyed by seed and position)."""
-    token, *_ = jitted_sample(0)(
-        np.asarray(logits, np.float32)[None], np.array([position], np.int32),
-        np.array([temperature], np.float32), np.array([top_p], np.float32), np.array([top_k], np.int32),
-        np.array([seed], np.uint32),
-    )  # fmt: skip
-    return int(token[0])
 
 
 _FIXTURE_MODES = ("intended", "reference")
@@ -1098,12 +812,6 @@ def _check_replay_patch(cfg: ModelConfig, replay: dict, patch: dict, t: int, n: 
     ):
         if (a in patch) != (b in patch):
             raise ValueError(f"patch: {a} and {b} must be given together")
-
-
-def _bucket(n: int, *, floor: int = 16, cap: int | None = None) -> int:
-    """The power of two >= n (at least `floor`, at most `cap`): a shape many lengths share."""
-    width = max(floor, 1 << max(0, n - 1).bit_length())
-    return width if cap is None else min(cap, width)
 
 
 def _pad_axis(a: np.ndarray, axis: int, width: int, value=0) -> np.ndarray:

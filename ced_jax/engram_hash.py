@@ -100,16 +100,18 @@ def _text_normalizer():
     from tokenizers import Regex, normalizers
 
     lone_space_sentinel = "\ue000"  # private-use char; keeps a token that is just whitespace from Strip
-    return normalizers.Sequence([
-        normalizers.NFKC(),
-        normalizers.NFD(),
-        normalizers.StripAccents(),
-        normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), lone_space_sentinel),
-        normalizers.Strip(),
-        normalizers.Replace(lone_space_sentinel, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), lone_space_sentinel),
+            normalizers.Strip(),
+            normalizers.Replace(lone_space_sentinel, " "),
+        ]
+    )
 
 
 def build_token_map(tokenizer_json_path: str | Path) -> np.ndarray:
@@ -213,12 +215,16 @@ class EngramHasher:
 
         # Bound keeps id * multiplier for any compressed id within int64 (before the XOR mixing).
         bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
-        self.multipliers = np.stack([
-            np.random.default_rng(_MULTIPLIER_SEED_FACTOR * layer_id).integers(
-                low=0, high=bound, size=self.max_ngram_size, dtype=np.int64
-            ) * 2 + 1
-            for layer_id in cfg.engram_layer_ids
-        ])
+        self.multipliers = np.stack(
+            [
+                np.random.default_rng(_MULTIPLIER_SEED_FACTOR * layer_id).integers(
+                    low=0, high=bound, size=self.max_ngram_size, dtype=np.int64
+                )
+                * 2
+                + 1
+                for layer_id in cfg.engram_layer_ids
+            ]
+        )
 
     @classmethod
     def from_tokenizer_file(cls, cfg: ModelConfig, tokenizer_json_path: str | Path) -> EngramHasher:
@@ -273,7 +279,7 @@ class EngramHasher:
         k = self.max_ngram_size
         joined = np.concatenate([history, chunk], axis=1)
         # window[:, t, s] is the id at shift s back from chunk position t.
-        window = np.stack([joined[:, k - 1 - s: k - 1 - s + width] for s in range(k)], axis=-1)
+        window = np.stack([joined[:, k - 1 - s : k - 1 - s + width] for s in range(k)], axis=-1)
         blocked = np.logical_or.accumulate(window < 0, axis=-1)
         window = np.where(blocked, self.pad_id, window)
 

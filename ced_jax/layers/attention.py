@@ -246,7 +246,11 @@ def candidate_entries(blocks, positions: jax.Array, ratio: int, block: int) -> t
 
 
 def select_topk(
-    scores: jax.Array, positions: jax.Array, ratio: int, top_k: int, entries: jax.Array | None = None,
+    scores: jax.Array,
+    positions: jax.Array,
+    ratio: int,
+    top_k: int,
+    entries: jax.Array | None = None,
     width: int | None = None,
 ) -> jax.Array:
     """Top-k entries by score (lower index first on ties), ascending, -1 = none. [B, T, X].
