@@ -182,7 +182,7 @@ def _chat_requests(args, rng: np.random.Generator, n: int, tokenizer_path) -> li
     """`n` one-turn non-thinking chats of random text, with the token ids our chat layer renders."""
     import tokenizers
 
-    from serving.chat import PromptEncoder, render_messages
+    from ced_jax.chat import PromptEncoder, render_messages
 
     hf = tokenizers.Tokenizer.from_file(str(tokenizer_path))
     encoder = PromptEncoder(hf)

@@ -584,16 +584,7 @@ class HttpFrontEnd:
             finally:
                 await objs.aclose()
             return
-        chunks = gen.chunks(
-            self.scheduler,
-            p,
-            self.tokenizer,
-            self.converter.think_end_id,
-            rid,
-            identity,
-            outcome,
-            self.converter.hidden_special_ids,
-        )
+        chunks = self._chunks(p, rid, identity, outcome)
         started = False
         try:
             async for batch in chunks:
@@ -608,6 +599,13 @@ class HttpFrontEnd:
             yield gen.sse_error(api, e)
         finally:
             await chunks.aclose()
+
+    def _chunks(self, p: Prepared, rid: str, identity: str, outcome: gen.Outcome):
+        """The request's deepseek-recipe chunks (`stream.chunks`) with this model's tokenizer."""
+        c = self.converter
+        return gen.chunks(
+            self.scheduler, p, self.tokenizer, c.think_end_id, rid, identity, outcome, c.hidden_special_ids
+        )
 
     # ---- non-streaming ---------------------------------------------------------------------------
     async def _full(self, api: str, p: Prepared, rid: str, identity: str, outcome: gen.Outcome) -> bytes:
@@ -631,16 +629,7 @@ class HttpFrontEnd:
             last["usage"] = last.get("usage")
             return json.dumps(last).encode()
         collected = []
-        async for batch in gen.chunks(
-            self.scheduler,
-            p,
-            self.tokenizer,
-            self.converter.think_end_id,
-            rid,
-            identity,
-            outcome,
-            self.converter.hidden_special_ids,
-        ):
+        async for batch in self._chunks(p, rid, identity, outcome):
             collected += batch
         u = outcome.usage
         cached = u.cached_prompt_tokens if u is not None else 0

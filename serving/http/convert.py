@@ -3,15 +3,15 @@
 One `Prepared` per request, built off the event loop (deepseek-recipe's conversion is synchronous Rust):
 - The body is parsed here (bad JSON, a non-object, a wrong type: 400 naming the field; never a 500).
 - The model name is resolved against the served name and its aliases (unknown: 404).
-- Thinking and effort are resolved by the chat layer (`serving.chat.resolve_thinking`: hosted effort
+- Thinking and effort are resolved by the chat layer (`ced_jax.chat.resolve_thinking`: hosted effort
   names, integers 1-100, and the seeds' `thinking: {"type": "enabled", "effort": ...}`), then the body
   is normalized so deepseek-recipe (which ignores `thinking.effort` and rejects integer efforts) converts
   it to the same mode; the effort number goes to our renderer directly.
 - deepseek-recipe converts and validates the request (Chat Completions / Responses / Messages), giving
   the conversation, sampling options (per-mode temperature / top_p rules), parsing options (stop strings,
   tool-call and JSON parsing) and the output constraint. Its ConversionError is the hosted API's answer.
-- The prompt is rendered and encoded ONLY by our chat layer (`serving.chat`, exact to DeepSeek's reference
-  encoder; deepseek-recipe's own renderer differs from it in a few cases).
+- The prompt is rendered and encoded ONLY by our chat layer (`ced_jax.chat`, through `serving.chat`;
+  exact to DeepSeek's reference encoder; deepseek-recipe's own renderer differs from it in a few cases).
 - Images (serving/http/images.py): image parts of every form are found and rewritten before conversion,
   resolved to bytes after rendering (base64, a leased Files API file, an allowed URL), and expanded into
   their token spans by the engine's image pipeline (`ImagePipeline.build_prompt`), so `prompt_ids` and the
@@ -29,7 +29,8 @@ from typing import Any
 
 import deepseek_recipe as d
 
-from serving.chat import ChatFormatError, PromptEncoder, render_conversation, resolve_thinking
+from ced_jax.chat import ChatFormatError, PromptEncoder, resolve_thinking
+from serving.chat import render_conversation
 from serving.constraints import ConstraintError, OutputConstraint
 from serving.engine_api import PREFILL_MODES, SamplingParams
 from serving.http.errors import ApiError, from_conversion_error

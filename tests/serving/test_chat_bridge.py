@@ -9,7 +9,7 @@ import deepseek_recipe as d
 import pytest
 import tokenizers
 
-from serving.chat import ChatFormatError, PromptEncoder, encode_prompt, resolve_thinking
+from ced_jax.chat import ChatFormatError, PromptEncoder, encode_prompt, resolve_thinking
 from serving.chat.bridge import render_conversation
 from tests.conftest import GOLDEN_CHAT_ENCODING
 

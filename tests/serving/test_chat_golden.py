@@ -1,4 +1,4 @@
-"""serving.chat against a chat-encoding golden set computed by DeepSeek's reference `encoding.py`.
+"""ced_jax.chat against a chat-encoding golden set computed by DeepSeek's reference `encoding.py`.
 
 The set comes from `--chat-golden DIR` (default: the repo's copy, tests/golden/chat-encoding); a hidden
 set with other cases and another tokenizer runs through the same tests. Every encode case must give its
@@ -13,8 +13,8 @@ import deepseek_recipe as d
 import pytest
 import tokenizers
 
+from ced_jax.chat import ChatFormatError, PromptEncoder, parse_completion, render_messages
 from ced_jax.chat.encoding import EOS
-from serving.chat import ChatFormatError, PromptEncoder, parse_completion, render_messages
 
 _OPTIONS = ("context", "drop_thinking", "add_default_bos_token")
 

@@ -3,7 +3,7 @@ scheduler (and once over localhost gRPC), with the masks applied inside the comp
 
 Whatever the random model prefers, the output must match the constraint: JSON that validates against
 the schema (checked by `jsonschema`), DSML tool calls that DeepSeek's format parser
-(`serving.chat.parse_completion`) reads back, with arguments that validate against the tool's
+(`ced_jax.chat.parse_completion`) reads back, with arguments that validate against the tool's
 parameter schema. The schemas are bounded (maxLength, enums, small integer ranges, no additional
 properties) so that a random model finishes within max_tokens; the checks are never loosened.
 An unconstrained request decoded beside a constrained one gets the tokens it gets alone.
@@ -20,7 +20,7 @@ from serving_helpers import ServerThread, run_until_idle
 from tokenizers import Tokenizer
 
 import ced_jax
-from serving.chat import parse_completion
+from ced_jax.chat import parse_completion
 from serving.config import ServeConfig
 from serving.constraints import OutputConstraint
 from serving.engine_api import SamplingParams

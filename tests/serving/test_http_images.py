@@ -29,8 +29,8 @@ import tokenizers
 from serving_helpers import ServerThread, wait_until
 from starlette.testclient import TestClient
 
+from ced_jax.chat import PromptEncoder, render_messages
 from ced_jax.config import ModelConfig
-from serving.chat import PromptEncoder, render_messages
 from serving.config import ServeConfig
 from serving.files import FileStore
 from serving.http.app import HttpFrontEnd

@@ -22,8 +22,8 @@ import tokenizers
 from serving_helpers import ServerThread
 
 import ced_jax
+from ced_jax.chat import PromptEncoder, RenderedPrompt
 from serving import client as grpc_client
-from serving.chat import PromptEncoder, RenderedPrompt
 from serving.config import ServeConfig
 from serving.http.limits import AdmissionLimits
 from serving.jax_engine import JaxEngine, ModelTokenizer

@@ -5,7 +5,7 @@ import json
 import pytest
 import tokenizers
 
-from serving.chat import ChatFormatError, PromptEncoder, encode_prompt, parse_completion, render_messages
+from ced_jax.chat import ChatFormatError, PromptEncoder, encode_prompt, parse_completion, render_messages
 from tests.conftest import GOLDEN_CHAT_ENCODING
 
 SPECIALS = json.loads((GOLDEN_CHAT_ENCODING / "special_tokens.json").read_text())["tiny_tokenizer_ids"]

@@ -1,8 +1,8 @@
-"""serving.chat.resolve_thinking: the hosted API's thinking switch and effort names (spec 3.2)."""
+"""ced_jax.chat.resolve_thinking: the hosted API's thinking switch and effort names (spec 3.2)."""
 
 import pytest
 
-from serving.chat import ChatFormatError, resolve_thinking
+from ced_jax.chat import ChatFormatError, resolve_thinking
 
 
 @pytest.mark.parametrize(
