@@ -31,8 +31,9 @@ import deepseek_recipe as d
 
 from ced_jax.chat import ChatFormatError, PromptEncoder, resolve_thinking
 from serving.chat import render_conversation
-from serving.constraints import ConstraintError, OutputConstraint
+from serving.constraints import OutputConstraint
 from serving.engine_api import PREFILL_MODES, SamplingParams
+from serving.http import structured
 from serving.http.errors import ApiError, from_conversion_error
 from serving.http.fields import CHAT, COMPLETIONS, MESSAGES, RESPONSES, check_fields
 from serving.http.images import ImageResolver, extract_images, index_of
@@ -358,7 +359,7 @@ class Converter:
         if isinstance(so, dict) and so.get("include_usage") is True:
             include_usage = True
         body["model"] = SERVED_MODEL
-        forced = _forced_tools(api, body, thinking)
+        forced = structured.forced_tools(api, body, thinking)
         cls = {CHAT: d.ChatCompletionRequest, RESPONSES: d.ResponsesRequest, MESSAGES: d.MessagesRequest}[api]
         echo = ns_map = None
         try:
@@ -419,7 +420,9 @@ class Converter:
             conv=conv,
             echo=echo,
             namespace_map=ns_map,
-            constraint=self._constraint(io.output_constraint, conversation.thinking_mode, body, api, forced),
+            constraint=structured.output_constraint(
+                io.output_constraint, conversation.thinking_mode, body, api, self.think_end_id, forced
+            ),
             prefill_mode=ext.prefill_mode,
             ignore_eos=ext.ignore_eos,
             stop_token_ids=ext.stop_token_ids,
@@ -483,52 +486,6 @@ class Converter:
                 param=field,
             )
         return max(1, min(resolved, self.max_tokens_limit, self.max_context - prompt_tokens))
-
-    def _constraint(
-        self, oc, thinking: bool, body: dict, api: str, forced: str | bool | None = None
-    ) -> OutputConstraint | None:
-        """The engine's constraint for deepseek-recipe's `output_constraint` (JSON schema / object, regex,
-        a required or named tool call); in thinking mode it starts after `</think>`. The request's
-        `parallel_tool_calls` (false: one call) and Responses' `max_tool_calls` bound the calls.
-        `forced` (`_forced_tools`): a tool call the request requires, True for any tool or a tool's name,
-        which deepseek-recipe does not constrain (thinking mode, Anthropic `any`). A strict JSON schema
-        is enforced as the client sent it (deepseek-recipe drops the keywords OpenAI's strict mode once
-        lacked: minLength, maxItems, ...)."""
-        if oc is None:
-            if body.get("tools") and _no_tools(api, body.get("tool_choice")):
-                # tool_choice none: the answer is text; no grammar path spells a special token, so the
-                # tool-call marker cannot come (deepseek-recipe only stops parsing calls).
-                return OutputConstraint(
-                    kind="regex", regex=r"(?s:.*)", start_after_token=self.think_end_id if thinking else None
-                )
-            return None
-        parallel = body.get("parallel_tool_calls")
-        max_calls = body.get("max_tool_calls")
-        kind, schema = oc.kind, oc.schema
-        if forced is not None and kind == "tool_call":  # every declared tool, as `auto` lists them
-            tools = json.loads(schema) if isinstance(schema, str) else list(schema)
-            if forced is not True:
-                tools = [t for t in tools if _tool_name(t) == forced]
-                if not tools:
-                    field = "tool_choice"
-                    raise ApiError(400, f"{field}: names {forced!r}, which is not in `tools`", param=field)
-            kind, schema = "tool_call_required", json.dumps(tools)
-        elif kind == "json" and schema:
-            sent = _sent_schema(api, body)
-            if sent is not None:
-                schema = json.dumps(sent)
-        try:
-            return OutputConstraint.from_recipe(
-                kind,
-                schema,
-                start_after_token=self.think_end_id if thinking else None,
-                parallel_tool_calls=parallel if isinstance(parallel, bool) else True,
-                max_tool_calls=max_calls if type(max_calls) is int else None,
-            )
-        except ConstraintError as e:
-            field = "tools" if kind == "tool_call_required" else "text.format" if api == RESPONSES else None
-            field = field or ("response_format" if api == CHAT else "request")
-            raise ApiError(400, f"{field}: {e}", param=field) from None
 
     def check_prompt_bytes(self, field: str, text: str) -> None:
         """400 before tokenizing a prompt over `max_prompt_bytes`, or one certainly longer than the
@@ -714,63 +671,6 @@ class Converter:
     def token_text(self, token_id: int) -> str:
         """One token's text, as completions' `logprobs.tokens` show it (special tokens spelled out)."""
         return self._hf.decode([int(token_id)], skip_special_tokens=False)
-
-
-def _forced_tools(api: str, body: dict, thinking: bool) -> str | bool | None:
-    """A tool call the request requires where deepseek-recipe would not constrain one: `tool_choice`
-    required / named in thinking mode (it refuses those: the model then reasons first and must call
-    after `</think>`), Anthropic `any` (it treats that as auto). True: any declared tool; a str: that
-    tool. The body's choice is set to `auto` for the conversion; None: nothing forced here."""
-    choice = body.get("tool_choice")
-    if api == MESSAGES:
-        if isinstance(choice, dict) and choice.get("type") == "any":
-            body["tool_choice"] = {**choice, "type": "auto"}
-            return True
-        if (
-            thinking
-            and isinstance(choice, dict)
-            and choice.get("type") == "tool"
-            and isinstance(choice.get("name"), str)
-        ):
-            body["tool_choice"] = {k: v for k, v in choice.items() if k != "name"} | {"type": "auto"}
-            return choice["name"]
-        return None
-    if not thinking or not body.get("tools"):
-        return None
-    if choice == "required":
-        body["tool_choice"] = "auto"
-        return True
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("function", {}).get("name") if api == CHAT else choice.get("name")
-        if isinstance(name, str):
-            body["tool_choice"] = "auto"
-            return name
-    return None
-
-
-def _no_tools(api: str, choice) -> bool:
-    """tool_choice none, as each API spells it."""
-    return choice == {"type": "none"} if api == MESSAGES else choice == "none"
-
-
-def _tool_name(tool: dict) -> str | None:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    return fn.get("name")
-
-
-def _sent_schema(api: str, body: dict):
-    """The JSON schema of the request's structured output as the client sent it (None if absent)."""
-    if api == CHAT:
-        rf = body.get("response_format")
-        js = rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
-        schema = js.get("schema") if isinstance(js, dict) else None
-    elif api == RESPONSES:
-        text = body.get("text")
-        fmt = text.get("format") if isinstance(text, dict) else None
-        schema = fmt.get("schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
-    else:
-        schema = None
-    return schema if isinstance(schema, dict) else None
 
 
 def _fim_body(body: dict) -> dict:

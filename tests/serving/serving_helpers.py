@@ -90,3 +90,16 @@ class ServerThread:
             lambda: s.num_in_flight == 0 and s.num_running == 0 and s.pool.num_referenced == 0, timeout
         )
         s.pool.check_invariants()
+
+
+def http_converter(tokenizer_json, *, max_tokens_limit: int = 64, max_context: int = 4096):
+    """The HTTP API's request converter (no engine) over a tokenizer.json, with the default model names."""
+    import tokenizers
+
+    from serving.http.convert import Converter
+    from serving.http.models import ModelCatalog
+
+    return Converter(
+        tokenizers.Tokenizer.from_file(str(tokenizer_json)), catalog=ModelCatalog(ServeConfig().http_models),
+        max_context=max_context, max_tokens_limit=max_tokens_limit, max_logprobs=5,
+    )  # fmt: skip

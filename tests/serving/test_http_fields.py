@@ -11,14 +11,12 @@ import json
 import re
 
 import pytest
-import tokenizers
+from serving_helpers import http_converter
 
-from serving.config import ServeConfig
 from serving.http import tokenize as counting
-from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter
+from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from serving.http.errors import ApiError
 from serving.http.fields import TABLES, Handling, markdown
-from serving.http.models import ModelCatalog
 from tests.conftest import GOLDEN_TINY_V, REPO
 
 SPEC = REPO / "tests" / "serving" / "hosted_api_fields.md"  # api-surface.md's tables, copied
@@ -46,13 +44,7 @@ REFUSED_VALUES = {
 
 @pytest.fixture(scope="module")
 def converter():
-    return Converter(
-        tokenizers.Tokenizer.from_file(str(GOLDEN_TINY_V / "tokenizer.json")),
-        catalog=ModelCatalog(ServeConfig().http_models),
-        max_context=4096,
-        max_tokens_limit=LIMIT,
-        max_logprobs=5,
-    )
+    return http_converter(GOLDEN_TINY_V / "tokenizer.json", max_tokens_limit=LIMIT)
 
 
 def prepare(converter, api, body):

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import tokenizers
-from serving_helpers import make_engine_and_config, request, run_until_idle
+from serving_helpers import http_converter, make_engine_and_config, request, run_until_idle
 
 from serving.config import ServeConfig
-from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter
+from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from serving.http.errors import ApiError
-from serving.http.models import ModelCatalog
 from serving.mock_engine import ByteTokenizer
 from serving.scheduler import InvalidRequest, Scheduler
 from tests.conftest import GOLDEN_TINY_V
@@ -85,13 +83,7 @@ def test_bad_or_unsupported_modes_name_the_field():
 
 @pytest.fixture(scope="module")
 def converter():
-    return Converter(
-        tokenizers.Tokenizer.from_file(str(GOLDEN_TINY_V / "tokenizer.json")),
-        catalog=ModelCatalog(ServeConfig().http_models),
-        max_context=4096,
-        max_tokens_limit=64,
-        max_logprobs=5,
-    )
+    return http_converter(GOLDEN_TINY_V / "tokenizer.json")
 
 
 _BODIES = {
