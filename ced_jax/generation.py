@@ -122,6 +122,7 @@ def decode_one(model, rows: _Rows, sampling: _Sampling, images, token_types, dsp
             padded[None], np.array([len(piece)], np.int32), **image_inputs, encoder_only=encoder_only,
             decoder_from=np.array([split], np.int32) if split and not encoder_only else None,
         )  # fmt: skip
+    params = sampling.arrays(1)  # built once: the same every step
     out = [sampling.draw(logits[0, len(piece) - 1], len(ids))]
     yield 0, out[-1]
     if dspark:
@@ -130,7 +131,7 @@ def decode_one(model, rows: _Rows, sampling: _Sampling, images, token_types, dsp
         while not rows.done[0]:
             # Never verify past max_tokens: at most max_tokens - len(out) - 1 drafts are useful.
             n = min(n, max_tokens - len(out) - 1)
-            step = session.speculative_step(out[-1], drafts, n, **sampling.arrays(1))
+            step = session.speculative_step(out[-1], drafts, n, **params)
             stats["steps"] += 1
             stats["proposed"] += n
             stats["accepted"] += int(step.accepted[0])
@@ -141,7 +142,7 @@ def decode_one(model, rows: _Rows, sampling: _Sampling, images, token_types, dsp
                 yield 0, out[-1]
             drafts, n = step.next_drafts[:, :dspark], dspark
     while not rows.done[0]:
-        out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), **sampling.arrays(1))[0]))
+        out.append(int(session.step_and_sample(np.asarray([[out[-1]]]), **params)[0]))
         yield 0, out[-1]
 
 
@@ -178,8 +179,9 @@ def decode_batch(model, rows: _Rows, sampling: _Sampling, prefill_mode: str):
     out = np.array([sampling.draw(last[r], len(ids[r])) for r in range(b)], np.int32)
     for r in range(b):
         yield r, int(out[r])
+    params = sampling.arrays(b)
     while not all(rows.done):
-        out = session.step_and_sample(out[:, None], **sampling.arrays(b))
+        out = session.step_and_sample(out[:, None], **params)
         for r in range(b):
             if not rows.done[r]:
                 yield r, int(out[r])
