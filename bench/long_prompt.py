@@ -1,7 +1,8 @@
 """One long prompt served with `ced-jax serve`'s default scheduling, against the library path.
 
     python bench/long_prompt.py [MODEL] [--prompt 8192] [--max-context 65536] [--repeats 1]
-                                [serve shapes: --max-slots --prefill-chunk --prefill-rows ...]
+                                [serve shapes: --max-slots --prefill-chunk --prefill-rows ...
+                                 --long-prefill-chunk (0: the page program only) --long-prefill-step]
 
 The server's scheduler and engine (`Scheduler` over `JaxEngine`, stepped on this thread, no network)
 with `ServeConfig`'s defaults except the flags given (as `ced-jax serve MODEL --max-context N` runs),
@@ -66,6 +67,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, help="default: ServeConfig's")
     ap.add_argument("--prefill-rows", type=lambda s: tuple(int(x) for x in s.split(",")))
     ap.add_argument("--prefill-token-budget", type=int)
+    ap.add_argument("--long-prefill-chunk", type=int, help="default: ServeConfig's (0: off)")
+    ap.add_argument("--long-prefill-step", type=int, help="default: ServeConfig's")
     ap.add_argument("--no-batch-invariant", action="store_true")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -77,6 +80,8 @@ def main() -> int:
         "prefill_buckets": None if args.prefill_chunk is None else (args.prefill_chunk,),
         "prefill_rows": args.prefill_rows,
         "prefill_token_budget": args.prefill_token_budget,
+        "long_prefill_chunk": args.long_prefill_chunk,
+        "long_prefill_step": args.long_prefill_step,
     }
     config = ServeConfig(
         max_context=args.max_context,
@@ -119,10 +124,13 @@ def main() -> int:
             "prefill_rows": config.prefill_rows,
             "prefill_token_budget": config.prefill_token_budget,
             "batch_invariant": config.batch_invariant,
+            "long_prefill_chunk": config.long_prefill_chunk,
+            "long_prefill_step": config.long_prefill_step,
         },
         "engine_warmup_s": round(warmup_s, 1),
         "served_ttft_s": served_s,
         "served_steps": steps,
+        "long_prefill_calls": engine.long_prefill_calls,
         "served_prompt_tok_per_s": args.prompt / served_s,
         "library_s": library_s,
         "library_prompt_tok_per_s": args.prompt / library_s,

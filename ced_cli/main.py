@@ -421,6 +421,17 @@ def _check_serve_options(args) -> None:
             f"--prefill-token-budget must be >= --page-size {page} (a page per step at least), "
             f"got {args.prefill_token_budget}"
         )
+    step, long_chunk = args.long_prefill_step, args.long_prefill_chunk
+    if step < 1 or step % page:
+        raise ValueError(f"--long-prefill-step must be a positive multiple of --page-size {page}, got {step}")
+    if long_chunk and (
+        long_chunk % step or long_chunk <= args.prefill_chunk or long_chunk > args.max_context
+    ):
+        raise ValueError(
+            f"--long-prefill-chunk must be 0 (off) or a multiple of --long-prefill-step {step} above "
+            f"--prefill-chunk {args.prefill_chunk} and at most --max-context {args.max_context}, "
+            f"got {long_chunk}"
+        )
 
 
 def _context_buckets(args) -> tuple[int, ...] | None:
@@ -800,6 +811,8 @@ def _serve_config(args):
         batch_invariant=args.batch_invariant,
         decode_context_buckets=_context_buckets(args),  # likewise
         prefill_token_budget=args.prefill_token_budget,
+        long_prefill_chunk=args.long_prefill_chunk,  # None: ServeConfig's default for this context
+        long_prefill_step=args.long_prefill_step,
         max_running=args.max_running,
         max_queued=args.max_queued,
         max_tokens_limit=args.max_tokens_limit,
@@ -1185,6 +1198,8 @@ def _add_train_draft_parser(sub) -> None:
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
     """The flags of `serve`, shared by `compile` (the same flags build the same programs)."""
     p.add_argument("model", help="preset name (tiny) or checkpoint directory")
+    from serving.config import LONG_PREFILL_CHUNK
+
     serve = _serve_defaults()  # every default below is ServeConfig's (serving/config.py)
     g = p.add_argument_group("shapes (static: compiled at start-up)")
     g.add_argument(
@@ -1238,6 +1253,23 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="prompt tokens prefilled per step beside the running decodes, summed over requests "
         "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams. "
         "With no stream decoding a step takes a full --prefill-chunk for every row",
+    )
+    g.add_argument(
+        "--long-prefill-chunk",
+        type=int,
+        metavar="TOKENS",
+        help="with no stream decoding, a prompt with more than --prefill-chunk tokens left goes in alone, "
+        "this many tokens per step, through a one-row program of --long-prefill-step tokens per forward "
+        f"(same tokens, several times the speed); 0: off (default: {LONG_PREFILL_CHUNK} when --max-context "
+        f"is at least {4 * LONG_PREFILL_CHUNK}, else 0; one more compiled program per context width)",
+    )
+    g.add_argument(
+        "--long-prefill-step",
+        type=int,
+        default=serve.long_prefill_step,
+        metavar="TOKENS",
+        help="tokens per forward of the long-prompt program, a multiple of --page-size "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--decode-segment-tokens",

@@ -313,11 +313,15 @@ def prefill_batch(
     mesh,
     rules,
     dspark,
+    step_tokens=None,
 ):
     """Prefill R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of page_size,
     n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page aligned)
-    through page_tables[r]. A page of every row per loop iteration (`forward` on [R, page_size]); a
-    row whose chunk has no tokens on that page brings 0 tokens and writes nothing.
+    through page_tables[r]. `step_tokens` of every row per loop iteration (`forward` on
+    [R, step_tokens]; None: a page; a multiple of page_size dividing C); a row whose chunk has no
+    tokens in that step brings 0 tokens and writes nothing. `forward` computes a token the same way
+    whatever the step's width and start (tests/ced_jax/test_invariance.py), so the width is a speed
+    choice: a page for many short chunks, wide steps for one long prompt.
 
     CED prefill (spec 4.2) per row: decoder_from [R] is the position from which the row runs every
     layer; its tokens before it (the prompt but its last window) run only the encoder pass (the
@@ -334,9 +338,13 @@ def prefill_batch(
     [R, C, D]: image spans, sliced per page like the tokens; None for both = the text program (a
     separate executable)."""
     layout = sharding.make_layout(mesh, rules)
-    ps = state.page_size
+    w = state.page_size if step_tokens is None else step_tokens
     num_rows, width = tokens.shape
-    pages = width // ps
+    if w % state.page_size or width % w:
+        raise ValueError(
+            f"step_tokens {w}: a multiple of the page size {state.page_size} dividing the chunk {width}"
+        )
+    steps = width // w
     floors = floor_per_layer(cfg, window_floor, decoder_from)
     boundary = ced_boundary(cfg)
     # Tokens of each row that run the encoder pass only: [0, encoder_n) of its chunk.
@@ -348,14 +356,14 @@ def prefill_batch(
             start=jnp.where(lens > 0, start + offset, start), lens=lens, slots=slots,
             page_tables=page_tables, window_floor=floors, write_from=write_from,
         )  # fmt: skip
-        take = lambda a: _take_tokens(a, offset, ps)
+        take = lambda a: _take_tokens(a, offset, w)
         return meta, take(tokens), jax.tree.map(take, rows), take(token_types), take(span_embeds)
 
     def encoder_body(carry):
         k, state = carry
-        offset = jnp.broadcast_to(k * ps, start.shape).astype(jnp.int32)
+        offset = jnp.broadcast_to(k * w, start.shape).astype(jnp.int32)
         meta, page_tokens, page_rows, page_types, page_spans = piece(
-            offset, jnp.clip(encoder_n - k * ps, 0, ps)
+            offset, jnp.clip(encoder_n - k * w, 0, w)
         )
         _, state, _ = forward(
             _loop_params(params, k), cfg, page_tokens, state, meta, page_rows, token_types=page_types,
@@ -365,14 +373,14 @@ def prefill_batch(
 
     if boundary is not None:
         _, state = jax.lax.while_loop(
-            lambda c: c[0] * ps < jnp.max(encoder_n), encoder_body, (jnp.int32(0), state)
+            lambda c: c[0] * w < jnp.max(encoder_n), encoder_body, (jnp.int32(0), state)
         )
 
     def body(carry):
         k, state, last = carry
-        # Row r's tokens on page k that run every layer: [offset, offset + lens) of its chunk.
-        offset = jnp.maximum(k * ps, encoder_n)
-        lens = jnp.clip(jnp.minimum((k + 1) * ps, n) - offset, 0, ps)
+        # Row r's tokens of step k that run every layer: [offset, offset + lens) of its chunk.
+        offset = jnp.maximum(k * w, encoder_n)
+        lens = jnp.clip(jnp.minimum((k + 1) * w, n) - offset, 0, w)
         meta, page_tokens, page_rows, page_types, page_spans = piece(offset, lens)
         params_k = _loop_params(params, k)
         logits, state, aux = forward(
@@ -381,18 +389,18 @@ def prefill_batch(
         )  # fmt: skip
         if dspark:
             state = _insert_context(params_k, cfg, state, meta, aux["main_hidden"])
-        i = n - 1 - offset  # each row's last token, if it is on this page
+        i = n - 1 - offset  # each row's last token, if it is in this step
         here = (lens > 0) & (i >= 0) & (i < lens)
-        picked = jnp.take_along_axis(logits, jnp.clip(i, 0, ps - 1)[:, None, None], axis=1)[:, 0]
+        picked = jnp.take_along_axis(logits, jnp.clip(i, 0, w - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(here[:, None], picked, last)
         return k + 1, state, last
 
     last = jnp.zeros((num_rows, cfg.vocab_size), jnp.float32)
     # The first page any row runs through every layer (rows of a CED prompt skip their encoder-only pages).
     busy = n > encoder_n
-    first = jnp.min(jnp.where(busy, encoder_n // ps, pages)).astype(jnp.int32)
+    first = jnp.min(jnp.where(busy, encoder_n // w, steps)).astype(jnp.int32)
     _, state, last = jax.lax.while_loop(
-        lambda c: c[0] * ps < jnp.max(jnp.where(busy, n, 0)), body, (first, state, last)
+        lambda c: c[0] * w < jnp.max(jnp.where(busy, n, 0)), body, (first, state, last)
     )
     out = sample(last, start + n, temperature, top_p, top_k, seed, token_bitmask, num_logprobs=max_logprobs)
     return _pin(state, mesh, rules), _replicated(out, mesh)
@@ -478,7 +486,7 @@ class Programs:
         )
         self.prefill_batch = jax.jit(
             partial(prefill_batch, **static, dspark=dspark),
-            static_argnames=("max_logprobs",),
+            static_argnames=("max_logprobs", "step_tokens"),
             donate_argnames=("state",),
         )
         self.speculative_decode = (
@@ -812,8 +820,10 @@ class Engine:
         decoder_from=None,
         window_floor=None,
         write_from=None,
+        step_tokens=None,
     ):
-        """Chunks of R slots at once, a page of every row per iteration (`prefill_batch` program):
+        """Chunks of R slots at once, `step_tokens` (None: a page) of every row per iteration
+        (`prefill_batch` program):
         padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns the
         sample outputs on device [R]; nothing is waited for. Each row's history moves past its n
         tokens. token_bitmask: i32 [R, W] for the samples, None = unconstrained. token_types i32
@@ -856,6 +866,7 @@ class Engine:
                 None if types is None else put(types),
                 None if spans is None else put(spans),
                 max_logprobs=max_logprobs,
+                step_tokens=step_tokens,
             )
         return out
 

@@ -62,7 +62,7 @@ from ced_jax import ops, sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.model import flatten_specs, param_specs
-from serving.config import ServeConfig
+from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 
 SERVE = ServeConfig()  # the shapes a server starts with: the default workload
 
@@ -317,15 +317,17 @@ def activation_ledger(
     context: int,
     page_size: int = SERVE.page_size,
     dspark: int = 0,
+    long_prefill_step: int | None = None,
 ) -> dict:
-    """Per-device activation peak of the server's prefill program and of a decode step.
+    """Per-device activation peak of the server's prefill programs and of a decode step.
 
     Prefill (`ced_jax.engine.prefill_batch`): `prefill_rows(max_seqs)` rows of `prefill_bucket`-token
     chunks, run a page of every row per loop iteration (rows x page_size tokens per forward, chunk
     page_size; the chunk length does not change the peak; its outputs beside the state are only the
-    samples). Decode: `max_seqs`
-    sequences split over the batch axis, one token each (with `dspark` K drafts the verify step:
-    K + 1 tokens each)."""
+    samples). The long-prompt prefill (`ServeConfig.long_prefill_chunk`): one row per device block,
+    `long_prefill_step` tokens per forward (None: the server's default at this context, 0: none).
+    Decode: `max_seqs` sequences split over the batch axis, one token each (with `dspark` K drafts the
+    verify step: K + 1 tokens each)."""
     seqs = _sequences_per_device(mesh, rules, max_seqs)
     rows = prefill_rows(max_seqs)
     # Data-parallel attention (dp_ep): the prefill's rows are a multiple of the devices (the server
@@ -342,7 +344,15 @@ def activation_ledger(
         cfg, mesh, rules, seqs * per_seq, per_seq, context, step_tokens=max_seqs * per_seq
     )
     decode["tokens_per_sequence"] = per_seq
-    return {"prefill": prefill, "decode": decode, "per_device": max(prefill["peak"], decode["peak"])}
+    if long_prefill_step is None:
+        long_prefill_step = SERVE.long_prefill_step if context >= 4 * LONG_PREFILL_CHUNK else 0
+    ledger = {"prefill": prefill, "decode": decode}
+    if long_prefill_step:
+        ledger["long_prefill"] = _step_activations(
+            cfg, mesh, rules, long_prefill_step, long_prefill_step, context,
+            step_tokens=long_prefill_step * shards,
+        )  # fmt: skip
+    return {**ledger, "per_device": max(part["peak"] for part in ledger.values())}
 
 
 def _attention_shards(mesh: dict[str, int], rules: sharding.Rules) -> int:
@@ -463,9 +473,10 @@ def evaluate(
     prefill_bucket: int,
     page_size: int,
     dspark: int = 0,
+    long_prefill_step: int | None = None,
 ) -> dict:
     """The four ledgers of one mesh and placement, and whether they fit (`dspark`: K drafts per
-    step, 0 = off)."""
+    step, 0 = off; `long_prefill_step`: `activation_ledger`'s)."""
     table = sharding.get_rules(rules)
     weights = weight_ledger(cfg, mesh, table, engram_on_host, dspark=dspark > 0)
     acts = activation_ledger(
@@ -477,6 +488,7 @@ def evaluate(
         context=context,
         page_size=page_size,
         dspark=dspark,
+        long_prefill_step=long_prefill_step,
     )
     kv = kv_ledger(
         cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size, dspark=dspark > 0
@@ -527,7 +539,7 @@ def auto_max_context(
         e = evaluate(
             cfg, Hardware(1, (device_bytes or GIB) / GIB), mesh, rules=rules, engram_on_host=engram_on_host,
             max_seqs=max_seqs, context=context, prefill_bucket=prefill_bucket, page_size=page_size,
-            dspark=dspark,
+            dspark=dspark, long_prefill_step=SERVE.long_prefill_step,  # the long program at any context
         )  # fmt: skip
         return e["per_device_total"], e["ledgers"]["kv"]["per_device"]
 
@@ -744,6 +756,11 @@ def format_plan(p: dict) -> str:
         + (
             f" at {led['activations']['decode']['tokens_per_sequence']} tokens per sequence"
             if led["activations"]["decode"]["tokens_per_sequence"] > 1
+            else ""
+        )
+        + (
+            f", long-prompt prefill {led['activations']['long_prefill']['peak'] / GIB:.2f} GiB"
+            if "long_prefill" in led["activations"]
             else ""
         )
         + ")",

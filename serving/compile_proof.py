@@ -60,11 +60,19 @@ from ced_jax import sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, our_param_specs
 from ced_jax.config import PRESETS, ModelConfig, preset
 from ced_jax.model import flatten_specs, param_specs
-from serving.config import ServeConfig
+from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 
 SERVE = ServeConfig()
 REPO = Path(__file__).resolve().parent.parent
-PROGRAMS = ("prefill", "decode")
+PROGRAMS = ("prefill", "decode", "long_prefill")
+
+
+def server_programs(context: int) -> tuple[str, ...]:
+    """The programs a server compiles at this context with its defaults: the long-prompt prefill
+    (`ServeConfig.long_prefill_chunk`) only from 4x LONG_PREFILL_CHUNK on."""
+    return ("prefill", "decode") + (("long_prefill",) if context >= 4 * LONG_PREFILL_CHUNK else ())
+
+
 # XLA:CPU's instruction schedulers (`xla_cpu_scheduler_type`). Its default schedules for concurrency on
 # the host's threads and computes every layer's weight dequantisation ahead of the layers (all of them
 # live at once); "memory" is its memory-minimising scheduler, the one that shows what a program needs.
@@ -191,15 +199,15 @@ def compile_in_process(
     prefill_bucket: int,
     page_size: int,
     prefill_rows: int | None = None,
-    programs: tuple[str, ...] = PROGRAMS,
+    programs: tuple[str, ...] | None = None,
     impl: str = "reference",
     scheduler: str = "memory",
     on_compiled: Callable[[str, Any], None] | None = None,
 ) -> dict:
     """Lower and compile `programs` in this process on a mesh of `mesh_sizes` over all its (global)
     devices; XLA's per-device memory analysis of each, and the per-device bytes of the abstract
-    arguments by kind (parameters, state, step inputs). on_compiled(name, compiled) sees each
-    compiled program (bench/launches.py reads its HLO)."""
+    arguments by kind (parameters, state, step inputs). programs: None = `server_programs(context)`.
+    on_compiled(name, compiled) sees each compiled program (bench/launches.py reads its HLO)."""
     from ced_jax.cache import StepMetadata
     from ced_jax.engine import Programs, StateShapes
 
@@ -210,6 +218,12 @@ def compile_in_process(
             f"mesh {_mesh_text(mesh_sizes)} needs {need} devices; this JAX runtime has {have} "
             f"({jax.default_backend()}), initialised before the compile was asked for: run the compile "
             f"in a fresh process (`ced-jax plan --compile` does) or with jax_num_cpu_devices={need}"
+        )
+    programs = server_programs(context) if programs is None else tuple(programs)
+    if "long_prefill" in programs and "long_prefill" not in server_programs(context):
+        raise ValueError(
+            f"programs: a server at context {context} has no long-prompt prefill (from "
+            f"{4 * LONG_PREFILL_CHUNK} tokens on)"
         )
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
@@ -233,6 +247,7 @@ def compile_in_process(
         rows = -(-rows // layout.attention_shards) * layout.attention_shards
     if prefill_bucket % page_size:
         raise ValueError(f"--prefill-bucket {prefill_bucket} is not a multiple of --page-size {page_size}")
+    long_rows = 1 if layout is None else layout.attention_shards  # a busy row, idle ones in other blocks
     params = abstract_params(cfg, mesh, table, engram_on_host=engram_on_host)
     state = abstract_state(cfg, shapes, mesh, table)
     progs = Programs(cfg, impl=impl, mesh=mesh, rules=table)
@@ -252,6 +267,9 @@ def compile_in_process(
             "max_context": max_context,
             "prefill_rows": rows,
             "prefill_chunk": prefill_bucket,
+            "long_prefill_rows": long_rows,
+            "long_prefill_chunk": LONG_PREFILL_CHUNK,
+            "long_prefill_step": SERVE.long_prefill_step,
             "max_logprobs": SERVE.max_logprobs,
         },
         "abstract_per_device": {
@@ -270,7 +288,7 @@ def compile_in_process(
                 fn = progs.decode
                 args = (params, state, *inputs, *sampling)
             else:
-                r, c = rows, prefill_bucket
+                r, c = (rows, prefill_bucket) if name == "prefill" else (long_rows, LONG_PREFILL_CHUNK)
                 eng = _engram_inputs(cfg, r, c, engram_on_host, whole)
                 # tokens, engram, start, n, slots, page tables, window floor, decoder_from, write_from
                 inputs = (
@@ -287,8 +305,11 @@ def compile_in_process(
                 sampling = _sampling_inputs(cfg, r, whole)
                 fn = progs.prefill_batch
                 args = (params, state, *inputs, *sampling)
+            static = {"max_logprobs": SERVE.max_logprobs}
+            if name == "long_prefill":
+                static["step_tokens"] = SERVE.long_prefill_step
             t0 = time.perf_counter()
-            compiled = fn.lower(*args, max_logprobs=SERVE.max_logprobs).compile(options)
+            compiled = fn.lower(*args, **static).compile(options)
             result = _analysis(compiled, time.perf_counter() - t0)
             if on_compiled is not None:
                 on_compiled(name, compiled)
@@ -342,7 +363,8 @@ def compare(candidate: dict, compiled: dict, device_bytes: int) -> dict:
     for program, prog in compiled["programs"].items():
         inputs = prog["inputs_bytes"]
         activations = acts[program]["peak"]
-        rows_ = compiled["shapes"]["prefill_rows" if program == "prefill" else "max_slots"]
+        rows_key = {"prefill": "prefill_rows", "long_prefill": "long_prefill_rows"}.get(program, "max_slots")
+        rows_ = compiled["shapes"][rows_key]
         sampled = _sampler_bytes(rows_)
         line(
             program,
@@ -362,7 +384,7 @@ def compare(candidate: dict, compiled: dict, device_bytes: int) -> dict:
                 f"activations ledger: the largest sublayer of a {acts['prefill']['tokens']}-token page "
                 "step with its largest dense weight's f32 copy (made inside the loop iteration)"
                 if program == "prefill"
-                else f"activations ledger: the largest sublayer of a {acts['decode']['tokens']}-token step "
+                else f"activations ledger: the largest sublayer of a {acts[program]['tokens']}-token step "
                 "with its largest dense weight's f32 copy"
             ),
             "XLA keeps more (or fewer) buffers live than the ledger's model of the program",
@@ -416,6 +438,11 @@ def format_compiled(compiled: dict, comparison: dict, device_bytes: int) -> str:
         f"pages per loop iteration); decode: {sh['max_slots']} rows; state {sh['max_slots']} slots x "
         f"{sh['max_context']} tokens in {sh['num_pages']} pages",
     ]
+    if "long_prefill" in compiled["programs"]:
+        lines.append(
+            f"  long_prefill: {sh['long_prefill_rows']} row(s) x {sh['long_prefill_chunk']}-token chunks "
+            f"({sh['long_prefill_step']} tokens per loop iteration)"
+        )
     for name, prog in compiled["programs"].items():
         lines.append(
             f"  {name:8s} arguments {_g(prog['arguments_bytes'])}  outputs {_g(prog['outputs_bytes'])}  "

@@ -31,6 +31,10 @@ PORT_FIELDS = ("port", "metrics_port", "http_port")
 # rows up a row's result is the same in every batch.
 INVARIANT_DECODE_ROWS = 8
 
+# Tokens per step of a long prompt prefilled alone (`ServeConfig.long_prefill_chunk`'s default): on
+# tiny / XLA:CPU about 2 s of work, so an arrival waits at most that long for its own prefill.
+LONG_PREFILL_CHUNK = 2048
+
 
 def default_decode_buckets(max_slots: int, *, batch_invariant: bool = True) -> tuple[int, ...]:
     """Powers of two below max_slots, then max_slots (see `decode_buckets`): from
@@ -115,6 +119,17 @@ class ServeConfig:
     # one, two and four pages a row for both TTFT and TPOT at 16 and 32 streams: BENCHMARKS.md,
     # Serving). At least page_size.
     prefill_token_budget: int | None = None
+    # Long prompts. While no stream is decoding, a prompt with more than a chunk
+    # (max(prefill_buckets)) left goes in alone, `long_prefill_chunk` tokens per step, through a
+    # one-row program that runs `long_prefill_step` tokens per `forward` instead of a page of every
+    # row: on tiny / XLA:CPU about 5x the prompt tokens per second of the four-row page program with
+    # one busy row (BENCHMARKS.md, "Long prompts"). A token is computed the same way in either program
+    # (tests/serving/test_long_prefill.py), so this is a speed choice only. It costs one more compiled
+    # prefill program per decode_context_buckets width. None: LONG_PREFILL_CHUNK when max_context is
+    # at least 4x that (below, a whole prompt is a few steps of the page program and the extra
+    # compile does not pay), else 0 = off. Else a multiple of long_prefill_step, above the chunk.
+    long_prefill_chunk: int | None = None
+    long_prefill_step: int = 256  # a multiple of page_size (on tiny: 256 beat 128 and 512)
     enable_prefix_cache: bool = True
     # Speculative decoding (DSpark, a model with draft stages): drafts verified per decode step, 0 =
     # off; at most the model's dspark_block_size. `dspark_confidence` T (None = off): a row verifies
@@ -246,6 +261,23 @@ class ServeConfig:
         if self.prefill_token_budget < self.page_size:
             budget = self.prefill_token_budget
             raise ValueError(f"prefill_token_budget must be >= page_size ({self.page_size}), got {budget}")
+        step = self.long_prefill_step
+        if step < 1 or step % self.page_size:
+            raise ValueError(
+                f"long_prefill_step must be a positive multiple of page_size ({self.page_size}), got {step}"
+            )
+        if self.long_prefill_chunk is None:
+            auto = LONG_PREFILL_CHUNK if self.max_context >= 4 * LONG_PREFILL_CHUNK else 0
+            object.__setattr__(self, "long_prefill_chunk", auto)
+        long_chunk = self.long_prefill_chunk
+        if long_chunk and (
+            long_chunk % step or long_chunk <= self.prefill_buckets[-1] or long_chunk > self.max_context
+        ):
+            raise ValueError(
+                f"long_prefill_chunk must be 0 (off) or a multiple of long_prefill_step ({step}) above the "
+                f"prefill chunk ({self.prefill_buckets[-1]}) and at most max_context ({self.max_context}), "
+                f"got {long_chunk}"
+            )
         positive = (
             "max_tokens_limit",
             "default_max_tokens",

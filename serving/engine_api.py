@@ -11,7 +11,9 @@ Shapes are static, so nothing compiles after `warmup()`:
 - `num_pages` pages of `page_size` tokens; each slot has a page table of `pages_per_slot` entries
   (`max_context / page_size`), one row of `page_tables[max_slots, pages_per_slot]` on the host.
 - a prefill chunk is padded to the smallest of `prefill_buckets` that holds it; the scheduler never
-  sends a chunk longer than `max(prefill_buckets)`. `prefill_batch` takes the chunks of several
+  sends a chunk longer than `max(prefill_buckets)`, but for one alone of at most
+  `long_prefill_chunk` tokens when the engine has that (a long prompt while nothing decodes).
+  `prefill_batch` takes the chunks of several
   slots at once (at most `max(ServeConfig.prefill_rows)`; JaxEngine compiles one program per
   `prefill_rows` size and pads a call to the smallest that holds it).
 
@@ -177,6 +179,10 @@ class EngineSpec:
     # and a slot's pages must come from its own block (slot s is in block s // (max_slots /
     # kv_blocks), page p in block p // (num_pages / kv_blocks)). 1 = any page serves any slot.
     kv_blocks: int = 1
+    # Long prompts: a prefill call may hold one text chunk (no image spans) of more than max_chunk
+    # and at most this many tokens, alone (JaxEngine's one-row long program); 0 = never. The
+    # scheduler sends one only while no stream is decoding (`ServeConfig.long_prefill_chunk`).
+    long_prefill_chunk: int = 0
 
     def __post_init__(self):
         check_shapes(
@@ -195,6 +201,15 @@ class EngineSpec:
             raise ValueError(
                 f"replay_tokens must be a multiple of page_size {self.page_size} (>= 0), "
                 f"got {self.replay_tokens}"
+            )
+        long_chunk = self.long_prefill_chunk
+        if long_chunk and (
+            long_chunk <= self.max_chunk or long_chunk % self.page_size or long_chunk > self.max_context
+        ):
+            raise ValueError(
+                f"long_prefill_chunk must be 0 or a multiple of page_size {self.page_size} above the "
+                f"largest prefill bucket {self.max_chunk} and at most max_context {self.max_context}, "
+                f"got {long_chunk}"
             )
         w = tuple(self.dspark_widths)
         if w and (list(w) != sorted(set(w)) or w[0] < 1 or w[-1] > self.dspark_max_drafts):

@@ -143,13 +143,18 @@ class _PrefillRows:
 
     @classmethod
     def idle(
-        cls, size: int, engine: JaxEngine, slots: np.ndarray | None = None, pages: int | None = None
+        cls,
+        size: int,
+        engine: JaxEngine,
+        slots: np.ndarray | None = None,
+        pages: int | None = None,
+        width: int | None = None,
     ) -> _PrefillRows:
         """`size` rows that bring nothing (slots 0.., or `slots`), page tables of `pages` pages (None:
-        pages_per_slot)."""
+        pages_per_slot), chunks of `width` tokens (None: the prefill chunk)."""
         return cls(
             slots=np.arange(size, dtype=np.int32) if slots is None else np.asarray(slots, np.int32),
-            tokens=np.full((size, engine.prefill_chunk), engine.cfg.pad_token_id, np.int32),
+            tokens=np.full((size, width or engine.prefill_chunk), engine.cfg.pad_token_id, np.int32),
             n=np.zeros(size, np.int32),
             start=np.zeros(size, np.int32),
             page_tables=np.zeros((size, pages or engine.spec.pages_per_slot), np.int32),
@@ -164,10 +169,12 @@ class _PrefillRows:
         )
 
     @classmethod
-    def build(cls, chunks: Sequence[PrefillChunk], size: int, engine: JaxEngine) -> _PrefillRows:
-        """The chunks' rows in a batch of `size`, the rest idle rows on distinct other slots. Under
-        data-parallel attention row block d holds the chunks of block d's slots, then idle slots of
-        block d."""
+    def build(
+        cls, chunks: Sequence[PrefillChunk], size: int, engine: JaxEngine, width: int | None = None
+    ) -> _PrefillRows:
+        """The chunks' rows in a batch of `size` (chunks of `width` tokens, None: the prefill chunk),
+        the rest idle rows on distinct other slots. Under data-parallel attention row block d holds the
+        chunks of block d's slots, then idle slots of block d."""
         blocks, max_slots = engine.kv_blocks, engine.spec.max_slots
         per_slot, per_row = max_slots // blocks, size // blocks
         used = {c.slot for c in chunks}
@@ -180,7 +187,7 @@ class _PrefillRows:
                 row_of[i] = len(slots)
                 slots.append(chunks[i].slot)
             slots.extend(others[: per_row - len(mine)])
-        rows = cls.idle(size, engine, slots)
+        rows = cls.idle(size, engine, slots, width=width)
         if any(c.token_types is not None for c in chunks):
             rows = rows.with_images(engine)
         for i, c in enumerate(chunks):
@@ -352,6 +359,10 @@ class JaxEngine:
         self.hasher = model.hasher
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
+        # Long prompts (ServeConfig.long_prefill_chunk): one text chunk at a time, kv_blocks rows (one
+        # busy), `long_prefill_step` tokens per forward; 0 = no such program.
+        self.long_prefill_chunk = config.long_prefill_chunk
+        self.long_prefill_step = config.long_prefill_step
         self.decode_buckets = tuple(config.decode_buckets)
         self.prefill_rows = tuple(config.prefill_rows)
         self.max_logprobs = max_logprobs
@@ -360,6 +371,7 @@ class JaxEngine:
         # Steps per page-table width (pages), for tests and benchmarks.
         self.decode_widths_used: collections.Counter[int] = collections.Counter()
         self.prefill_widths_used: collections.Counter[int] = collections.Counter()
+        self.long_prefill_calls = 0  # calls of the long-prompt program, for tests and benchmarks
         # Prefill chunks per device block (data-parallel attention; block 0 otherwise).
         self.blocks_used: collections.Counter[int] = collections.Counter()
         self.engine = Engine(
@@ -409,6 +421,7 @@ class JaxEngine:
             ced_window=cfg.sliding_window if ced_boundary(cfg) is not None else 0,
             kv_page_bytes=self.page_layout.page_bytes if tiers else 0,
             kv_blocks=self.kv_blocks,
+            long_prefill_chunk=self.long_prefill_chunk,
             config_summary={
                 "layers": str(cfg.num_layers),
                 "hidden_size": str(cfg.hidden_size),
@@ -450,6 +463,7 @@ class JaxEngine:
         self._counter.reset()
         self.decode_widths_used.clear()
         self.prefill_widths_used.clear()
+        self.long_prefill_calls = 0
         self.blocks_used.clear()
 
     @contextmanager
@@ -519,6 +533,10 @@ class JaxEngine:
                 if self._spec.hidden_size:  # the image variant (idle rows)
                     with self._warm_step(f"prefill+images rows={size} pages={pages}"):
                         self._prefill_rows(_PrefillRows.idle(size, self, pages=pages).with_images(self))
+            if self.long_prefill_chunk:  # the long-prompt program (text only)
+                with self._warm_step(f"long prefill rows={self.kv_blocks} pages={pages}"):
+                    idle = _PrefillRows.idle(self.kv_blocks, self, pages=pages, width=self.long_prefill_chunk)
+                    self._prefill_rows(idle, long=True)
         for n in self._page_buckets:  # KV tiers: every page-copy size (writes of dropped padding ids)
             with self._warm_step(f"page copy pages={n}"), self._counter.watch():
                 self.engine.read_pages(np.zeros(n, np.int32))
@@ -623,7 +641,8 @@ class JaxEngine:
         """Checks every chunk, then sets the Engram history of fresh slots (at their first chunk's start)
         and dispatches the `prefill_batch` program of
         the smallest `prefill_rows` size that holds the chunks (idle rows: distinct other slots
-        with 0 tokens, which write nothing)."""
+        with 0 tokens, which write nothing), or for one text chunk longer than the prefill chunk
+        the long-prompt program (`long_prefill_step` tokens per forward)."""
         self._require_warm()
         if not 1 <= len(chunks) <= self.prefill_rows[-1]:
             raise ValueError(f"prefill batch of {len(chunks)} chunks outside 1..{self.prefill_rows[-1]}")
@@ -632,6 +651,12 @@ class JaxEngine:
             raise ValueError(f"one chunk per slot in a prefill batch, got slots {slots}")
         for chunk in chunks:  # all checked before any state changes
             self._check_chunk(chunk)
+        long = any(len(c.token_ids) > self.prefill_chunk for c in chunks)
+        if long and (len(chunks) > 1 or chunks[0].token_types is not None):
+            raise ValueError(
+                f"a chunk of more than {self.prefill_chunk} tokens (the long-prompt program) goes alone "
+                "and without image spans"
+            )
         for chunk in chunks:
             if self._pos[chunk.slot] < 0:
                 dead = None if chunk.history_types is None else np.asarray(chunk.history_types) >= 0
@@ -645,11 +670,17 @@ class JaxEngine:
                 f"prefill batch: {busiest} chunks on one device block, at most "
                 f"{self.prefill_rows[-1] // self.kv_blocks} (prefill_rows / devices)"
             )
-        rows = _PrefillRows.build(chunks, fits[0], self)
+        if long:
+            self.long_prefill_calls += 1
+            rows = _PrefillRows.build(chunks, self.kv_blocks, self, width=self.long_prefill_chunk)
+        else:
+            rows = _PrefillRows.build(chunks, fits[0], self)
         self.blocks_used.update(c.slot // per_slot for c in chunks)
         pages = self._table_width(max(c.start_pos + len(c.token_ids) - 1 for c in chunks))
         self.prefill_widths_used[pages] += 1
-        out = self._prefill_rows(dataclasses.replace(rows, page_tables=rows.page_tables[:, :pages]))
+        out = self._prefill_rows(
+            dataclasses.replace(rows, page_tables=rows.page_tables[:, :pages]), long=long
+        )
         for chunk in chunks:
             self._pos[chunk.slot] = chunk.start_pos + len(chunk.token_ids)
             if chunk.is_last_chunk:
@@ -662,8 +693,10 @@ class JaxEngine:
         s, start, n = chunk.slot, chunk.start_pos, len(chunk.token_ids)
         if not 0 <= s < spec.max_slots:
             raise ValueError(f"slot {s} outside 0..{spec.max_slots - 1}")
-        if not 1 <= n <= self.prefill_chunk:
-            raise ValueError(f"chunk length {n} outside 1..{self.prefill_chunk}")
+        if not 1 <= n <= max(self.prefill_chunk, self.long_prefill_chunk):
+            raise ValueError(
+                f"chunk length {n} outside 1..{max(self.prefill_chunk, self.long_prefill_chunk)}"
+            )
         if start % self.page_size or start + n > spec.max_context:
             raise ValueError(f"chunk [{start}, {start + n}) is not page aligned or runs past max_context")
         if self._decoding[s]:
@@ -708,14 +741,16 @@ class JaxEngine:
         if chunk.decoder_from and not spec.ced_window:
             raise ValueError("decoder_from: this model has no CED layout")
 
-    def _prefill_rows(self, rows: _PrefillRows):
-        """The prefill program over `rows` (one compiled program per row count)."""
+    def _prefill_rows(self, rows: _PrefillRows, long: bool = False):
+        """The prefill program over `rows` (one compiled program per row count; `long`: the
+        long-prompt one, `long_prefill_step` tokens per forward instead of a page)."""
         with self._counter.watch():
             return self.engine.prefill_batch(
                 rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
                 rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
                 token_bitmask=rows.token_bitmask, token_types=rows.token_types, span_embeds=rows.span_embeds,
                 decoder_from=rows.decoder_from, window_floor=rows.window_floor, write_from=rows.write_from,
+                step_tokens=self.long_prefill_step if long else None,
             )  # fmt: skip
 
     def decode(self, batch: DecodeBatch) -> DecodeResult:

@@ -159,6 +159,7 @@ class MockEngine:
         dspark_max_drafts: int | None = None,
         draft_miss_every: int = 0,
         ced_window: int = 0,
+        long_prefill_chunk: int = 0,
     ):
         self._spec = EngineSpec(
             max_slots=max_slots,
@@ -173,6 +174,7 @@ class MockEngine:
             history_tokens=history_tokens,
             model_name="mock",
             dspark_widths=tuple(dspark_widths),
+            long_prefill_chunk=long_prefill_chunk,
             dspark_max_drafts=max(dspark_widths, default=0)
             if dspark_max_drafts is None
             else dspark_max_drafts,
@@ -237,6 +239,8 @@ class MockEngine:
         slots = [c.slot for c in chunks]
         if len(set(slots)) != len(slots):
             raise ValueError(f"one chunk per slot in a prefill batch, got slots {slots}")
+        if len(chunks) > 1 and any(len(c.token_ids) > self._spec.max_chunk for c in chunks):
+            raise ValueError("a long chunk (above the largest prefill bucket) goes alone")
         self.prefill_batches.append(tuple(slots))
         self.calls.append("prefill")
         return Ready([self._prefill_one(c) for c in chunks])
@@ -251,8 +255,9 @@ class MockEngine:
         spec = self._spec
         s, start, toks = chunk.slot, chunk.start_pos, np.asarray(chunk.token_ids, np.int32)
         n = len(toks)
-        if not 1 <= n <= spec.max_chunk:
-            raise ValueError(f"chunk length {n} outside 1..{spec.max_chunk}")
+        longest = max(spec.max_chunk, spec.long_prefill_chunk)
+        if not 1 <= n <= longest:
+            raise ValueError(f"chunk length {n} outside 1..{longest}")
         if start % spec.page_size:
             raise ValueError(f"chunk start {start} is not page aligned")
         if start + n > spec.max_context:
@@ -271,7 +276,8 @@ class MockEngine:
         if self._decoding[s]:
             raise ValueError(f"slot {s} is decoding")
         self._check_history(chunk)
-        self.prefill_log.append((s, start, n, spec.bucket_for(n)))
+        bucket = spec.long_prefill_chunk if n > spec.max_chunk else spec.bucket_for(n)
+        self.prefill_log.append((s, start, n, bucket))
         cached = min(max(chunk.write_from - start, 0), n)  # a replay: those pages are shared
         if cached and not np.array_equal(self._read(chunk.page_table, start + cached)[start:], toks[:cached]):
             raise ValueError(

@@ -14,8 +14,10 @@ Request lifecycle (one request = one `_Seq`):
    prefill budget, while usage's cached_prompt_tokens reports b.
 3. Prefill: one `engine.prefill_async` per step over the chunks of up to max(`prefill_rows`)
    prefilling requests (oldest first), `prefill_token_budget` prompt tokens in all while any stream
-   is decoding (it bounds how long they wait), else every row's largest chunk (nobody waits: a
-   long prompt alone goes in as few steps as the buckets allow), handed out a
+   is decoding (it bounds how long they wait), else every row's largest chunk (nobody waits), or,
+   when the oldest prefilling request has more than a chunk of text left and the engine has a
+   long-prompt program (`EngineSpec.long_prefill_chunk`), that request alone in one long chunk;
+   the budget is handed out a
    page per request in turn (so a batch's chunks are about equally long: the engine runs as many
    page iterations as its longest chunk has pages); each chunk is at most the largest bucket and
    starts on a page boundary. After each chunk, the prompt blocks it completed are registered in
@@ -845,14 +847,24 @@ class Scheduler:
     def _plan_prefill(self) -> list[tuple[_Seq, int]]:
         """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
         first, each chunk at most the largest bucket, together at most `prefill_token_budget` tokens
-        while a stream is decoding (none: every row's largest chunk). The budget is handed out a page
+        while a stream is decoding (none: every row's largest chunk, or the oldest request's long text
+        prompt alone in a chunk of up to `long_prefill_chunk`). The budget is handed out a page
         per request in turn, so the chunks end up about equally long: a batched prefill runs as many
         page iterations as its longest chunk has pages. Every chunk but a prompt's last ends on a page
         boundary (the next one must start on one)."""
         ps, max_chunk = self.spec.page_size, self.spec.max_chunk
         rows = max(self.config.prefill_rows)
         budget = self.config.prefill_token_budget
-        if not any(s is not None and s.decoding for s in self._slots):
+        decoding = any(s is not None and s.decoding for s in self._slots)
+        long_chunk = self.spec.long_prefill_chunk
+        if long_chunk and not decoding and self._prefilling:
+            # Nobody waits: the oldest request's long text prompt goes alone in large chunks
+            # (EngineSpec.long_prefill_chunk; a multiple of page_size, so the next starts on a page).
+            seq = self._prefilling[0]
+            left = len(seq.prompt) - seq.prefilled
+            if left > max_chunk and not seq.images:
+                return [(seq, seq.prefilled + min(left, long_chunk))]
+        if not decoding:
             budget = max(budget, rows * max_chunk)
         seqs = self._prefilling[:rows]
         blocks = self.spec.kv_blocks

@@ -26,6 +26,8 @@ def make_engine_and_config(**overrides) -> tuple[MockEngine, ServeConfig]:
         if k in shapes:
             shapes[k] = overrides.pop(k)
     engine_kw = {k: overrides.pop(k) for k in list(overrides) if k in engine_only}
+    if "long_prefill_chunk" in overrides:  # both know it
+        engine_kw["long_prefill_chunk"] = overrides["long_prefill_chunk"]
     engine = MockEngine(**shapes, max_logprobs=5, **engine_kw)
     cfg = dict(max_logprobs=5, max_tokens_limit=60, default_max_tokens=16, max_queued=8, metrics_port=None)
     cfg.update(overrides)

@@ -45,8 +45,10 @@ pytestmark = pytest.mark.timeout(900)
 # The shapes of the module's engine (and of the `ced-jax serve` subprocess, so that it finds the
 # programs in the persistent compilation cache).
 SLOTS, PAGE, CONTEXT, CHUNK = 32, 16, 128, 32
+LONG_CHUNK, LONG_STEP = 64, 32  # the long-prompt program: two forwards of 32 tokens per call
 SERVE_ARGS = ["--max-slots", str(SLOTS), "--page-size", str(PAGE), "--max-context", str(CONTEXT)]
 SERVE_ARGS += ["--prefill-chunk", str(CHUNK)]
+SERVE_ARGS += ["--long-prefill-chunk", str(LONG_CHUNK), "--long-prefill-step", str(LONG_STEP)]
 PREFILL_ROWS = ServeConfig(max_slots=SLOTS).prefill_rows[-1]  # the default: one prefill program size
 GREEDY = SamplingParams(temperature=0.0)
 LOGPROB_ATOL = 4e-6  # a few float32 ulps at |log p| ~ 5; a misplaced KV entry moves them by > 1e-3
@@ -64,7 +66,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = JaxEngine(model, _config(kv_host_bytes=1 << 20))  # compiles the KV tiers' page copies too
+    # The KV tiers' page copies and the long-prompt program compiled too (other engines of the module
+    # leave the latter out: off by default at this context).
+    eng = JaxEngine(
+        model, _config(kv_host_bytes=1 << 20, long_prefill_chunk=LONG_CHUNK, long_prefill_step=LONG_STEP)
+    )
     eng.warmup()
     return eng
 
@@ -247,15 +253,15 @@ def _as_arrays(toks) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-def _prefill_chunks(engine, slot, prompt, start, *, table=None, write_from=0, beside=()):
-    """Prefill prompt[start:] into `slot` in chunks of CHUNK tokens (a prefix hit when start > 0:
+def _prefill_chunks(engine, slot, prompt, start, *, table=None, write_from=0, beside=(), chunk=CHUNK):
+    """Prefill prompt[start:] into `slot` in chunks of `chunk` tokens (a prefix hit when start > 0:
     window_floor start, write_from, the Engram history's tokens before start); beside: a list per
     call of other chunks sharing that call. Returns (the first sampled token, the other chunks'
     results)."""
     history = np.asarray(prompt[max(0, start - engine.spec.history_tokens) : start], np.int32)
     results, others = None, []
-    for i, a in enumerate(range(start, len(prompt), CHUNK)):
-        end = min(a + CHUNK, len(prompt))
+    for i, a in enumerate(range(start, len(prompt), chunk)):
+        end = min(a + chunk, len(prompt))
         mine = _chunk(slot, prompt[a:end], a, last=end == len(prompt), table=table, window_floor=start,
                       write_from=write_from)  # fmt: skip
         if i == 0:
@@ -269,10 +275,11 @@ def _prefill_chunks(engine, slot, prompt, start, *, table=None, write_from=0, be
 def test_prefix_hit_is_exact_alone_and_beside_other_requests(engine):
     """One prompt served four ways: cold alone, cold with its chunks batched beside other requests'
     chunks, a prefix hit at 96 (replayed from 96 - replay_tokens = 32) beside others (and decoded
-    among 12 streams, the 16-row decode program), a hit at 80 (replayed from 16) alone. The tokens
-    and every log-prob are bit-identical: the replay rebuilds the rings from the cached tokens, and
-    the prefill program has one row count (`prefill_rows`), so a row's arithmetic does not depend on
-    what else is in the batch."""
+    among 12 streams, the 16-row decode program), a hit at 80 (replayed from 16) alone, and cold and
+    as the hit at 96 through the long-prompt program (one row, 32 tokens per forward, 64-token
+    chunks). The tokens and every log-prob are bit-identical: the replay rebuilds the rings from the
+    cached tokens, the page program has one row count (`prefill_rows`), and `forward` computes a token
+    the same way whatever the rows and the tokens of its step."""
     assert engine.spec.replay_tokens == 64  # 8 layers x (8 - 1) tokens of SWA receptive field
     prompt = _prompt(110)  # 6 full pages, then [96, 110)
     others = [_prompt(n) for n in (20, 32, 9, 30, 17, 28, 25, 12, 31, 22, 14)]
@@ -324,6 +331,21 @@ def test_prefix_hit_is_exact_alone_and_beside_other_requests(engine):
         _decode_steps(engine, stream, steps, {7: table})
         runs["hit at 80 alone"] = stream[7][1]
         engine.release(7)
+
+        # 5. cold, then a hit at 96 (replayed from 32: 78 tokens), through the long-prompt program
+        calls = engine.long_prefill_calls
+        token, _ = _prefill_chunks(engine, 8, prompt, 0, chunk=LONG_CHUNK)
+        stream = {8: (len(prompt), [token])}
+        _decode_steps(engine, stream, steps)
+        runs["cold, long program"] = stream[8][1]
+        table = _hit_table(9, 8, 6)
+        token, _ = _prefill_chunks(engine, 9, prompt, 32, table=table, write_from=96, chunk=LONG_CHUNK)
+        engine.release(8)
+        stream = {9: (len(prompt), [token])}
+        _decode_steps(engine, stream, steps, {9: table})
+        runs["hit at 96, long program"] = stream[9][1]
+        engine.release(9)
+        assert engine.long_prefill_calls - calls == 3  # 64 + 46 tokens; 64 of the hit's 78 (then 14)
     finally:
         for s in range(SLOTS):
             engine.release(s)
@@ -564,8 +586,14 @@ def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, 
 def test_engine_rejects_calls_it_was_not_compiled_for(engine):
     table = np.zeros(CONTEXT // PAGE, np.int32)
     chunk = dict(slot=1, page_table=table, history=np.zeros(0, np.int32), sampling=GREEDY, is_last_chunk=True)
-    with pytest.raises(ValueError, match="chunk length 33 outside 1..32"):
-        engine.prefill(PrefillChunk(token_ids=np.ones(33, np.int32), start_pos=0, **chunk))
+    with pytest.raises(ValueError, match=f"chunk length {LONG_CHUNK + 1} outside 1..{LONG_CHUNK}"):
+        engine.prefill(PrefillChunk(token_ids=np.ones(LONG_CHUNK + 1, np.int32), start_pos=0, **chunk))
+    # Above the prefill chunk: the long-prompt program, alone and text only.
+    beside = PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=0, **{**chunk, "slot": 2})
+    with pytest.raises(ValueError, match="goes alone and without image spans"):
+        engine.prefill_batch(
+            [beside, PrefillChunk(token_ids=np.ones(CHUNK + 1, np.int32), start_pos=0, **chunk)]
+        )
     with pytest.raises(ValueError, match="not page aligned"):
         engine.prefill(PrefillChunk(token_ids=np.ones(4, np.int32), start_pos=8, **chunk))
     with pytest.raises(ValueError, match="starts at its window_floor"):
@@ -617,6 +645,21 @@ def test_grpc_greedy_stream_is_the_model(server, model):
     assert out.usage.prompt_tokens == 37 and out.usage.completion_tokens == 10
     _check_against_mirror(model, prompt, out.token_ids, *_logprob_arrays(out))
     assert out.text == model.decode_text(out.token_ids)
+    server.assert_idle()
+
+
+def test_a_long_prompt_alone_goes_through_the_long_program(server, model):
+    """Nothing decoding: a prompt of more than a chunk goes in alone through the long-prompt program
+    (64-token calls: 64 + 56 here); its tokens and log-probabilities are the mirror's (a page per
+    call). Bit for bit against the page program: test_prefix_hit_is_exact_alone_and_beside_other_requests."""
+    engine = server.server.engine
+    prompt = _prompt(120)
+    before = engine.long_prefill_calls
+    out = client.generate(server.addr, prompt, max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True,
+                          timeout=120)  # fmt: skip
+    assert engine.long_prefill_calls - before == 2
+    _check_against_mirror(model, prompt, out.token_ids, *_logprob_arrays(out))
+    assert engine.compiles_after_warmup == 0
     server.assert_idle()
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from serving_helpers import GREEDY, make_engine_and_config, request, run_until_idle, wait_until
 
-from serving.config import ServeConfig
+from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 from serving.engine_api import SamplingParams
 from serving.metrics import Metrics
 from serving.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
@@ -269,6 +269,32 @@ def test_a_prompt_with_no_stream_decoding_takes_whole_chunks():
     _assert_clean(engine, sched)
 
 
+def test_a_long_prompt_with_no_stream_decoding_goes_alone_in_long_chunks():
+    """With a long-prompt program (EngineSpec.long_prefill_chunk), the oldest request's text prompt
+    of more than a chunk goes alone in long chunks while nothing decodes; once a stream decodes, the
+    budget bounds every step again, and a short prompt never takes the long program."""
+    engine, sched = _sched(long_prefill_chunk=32, long_prefill_step=8, prefill_token_budget=8)
+    alone = _submit(sched, "long", "w" * 60, max_tokens=4)
+    queued = _submit(sched, "short", "v" * 12, max_tokens=4)
+    sched.step()
+    assert engine.prefill_batches == [(0,)] and engine.prefill_log == [(0, 0, 32, 32)]
+    run_until_idle(sched)
+    # "long" finishes alone (28 tokens left: above a chunk); "short" then goes in under the budget,
+    # since "long" decodes by then.
+    assert [(s, n) for s, _, n, _ in engine.prefill_log] == [(0, 32), (0, 28), (1, 8), (1, 4)]
+    engine.prefill_log.clear()
+    streaming = _submit(sched, "s", "hi", max_tokens=30)
+    sched.step()
+    beside = _submit(sched, "long2", "u" * 60, max_tokens=4)
+    run_until_idle(sched)
+    assert max(n for s, _, n, _ in engine.prefill_log if s != 0) <= 8  # the budget: "s" decodes
+    for events, prompt, n in (
+        (alone, "w" * 60, 4), (queued, "v" * 12, 4), (beside, "u" * 60, 4), (streaming, "hi", 30)
+    ):  # fmt: skip
+        assert collect(events)[0] == mock_greedy_stream(TOK.encode(prompt), n)
+    _assert_clean(engine, sched)
+
+
 def test_prefill_rows_bounds_the_requests_per_step():
     engine, sched = _sched(max_slots=8, prefill_rows=(2,), prefill_token_budget=64)
     events = [_submit(sched, str(i), "q" * 5, max_tokens=3) for i in range(5)]
@@ -307,9 +333,16 @@ def test_serve_config_prefill_knobs():
         (dict(prefill_rows=(8, 64)), "prefill_rows"),  # more rows than slots
         (dict(prefill_rows=()), "prefill_rows"),
         (dict(prefill_token_budget=15), "prefill_token_budget"),
+        (dict(long_prefill_step=24), "long_prefill_step"),  # not a multiple of the page
+        (dict(long_prefill_chunk=96, long_prefill_step=32), "long_prefill_chunk"),  # not above the chunk
+        (dict(long_prefill_chunk=160, long_prefill_step=64), "long_prefill_chunk"),  # not of the step
+        (dict(long_prefill_chunk=512, long_prefill_step=64), "long_prefill_chunk"),  # above max_context
     ):
         with pytest.raises(ValueError, match=field):
-            ServeConfig(max_slots=32, page_size=16, max_context=256, **bad)
+            ServeConfig(max_slots=32, page_size=16, max_context=256, prefill_buckets=(128,), **bad)
+    # Auto: on from 4x LONG_PREFILL_CHUNK of context, off below (the extra compile would not pay).
+    assert ServeConfig(max_context=4 * LONG_PREFILL_CHUNK).long_prefill_chunk == LONG_PREFILL_CHUNK
+    assert ServeConfig(max_context=4 * LONG_PREFILL_CHUNK - 16).long_prefill_chunk == 0
 
 
 @pytest.mark.parametrize("replay", [0, 4, 8, 32])
