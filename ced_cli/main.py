@@ -696,6 +696,7 @@ def _http_limits(args):
         _check_at_least("--http-max-body-bytes", args.http_max_body_bytes, 1)
     _check_at_least("--max-effort-concurrent", args.max_effort_concurrent, 1)
     _check_at_least("--max-effort-queue", args.max_effort_queue, 0)
+    _check_at_least("--http-keepalive", args.http_keepalive, 0.0)
     return AdmissionLimits(
         max_concurrent=args.http_max_concurrent,
         max_tier_concurrent=args.max_effort_concurrent,
@@ -840,6 +841,7 @@ def _serve_config(args):
         http_models=_http_models(args),
         http_limits=_http_limits(args),
         http_max_body_bytes=args.http_max_body_bytes,
+        http_keepalive_s=args.http_keepalive,
         grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
@@ -1404,6 +1406,15 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="HTTP request body bytes, checked as they arrive, before parsing; beyond: 413 (default: "
         "4 x --max-prompt-bytes + 1 MiB, plus --max-images-per-request x --max-image-bytes in base64 on "
         "a model that takes images)",
+    )
+    g.add_argument(
+        "--http-keepalive",
+        type=float,
+        default=serve.http_keepalive_s,
+        metavar="S",
+        help="a non-streaming answer not ready within S seconds gets its 200 and then an empty line every "
+        "S seconds until its JSON, as DeepSeek's API does (clients' read timeouts measure silence, not "
+        "work; a later error comes as the error body under that 200); 0: off (default: %(default)s)",
     )
     g.add_argument(
         "--max-effort-concurrent",

@@ -225,7 +225,8 @@ def index_scores(
     slots (whole pages), one after another, so a block's f32 keys stay in the CPU's cache instead of
     the whole row's (64 MB per row at 128K tokens and ratio 1). Every slot's score is its own dot
     product, so the scores are the same bit for bit whatever the blocks
-    (tests/ced_jax/test_indexer_candidates.py)."""
+    (tests/ced_jax/test_indexer_candidates.py). Blocks past every query's visible slots are not
+    scored (their -inf is the same)."""
     from pallas_kernels import indexer
 
     kind, backend, interpret = parse_impl(impl)
@@ -250,9 +251,17 @@ def index_scores(
     # The last block is padded with page 0; its slots lie past the row and are cut off below.
     table = jnp.pad(page_table, ((0, 0), (0, blocks * block - width)))
 
+    limit = jnp.max(n_visible)  # no query of the call sees a slot at or past it
+    unseen = jnp.full((b, q.shape[1], block * per_page), -jnp.inf, jnp.float32)
+
     def score_block(i):
-        pages = jax.lax.dynamic_slice_in_dim(table, i * block, block, axis=1)
-        return index_scores_unpacked(q, weights, keys_of(pages), n_visible - i * block * per_page)
+        def score():
+            pages = jax.lax.dynamic_slice_in_dim(table, i * block, block, axis=1)
+            return index_scores_unpacked(q, weights, keys_of(pages), n_visible - i * block * per_page)
+
+        # A block past every query's visible slots would score -inf throughout: its work is skipped,
+        # so a call costs the context its rows have, not its table's width.
+        return jax.lax.cond(i * block * per_page < limit, score, lambda: unseen)
 
     scores = jax.lax.map(score_block, jnp.arange(blocks, dtype=jnp.int32))  # [blocks, B, T, block * S]
     scores = jnp.moveaxis(scores, 0, 2).reshape(*scores.shape[1:3], blocks * block * per_page)

@@ -192,6 +192,12 @@ class ServeConfig:
     # limits' equivalent, 4 x max_prompt_bytes (JSON escapes) + 1 MiB, plus base64 images
     # (max_images_per_request x max_image_bytes x 4/3) on a model that takes them.
     http_max_body_bytes: int | None = None
+    # A non-streaming request not answered within this many seconds gets its 200 and headers, then an
+    # empty line every this many seconds until its JSON body, as DeepSeek's hosted API does while a
+    # request waits (api-surface.md, SSE keep-alive): a client's read timeout then measures silence,
+    # not the work, and JSON parsers skip the leading whitespace. An error after that comes as the
+    # error body under the 200 already sent. 0: off (every answer waits for its status).
+    http_keepalive_s: float = 5.0
     http_pricing: PricingConfig = PricingConfig()  # the hosted prices of the cost ledger (accounting.py)
     grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
     # Threads of the pools that work before the scheduler (serving/work_pools.py): request preparation
@@ -293,6 +299,8 @@ class ServeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.http_keepalive_s < 0:
+            raise ValueError(f"http_keepalive_s must be >= 0 (0: off), got {self.http_keepalive_s}")
         if self.http_max_body_bytes is not None and self.http_max_body_bytes < 1:
             raise ValueError(f"http_max_body_bytes must be >= 1 or None, got {self.http_max_body_bytes}")
         if self.num_pages * self.page_size < self.max_context:

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -339,10 +340,13 @@ class HttpFrontEnd:
             p = await _prepare(self.pools.prepare, tenant, self.converter, api, raw, identity or "")
         except PoolBusy as e:
             raise ApiError(429, str(e), headers={"Retry-After": "1"}) from None
+        response = None
         try:
-            return await self._run(api, request, p, identity)
+            response = await self._run(api, request, p, identity)
+            return response
         finally:
-            if not p.stream:  # a stream releases its file leases when it ends (_sse)
+            # A stream releases its file leases when it ends (_sse), as does a keep-alive answer.
+            if not p.stream and not getattr(response, "owns_request", False):
                 p.release()
 
     def body_limit(self) -> int:
@@ -393,13 +397,49 @@ class HttpFrontEnd:
             return StreamingResponse(
                 _chain(first, events), media_type="text/event-stream", headers={**_SSE_HEADERS, **headers}
             )
-        async with self._admitted(p):
-            work = asyncio.ensure_future(self._full(api, p, rid, identity, outcome))
+        admitted = self._admitted(p)
+        await admitted.__aenter__()
+        work = asyncio.ensure_future(self._full(api, p, rid, identity, outcome))
+        keepalive = self.config.http_keepalive_s or None
+        try:
+            body = await _unless_disconnected(request, work, patience=keepalive)
+        except BaseException:
+            self._account(outcome)
+            await admitted.__aexit__(None, None, None)
+            raise
+        if body is not None:
+            self._account(outcome)
+            await admitted.__aexit__(None, None, None)
+            return Response(body, media_type="application/json", headers=headers)
+        # Still working: the status and headers now, empty lines while it works (the hosted API's
+        # keep-alive), then the body. The stream owns the request from here (its end releases it).
+        finish = asyncio.ensure_future(self._finish(work, admitted, outcome, p, anthropic=api == MESSAGES))
+        response = StreamingResponse(_keepalive(work, keepalive, finish), media_type="application/json",
+                                     headers=headers)  # fmt: skip
+        response.owns_request = True
+        return response
+
+    async def _finish(
+        self, work: asyncio.Future, admitted, outcome: gen.Outcome, p: Prepared, *, anthropic: bool
+    ):
+        """The end of a keep-alive answer: the body (an error's body when the work failed), then the
+        request's admission, accounting and file leases released, whatever happened."""
+        try:
             try:
-                body = await _unless_disconnected(request, work)
-            finally:
-                self._account(outcome)
-        return Response(body, media_type="application/json", headers=headers)
+                return await work
+            except ApiError as e:
+                return json.dumps(e.body(anthropic)).encode()
+            except Exception:
+                log.exception("HTTP answer failed after its keep-alive lines")
+                return json.dumps(ApiError(500, "internal error").body(anthropic)).encode()
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+            self._account(outcome)
+            await admitted.__aexit__(None, None, None)
+            p.release()
 
     @contextlib.asynccontextmanager
     async def _admitted(self, p: Prepared):
@@ -695,6 +735,24 @@ def _tokenizer_file(tokenizer):
     return getattr(tokenizer, "tokenizer_file", None)
 
 
+async def _keepalive(work: asyncio.Future, interval: float, body: asyncio.Future):
+    """An empty line every `interval` seconds until `work` is done, then the `body` future's bytes
+    (`_finish`, which releases the request however it ends). Closed early (the client left), the work
+    is cancelled."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=interval)
+            if done:
+                break
+            yield b"\n"
+        yield await body
+    finally:
+        if not body.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await body
+
+
 async def _first(agen):
     """The first item of `agen` (raising what it raises before that), or None if it is empty."""
     try:
@@ -713,13 +771,17 @@ async def _chain(first: Any, agen):
         await agen.aclose()
 
 
-async def _unless_disconnected(request: Request, work: asyncio.Future):
-    """`work`'s result, or cancel it (its `finally` aborts the engine request) if the client leaves."""
+async def _unless_disconnected(request: Request, work: asyncio.Future, patience: float | None = None):
+    """`work`'s result, or cancel it (its `finally` aborts the engine request) if the client leaves;
+    None (the work goes on) when it is not done within `patience` seconds."""
+    deadline = None if patience is None else time.monotonic() + patience
     try:
         while True:
             done, _ = await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
             if done:
                 return work.result()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
             if await request.is_disconnected():
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -80,5 +80,12 @@ def test_whole_row_scores_are_the_same_in_blocks(queries):
     for block_entries in (PER_PAGE, 2 * PER_PAGE, 3 * PER_PAGE):  # 10 pages: blocks of 1, 2, 3 pages
         got = ops.index_scores(q, w, key_pages, table, n_visible, block_entries=block_entries)
         np.testing.assert_array_equal(np.asarray(got), whole, err_msg=f"block_entries={block_entries}")
+    # A call whose rows all end early: the blocks past every row are skipped, the scores the same.
+    short = jnp.minimum(n_visible, 2 * PER_PAGE + 3)
+    whole = np.asarray(ops.index_scores(q, w, key_pages, table, short, block_entries=width))
+    assert np.isfinite(whole[..., : 2 * PER_PAGE + 3]).any() and np.isneginf(whole[..., 3 * PER_PAGE :]).all()
+    for block_entries in (PER_PAGE, 2 * PER_PAGE, 3 * PER_PAGE):
+        got = ops.index_scores(q, w, key_pages, table, short, block_entries=block_entries)
+        np.testing.assert_array_equal(np.asarray(got), whole, err_msg=f"short, block_entries={block_entries}")
     with pytest.raises(ValueError, match="block_entries must be >= 1"):
         ops.index_scores(q, w, key_pages, table, n_visible, block_entries=0)

@@ -1,4 +1,5 @@
-"""`ced-jax serve`'s scheduling flags (--prefill-rows, --prefill-token-budget, --decode-segment-tokens):
+"""`ced-jax serve`'s scheduling flags (--prefill-rows, --prefill-token-budget, --long-prefill-chunk,
+--long-prefill-step, --decode-segment-tokens):
 bad values exit 2 with one line naming the flag, before any model is loaded; good ones reach the
 ServeConfig."""
 
@@ -36,6 +37,16 @@ def nothing_loads(monkeypatch):
         (["--prefill-token-budget", "-1"], ("--prefill-token-budget", "-1")),
         (["--page-size", "32", "--prefill-token-budget", "16"], ("--prefill-token-budget", "32")),
         (["--decode-segment-tokens", "-5"], ("--decode-segment-tokens", ">= 0", "-5")),
+        (["--long-prefill-step", "24"], ("--long-prefill-step", "--page-size 16", "24")),
+        (["--long-prefill-chunk", "300"], ("--long-prefill-chunk", "--long-prefill-step 256", "300")),
+        (
+            ["--long-prefill-chunk", "256", "--prefill-chunk", "256"],
+            ("--long-prefill-chunk", "above --prefill-chunk"),
+        ),
+        (
+            ["--max-context", "4096", "--long-prefill-chunk", "8192"],
+            ("--long-prefill-chunk", "at most --max-context 4096", "8192"),
+        ),
         (["--kv-host-bytes", "-3"], ("--kv-host-bytes", ">= 0", "-3")),
         (["--kv-disk-dir", "/tmp/ced-kv"], ("--kv-disk-dir", "--kv-disk-bytes")),
         (["--kv-disk-bytes", "100"], ("--kv-disk-dir", "--kv-disk-bytes")),
@@ -75,6 +86,14 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
     assert main([*BASE]) == 0  # batch invariant by default: decode from 8 rows, one prefill size
     assert seen["config"].batch_invariant
     assert (seen["config"].decode_buckets, seen["config"].prefill_rows) == ((8, 16, 32), (4,))
+    # The long-prompt program: on from 8192 tokens of context (auto is 39,888 on tiny), off below.
+    assert (seen["config"].long_prefill_chunk, seen["config"].long_prefill_step) == (2048, 256)
+    assert main([*BASE, "--max-context", "4096"]) == 0
+    assert seen["config"].long_prefill_chunk == 0
+    assert main([*BASE, "--long-prefill-chunk", "1024", "--long-prefill-step", "128"]) == 0
+    assert (seen["config"].long_prefill_chunk, seen["config"].long_prefill_step) == (1024, 128)
+    assert main([*BASE, "--long-prefill-chunk", "0"]) == 0
+    assert seen["config"].long_prefill_chunk == 0
     assert main([*BASE, "--no-batch-invariant"]) == 0  # the batch in use: from 1 row
     assert (seen["config"].decode_buckets, seen["config"].prefill_rows) == ((1, 2, 4, 8, 16, 32), (1, 4))
 
