@@ -122,9 +122,10 @@ class ServeConfig:
     # Long prompts. While no stream is decoding, a prompt with more than a chunk
     # (max(prefill_buckets)) left goes in alone, `long_prefill_chunk` tokens per step, through a
     # one-row program that runs `long_prefill_step` tokens per `forward` instead of a page of every
-    # row: on tiny / XLA:CPU about 5x the prompt tokens per second of the four-row page program with
-    # one busy row (BENCHMARKS.md, "Long prompts"). A token is computed the same way in either program
-    # (tests/serving/test_long_prefill.py), so this is a speed choice only. It costs one more compiled
+    # row: on tiny / XLA:CPU 5.6x the prompt tokens per second of the four-row page program with one
+    # busy row (BENCHMARKS.md, "One long prompt alone: the long-prompt program"). A token is computed
+    # the same way in either program, bit for bit (tests/serving/test_serving_jax.py), so this is a
+    # speed choice only. It costs one more compiled
     # prefill program per decode_context_buckets width. None: LONG_PREFILL_CHUNK when max_context is
     # at least 4x that (below, a whole prompt is a few steps of the page program and the extra
     # compile does not pay), else 0 = off. Else a multiple of long_prefill_step, above the chunk.
