@@ -45,6 +45,7 @@ VIT_NORM_EPS = 1e-6
 # torch's CPU flash attention splits keys into blocks of 512 (kvSplitSize) for long sequences.
 ATTN_KV_BLOCK = 512
 ATTN_Q_BLOCK = 1024  # queries per chunk (memory only)
+ATTN_PV_ROWS = 128  # queries per block of the probabilities-times-values product (`_probs_times_values`)
 
 
 def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -131,9 +132,22 @@ def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array
     # The blocks are summed in order (sum_small): a reduce over J would pick its order by J, so the
     # rows of an image padded to a larger bucket (more, all-masked blocks) would round differently.
     denom = sum_small(jnp.sum(exps, axis=-1) * rescale, -1)  # [H, Q]
-    partial_out = jnp.einsum("hqjk,jkhd->hqjd", exps, vb, precision=HIGHEST)
+    partial_out = _probs_times_values(exps, vb)
     out = sum_small(partial_out * rescale[..., None], 2) / denom[..., None]  # [H, Q, Dh]
     return round_bf16(jnp.transpose(out, (1, 0, 2)))
+
+
+def _probs_times_values(exps: jax.Array, vb: jax.Array) -> jax.Array:
+    """exps [H, Q, J, Kb] times vb [J, Kb, H, Dh] over Kb -> [H, Q, J, Dh], with the queries in
+    blocks of ATTN_PV_ROWS as a batch axis: XLA:CPU's dot rounds a row differently with another
+    number of rows (measured at head_dim 64: 315,273 of an image's 676-patch results changed when
+    padded to 1,024), a block's rows never, so an image's features do not depend on its bucket."""
+    heads, num, blocks, width = exps.shape
+    chunks = -(-num // ATTN_PV_ROWS)
+    e = jnp.pad(exps, ((0, 0), (0, chunks * ATTN_PV_ROWS - num), (0, 0), (0, 0)))
+    e = e.reshape(heads, chunks, ATTN_PV_ROWS, blocks, width)
+    out = jnp.einsum("hcqjk,jkhd->hcqjd", e, vb, precision=HIGHEST)
+    return out.reshape(heads, chunks * ATTN_PV_ROWS, blocks, -1)[:, :num]
 
 
 def vit_block(

@@ -231,6 +231,35 @@ def test_bucket_padding_changes_nothing(golden, encoder, images, features):
         encoder.bucket_for(max_patches(v) + 1)
 
 
+@pytest.mark.parametrize("n_h, n_w", [(9, 9), (26, 26)])
+def test_bucket_padding_changes_nothing_at_another_width(golden, tmp_path, n_h, n_w):
+    """Issue 37.2: a tower of width 256 (head_dim 64; tiny-v's is 64 wide, head_dim 32) with random
+    weights: an image's ViT and aligner outputs at its own patch count equal those padded to the next
+    bucket bit for bit (before `_probs_times_values`, 5-6 % of the outputs differed at 81 and 676
+    patches: XLA:CPU's dot rounded a row by the number of query rows)."""
+    d, _, _, _ = golden
+    config = json.loads((d / "config.json").read_text())
+    config["vision_config"].update(hidden_size=256, num_attention_heads=4, intermediate_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    rng = np.random.default_rng(n_h)
+    params = {}
+    for name, (shape, _) in vision_param_specs(cfg).items():
+        norm = "norm" in name and name.endswith("weight")
+        a = 1 + 0.1 * rng.normal(size=shape) if norm else 0.05 * rng.normal(size=shape)
+        params[name] = jnp.asarray(a.astype(ml_dtypes.bfloat16))
+    encoder = VisionEncoder(cfg, params)
+    v = cfg.vision
+    r = v.downsample_ratio
+    pixels = rng.integers(0, 256, (n_h * n_w, 3 * v.patch_size**2), dtype=np.uint8)
+    im = PreparedImage(pixels, n_h, n_w, -(-n_h // r), -(-n_w // r))
+    exact = encoder.features(im, bucket=im.num_patches)
+    padded = encoder.features(im, bucket=encoder.bucket_for(im.num_patches))
+    assert encoder.bucket_for(im.num_patches) > im.num_patches
+    for name in ("vit_output", "aligner_output"):
+        assert np.array_equal(padded[name], exact[name]), name
+
+
 def test_tall_and_wide_grids_run(golden, encoder):
     """Grids that are not multiples of the merge ratio, one patch row or column: shapes only."""
     _, cfg, _, _ = golden
