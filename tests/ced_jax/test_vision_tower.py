@@ -231,7 +231,7 @@ def test_bucket_padding_changes_nothing(golden, encoder, images, features):
         encoder.bucket_for(max_patches(v) + 1)
 
 
-@pytest.mark.parametrize("n_h, n_w", [(9, 9), (26, 26)])
+@pytest.mark.parametrize("n_h, n_w", [(1, 7), (9, 9), (17, 31), (26, 26)])
 def test_bucket_padding_changes_nothing_at_another_width(golden, tmp_path, n_h, n_w):
     """Issue 37.2: a tower of width 256 (head_dim 64; tiny-v's is 64 wide, head_dim 32) with random
     weights: an image's ViT and aligner outputs at its own patch count equal those padded to the next
