@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 from serving.config import ServeConfig
 from serving.engine_api import SamplingParams
@@ -105,3 +106,26 @@ def http_converter(tokenizer_json, *, max_tokens_limit: int = 64, max_context: i
         tokenizers.Tokenizer.from_file(str(tokenizer_json)), catalog=ModelCatalog(ServeConfig().http_models),
         max_context=max_context, max_tokens_limit=max_tokens_limit, max_logprobs=5,
     )  # fmt: skip
+
+
+TINY_V = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
+
+
+class GoldenTokenizer:
+    """The serving tokenizer interface over tiny-v's tokenizer.json (the mock engine needs no model)."""
+
+    tokenizer_file = TINY_V / "tokenizer.json"
+
+    def __init__(self):
+        import tokenizers
+
+        self._tok = tokenizers.Tokenizer.from_file(str(self.tokenizer_file))
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self._tok.decode(list(ids))
+
+    def constraint_tokenizer(self):
+        return None

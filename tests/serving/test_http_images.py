@@ -26,7 +26,7 @@ import numpy as np
 import openai
 import pytest
 import tokenizers
-from serving_helpers import ServerThread, wait_until
+from serving_helpers import GoldenTokenizer, ServerThread, wait_until
 from starlette.testclient import TestClient
 
 from ced_jax.chat import PromptEncoder, render_messages
@@ -523,24 +523,6 @@ class SpansAsText(FixturePipeline):
     def build_prompt(self, prompt_text, images, encode, *, field="messages"):
         ids, _ = super().build_prompt(prompt_text, images, encode, field=field)
         return ids, ()
-
-
-class GoldenTokenizer:
-    """The serving tokenizer interface over tiny-v's tokenizer.json (the mock engine needs no model)."""
-
-    tokenizer_file = GOLDEN / "tokenizer.json"
-
-    def __init__(self):
-        self._tok = tokenizers.Tokenizer.from_file(str(self.tokenizer_file))
-
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self._tok.decode(list(ids))
-
-    def constraint_tokenizer(self):
-        return None
 
 
 @pytest.fixture(scope="module")

@@ -7,40 +7,21 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import anthropic
 import httpx2 as httpx
 import openai
 import pytest
-import tokenizers
-from serving_helpers import ServerThread
+from serving_helpers import GoldenTokenizer, ServerThread
 
 from serving.config import ServeConfig
 from serving.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(300)
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
 INTERVAL_S = 0.2
 STEP_S = 0.05  # the mock engine's time per step: 40 tokens take about 2 s, ten intervals
 NO_THINKING = {"thinking": {"type": "disabled"}}
-
-
-class GoldenTokenizer:
-    tokenizer_file = GOLDEN / "tokenizer.json"
-
-    def __init__(self):
-        self._tok = tokenizers.Tokenizer.from_file(str(self.tokenizer_file))
-
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self._tok.decode(list(ids))
-
-    def constraint_tokenizer(self):
-        return None
 
 
 @pytest.fixture(scope="module")
