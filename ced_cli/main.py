@@ -876,8 +876,13 @@ def cmd_serve(args) -> int:
         engine = JaxEngine(model, config, cluster=cluster)
         rows = "/".join(map(str, config.prefill_rows))
         print(
-            f"ced-jax: compiling prefill ({chunk}-token chunks, {rows} rows) "
-            f"and decode ({config.max_slots} slots"
+            f"ced-jax: compiling prefill ({chunk}-token chunks, {rows} rows"
+            + (
+                f"; long prompts {config.long_prefill_chunk}-token chunks, 1 row"
+                if config.long_prefill_chunk
+                else ""
+            )
+            + f") and decode ({config.max_slots} slots"
             + (f", DSpark widths {list(engine.dspark_widths)}" if config.dspark else "")
             + ") ...",
             flush=True,
