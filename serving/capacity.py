@@ -62,7 +62,7 @@ from ced_jax import ops, sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.model import flatten_specs, param_specs
-from serving.config import LONG_PREFILL_CHUNK, ServeConfig
+from serving.config import ServeConfig, default_long_prefill_chunk
 
 SERVE = ServeConfig()  # the shapes a server starts with: the default workload
 
@@ -345,7 +345,7 @@ def activation_ledger(
     )
     decode["tokens_per_sequence"] = per_seq
     if long_prefill_step is None:
-        long_prefill_step = SERVE.long_prefill_step if context >= 4 * LONG_PREFILL_CHUNK else 0
+        long_prefill_step = SERVE.long_prefill_step if default_long_prefill_chunk(context) else 0
     ledger = {"prefill": prefill, "decode": decode}
     if long_prefill_step:
         ledger["long_prefill"] = _step_activations(

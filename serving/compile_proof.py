@@ -60,7 +60,7 @@ from ced_jax import sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, our_param_specs
 from ced_jax.config import PRESETS, ModelConfig, preset
 from ced_jax.model import flatten_specs, param_specs
-from serving.config import LONG_PREFILL_CHUNK, ServeConfig
+from serving.config import LONG_PREFILL_CHUNK, ServeConfig, default_long_prefill_chunk
 
 SERVE = ServeConfig()
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ PROGRAMS = ("prefill", "decode", "long_prefill")
 def server_programs(context: int) -> tuple[str, ...]:
     """The programs a server compiles at this context with its defaults: the long-prompt prefill
     (`ServeConfig.long_prefill_chunk`) only from 4x LONG_PREFILL_CHUNK on."""
-    return ("prefill", "decode") + (("long_prefill",) if context >= 4 * LONG_PREFILL_CHUNK else ())
+    return ("prefill", "decode") + (("long_prefill",) if default_long_prefill_chunk(context) else ())
 
 
 # XLA:CPU's instruction schedulers (`xla_cpu_scheduler_type`). Its default schedules for concurrency on
@@ -222,8 +222,8 @@ def compile_in_process(
     programs = server_programs(context) if programs is None else tuple(programs)
     if "long_prefill" in programs and "long_prefill" not in server_programs(context):
         raise ValueError(
-            f"programs: a server at context {context} has no long-prompt prefill (from "
-            f"{4 * LONG_PREFILL_CHUNK} tokens on)"
+            f"programs: a server at context {context} has no long-prompt prefill (see "
+            "serving.config.default_long_prefill_chunk)"
         )
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:

@@ -36,6 +36,12 @@ INVARIANT_DECODE_ROWS = 8
 LONG_PREFILL_CHUNK = 2048
 
 
+def default_long_prefill_chunk(max_context: int) -> int:
+    """`ServeConfig.long_prefill_chunk`'s default: LONG_PREFILL_CHUNK from 4x that context on, below
+    it 0 (a whole prompt is a few steps of the page program; the extra compile does not pay)."""
+    return LONG_PREFILL_CHUNK if max_context >= 4 * LONG_PREFILL_CHUNK else 0
+
+
 def default_decode_buckets(max_slots: int, *, batch_invariant: bool = True) -> tuple[int, ...]:
     """Powers of two below max_slots, then max_slots (see `decode_buckets`): from
     min(INVARIANT_DECODE_ROWS, max_slots) when batch-invariant, from 1 otherwise."""
@@ -274,8 +280,7 @@ class ServeConfig:
                 f"long_prefill_step must be a positive multiple of page_size ({self.page_size}), got {step}"
             )
         if self.long_prefill_chunk is None:
-            auto = LONG_PREFILL_CHUNK if self.max_context >= 4 * LONG_PREFILL_CHUNK else 0
-            object.__setattr__(self, "long_prefill_chunk", auto)
+            object.__setattr__(self, "long_prefill_chunk", default_long_prefill_chunk(self.max_context))
         long_chunk = self.long_prefill_chunk
         if long_chunk and (
             long_chunk % step or long_chunk <= self.prefill_buckets[-1] or long_chunk > self.max_context
@@ -300,8 +305,10 @@ class ServeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.http_keepalive_s < 0:
-            raise ValueError(f"http_keepalive_s must be >= 0 (0: off), got {self.http_keepalive_s}")
+        if not 0 <= self.http_keepalive_s < math.inf:  # NaN and inf too
+            raise ValueError(
+                f"http_keepalive_s must be a finite number >= 0 (0: off), got {self.http_keepalive_s}"
+            )
         if self.http_max_body_bytes is not None and self.http_max_body_bytes < 1:
             raise ValueError(f"http_max_body_bytes must be >= 1 or None, got {self.http_max_body_bytes}")
         if self.num_pages * self.page_size < self.max_context:

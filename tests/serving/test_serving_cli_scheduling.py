@@ -48,6 +48,8 @@ def nothing_loads(monkeypatch):
             ("--long-prefill-chunk", "at most --max-context 4096", "8192"),
         ),
         (["--kv-host-bytes", "-3"], ("--kv-host-bytes", ">= 0", "-3")),
+        (["--http-keepalive", "-1"], ("--http-keepalive", ">= 0", "-1")),
+        (["--http-keepalive", "nan"], ("--http-keepalive", "finite", "nan")),
         (["--kv-disk-dir", "/tmp/ced-kv"], ("--kv-disk-dir", "--kv-disk-bytes")),
         (["--kv-disk-bytes", "100"], ("--kv-disk-dir", "--kv-disk-bytes")),
         (["--kv-host-bytes", "100", "--no-prefix-cache"], ("--kv-host-bytes", "prefix cache")),

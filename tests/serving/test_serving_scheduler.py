@@ -343,6 +343,9 @@ def test_serve_config_prefill_knobs():
     # Auto: on from 4x LONG_PREFILL_CHUNK of context, off below (the extra compile would not pay).
     assert ServeConfig(max_context=4 * LONG_PREFILL_CHUNK).long_prefill_chunk == LONG_PREFILL_CHUNK
     assert ServeConfig(max_context=4 * LONG_PREFILL_CHUNK - 16).long_prefill_chunk == 0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="http_keepalive_s"):
+            ServeConfig(http_keepalive_s=bad)
 
 
 @pytest.mark.parametrize("replay", [0, 4, 8, 32])
