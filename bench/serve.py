@@ -137,13 +137,15 @@ def _start_local(args, http: bool = False):
     config = ServeConfig(
         max_slots=max_slots, page_size=args.page_size, max_context=context, prefill_buckets=(args.chunk,),
         prefill_rows=args.prefill_rows, prefill_token_budget=args.prefill_token_budget,
-        batch_invariant=args.batch_invariant, max_tokens_limit=context, metrics_port=0,
+        batch_invariant=args.batch_invariant, overlap_schedule=args.overlap_schedule,
+        max_tokens_limit=context, metrics_port=0,
         enable_prefix_cache=False,  # random prompts share nothing but BOS; keep the work honest
     )  # fmt: skip
     if http:
         config = dataclasses.replace(config, http_port=0)
     print(
-        f"batch invariant {config.batch_invariant}, prefill rows {config.prefill_rows}, "
+        f"batch invariant {config.batch_invariant}, overlap {config.overlap_schedule}, "
+        f"prefill rows {config.prefill_rows}, "
         f"token budget {config.prefill_token_budget}, "
         f"decode buckets {config.decode_buckets}",
         file=sys.stderr,
@@ -370,6 +372,12 @@ def main(argv=None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the in-process engine's ServeConfig.batch_invariant (default: on, as `ced-jax serve`)",
+    )
+    p.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the in-process engine's ServeConfig.overlap_schedule (default: on, as `ced-jax serve`)",
     )
     p.add_argument("--library-requests", type=int, default=8, help="generate() calls timed (0: skip)")
     p.add_argument("--max-context", type=int, default=256)

@@ -810,6 +810,7 @@ def _serve_config(args):
         prefill_buckets=(chunk,),
         prefill_rows=_prefill_rows(args),  # None: ServeConfig's default for these shapes
         batch_invariant=args.batch_invariant,
+        overlap_schedule=args.overlap_schedule,
         decode_context_buckets=_context_buckets(args),  # likewise
         prefill_token_budget=args.prefill_token_budget,
         long_prefill_chunk=args.long_prefill_chunk,  # None: ServeConfig's default for this context
@@ -1242,6 +1243,14 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         "is batched with it: decode runs at least 8 rows and prefill at one row count, padded (default: "
         "on). --no-batch-invariant runs decode and prefill at the batch in use (a lone stream at 1 row: "
         "faster, its output may change in the last bits with its neighbours)",
+    )
+    g.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=serve.overlap_schedule,
+        help="dispatch the next decode step as soon as a step's tokens are on the host, and handle "
+        "them (text, stop strings, events) and admit new requests while the device runs it (default: "
+        "on). A request ended by a stop string costs its row one dropped step",
     )
     g.add_argument(
         "--decode-context-buckets",

@@ -79,6 +79,13 @@ class ServeConfig:
     # batch in use (decode buckets from 1, prefill rows (1, n)), and a request's output may change
     # in the last bits with its neighbours. Explicit buckets that break it are refused while it is on.
     batch_invariant: bool = True
+    # Overlap scheduling: once a plain decode step's tokens are on the host, the next step is
+    # dispatched before they are handled (text, stop strings, events, metrics) and before the next
+    # round of admission, so that host work runs while the device computes. A request that a stop
+    # string ends costs its row one extra step, whose result is dropped. Off: every step's tokens are
+    # handled before the next dispatch (the device idles meanwhile). Speculative (DSpark) steps need
+    # their predecessor's drafts and are never overlapped.
+    overlap_schedule: bool = True
     # Decode batch sizes compiled at start-up; a step runs the smallest that holds its active rows.
     # None: powers of two up to max_slots, from min(INVARIANT_DECODE_ROWS, max_slots) (batch
     # invariant) or 1.

@@ -29,11 +29,19 @@ Request lifecycle (one request = one `_Seq`):
    padding and page tables of the prefill overlap the decode), then the decode's tokens are handled
    (text, stop checks, events) while the device runs the prefill, and the prefill's results last.
    So an arrival holds up the running streams by at most one budget of prefill per step, never by
-   its whole prompt. What does not overlap: the next step's decode is dispatched only once this
-   step's tokens are on the host, because its inputs need them on the host: the Engram hash rows of
-   a token are int64 hashing of the n-gram ending at it, done on the host (`ced_jax.engram_hash`,
-   as the spec places it). Dispatching decode N+1 before N's tokens are back would need that
-   hashing on the device.
+   its whole prompt. Overlap (`ServeConfig.overlap_schedule`, on by default): a plain decode step's
+   tokens are taken at the start of the next step, after its admission round (which so runs while
+   the device computes); only what decides the next step's rows is handled at once (a stop token,
+   the last of max_tokens, a grammar's next mask: those requests are finished or masked first), the
+   other tokens are recorded as the next step's inputs, the next decode and the prefill are
+   dispatched, and only then are those tokens handled (text, stop strings, events) while the device
+   runs them. A request that leaves its slot meanwhile (a stop string, an abort, a deadline, a
+   yield) has a row in the step in flight: its result is dropped (`overlap_dropped_rows`); the KV
+   that row writes lies past the request's registered blocks, in pages the device writes in
+   dispatch order, so a later owner's writes come after it. Speculative steps are never overlapped.
+   What cannot overlap: the next step's decode is dispatched only once this step's tokens are on
+   the host, because its inputs need them there: the Engram hash rows of a token are int64 hashing
+   of the n-gram ending at it, done on the host (`ced_jax.engram_hash`, as the spec places it).
    Flow control (`ServeConfig.decode_segment_tokens` N > 0): after admission, when requests are still
    waiting, each decoding request that has generated N tokens since it got its slot (most first)
    yields its slot, one at a time until the waiting requests are admitted: the full blocks of its
@@ -67,11 +75,11 @@ The scheduler keeps a packed token-mask row per slot (all ones for unconstrained
 to the engine with every decode step and with a prompt's last prefill chunk. A request's matcher
 consumes each token as it arrives (`_on_token`), and the rows of every request that got a token are
 filled together, in one parallel llguidance call, right before the next engine dispatch
-(`_fill_masks`). This needs no pipelining change, because the next decode is only dispatched once
-this step's tokens are on the host anyway (step 4 above), so every mask is up to date when it is
-sent. A request whose grammar is complete finishes with STOP (EOS is only allowed where the grammar
-may end); a grammar that rejects a token (which the mask prevents; a resource limit could still
-cause it) ends the request with an error event.
+(`_fill_masks`). Overlapped steps handle a constrained request's token before the next dispatch
+(step 4 above), so every mask is up to date when it is sent. A request whose grammar is complete
+finishes with STOP (EOS is only allowed where the grammar may end); a grammar that rejects a
+token (which the mask prevents; a resource limit could still cause it) ends the request with an
+error event.
 
 Speculative decoding (DSpark, `ServeConfig.dspark` K > 0; see `serving/engine_api.py`): every
 decode step sends each row's drafts from the previous step (none right after its prefill) and how
@@ -281,6 +289,11 @@ class Scheduler:
         self._results_at: float | None = None
         self._dispatched_at: float | None = None
         self._idle_before: float | None = None
+        self._outstanding = 0  # dispatched engine calls whose results the host has not taken yet
+        # Overlap scheduling (ServeConfig.overlap_schedule): the plain decode step in flight, taken
+        # at the next step: (active, pending, the request of each active slot at dispatch).
+        self._inflight: tuple[np.ndarray, object, list[tuple[int, _Seq, int]]] | None = None
+        self.overlap_dropped_rows = 0  # rows of overlapped steps whose request had left its slot
         self.clock = clock
         # KV tiers (module docstring, 6): blocks the device cache evicts are collected here and
         # demoted right after the allocation that evicted them.
@@ -614,39 +627,86 @@ class Scheduler:
         self._admit(now)
         self._yield_segments(now)
         worked = bool(inbox or aborts)
+        # With overlap scheduling the previous step's decode is still in flight: take its tokens,
+        # handle at once only what decides the next step's rows (below), dispatch the next decode,
+        # and handle the rest of the tokens while the device runs it.
+        later: list[tuple[_Seq, SampledToken]] = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            later = self._take_overlapped(*inflight)
+            worked = True
         # Dispatch the decode first: the device runs it while the host plans and dispatches the
         # prefill (Engram hashing, padding, page tables); then the decode's tokens are handled while
         # the prefill runs, and the prefill's results last.
         decoding = self._decode_dispatch()
-        if decoding is not None:
-            self._note_dispatch()
+        overlap = (
+            decoding is not None and decoding[2] is None and self.config.overlap_schedule and not self._dspark
+        )
+        if overlap:
+            active, pending, _ = decoding
+            tickets = [(int(s), self._slots[s], self._slots[s].admissions) for s in np.flatnonzero(active)]
+            self._inflight = (active, pending, tickets)
         prefill = self._prefill_dispatch()
-        if prefill is not None:
-            self._note_dispatch()
-        if decoding is not None:
+        for seq, tok in later:
+            if not seq.done:
+                self._handle_token(seq, tok)
+        if decoding is not None and not overlap:
             self._decode_finish(*decoding)
         if prefill is not None:
             self._prefill_finish(*prefill)
-        if decoding is None and prefill is None:
+        if decoding is None and prefill is None and self._outstanding == 0:
             self._results_at = None  # nothing ran: the wait for work is not idle time between steps
-        elif self.metrics is not None and self._dispatched_at is not None:
-            self.metrics.observe_step(self._idle_before, self._results_at - self._dispatched_at)
-        self._dispatched_at = None
         worked = worked or decoding is not None or prefill is not None
         self._update_gauges()
         return worked
 
-    def _note_dispatch(self) -> None:
-        """The step's first dispatch: the device waited since the previous step's last result (a
-        lower bound: it may have finished before the host asked for the result)."""
-        if self._dispatched_at is None:
+    def _dispatched(self, pending):
+        """Counts an engine call in flight; the first one after the host took every result starts a
+        busy period, and the gap since that last result is the device's idle time (a lower bound:
+        the device may have finished before the host asked for the result)."""
+        if self._outstanding == 0:
             self._dispatched_at = time.perf_counter()
             self._idle_before = None if self._results_at is None else self._dispatched_at - self._results_at
+        self._outstanding += 1
+        return pending
 
     def _result(self, pending):
         result = pending.result()
-        self._results_at = time.perf_counter()
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._results_at = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.observe_step(self._idle_before, self._results_at - self._dispatched_at)
         return result
+
+    def _take_overlapped(self, active, pending, tickets) -> list[tuple[_Seq, SampledToken]]:
+        """Takes an overlapped decode step's tokens. Rows whose request left its slot meanwhile (a
+        stop string, an abort, a deadline, a yield) are dropped. A token that decides whether its
+        request takes part in the next step (a stop token, the last of max_tokens, a grammar's next
+        mask) is handled now; the others are only recorded (`_take_token`, so the next step has its
+        inputs) and returned, to be handled once the next step is dispatched."""
+        result = self._result(pending)
+        later, rows = [], 0
+        for slot, seq, admissions in tickets:
+            if self._slots[slot] is not seq or seq.done or not seq.decoding or seq.admissions != admissions:
+                self.overlap_dropped_rows += 1
+                continue
+            rows += 1
+            tok = result.row(slot)
+            ends = (
+                tok.token_id in seq.req.stop_token_ids
+                or (tok.token_id in self._eos and not seq.req.ignore_eos)
+                or seq.generated + 1 >= seq.max_tokens
+            )
+            if ends or seq.matcher is not None:
+                self._on_token(seq, tok)
+            else:
+                self._take_token(seq, tok)
+                later.append((seq, tok))
+            self._draft_count[slot] = 0
+        if self.metrics is not None and rows:
+            self.metrics.observe_decode_step([1] * rows)
+        return later
 
     def _expire(self, now: float) -> None:
         expired = [s for s in self._waiting if s.req.deadline is not None and s.req.deadline <= now]
@@ -897,7 +957,7 @@ class Scheduler:
             return None
         self._fill_masks()
         chunks = [self._chunk(seq, end) for seq, end in plan]
-        return plan, self.engine.prefill_async(chunks)
+        return plan, self._dispatched(self.engine.prefill_async(chunks))
 
     def _chunk(self, seq: _Seq, end: int) -> PrefillChunk:
         spec = self.spec
@@ -970,7 +1030,7 @@ class Scheduler:
             seed=self._seed.copy(),
             token_bitmask=self._bitmask.copy(),
         )
-        return active, self.engine.decode_async(batch), None
+        return active, self._dispatched(self.engine.decode_async(batch)), None
 
     def _plan_drafts(self, active: np.ndarray) -> tuple[int, np.ndarray]:
         """(width, n_drafts [S]) of a speculative step: each active row's drafts to verify (module
@@ -1023,7 +1083,7 @@ class Scheduler:
             drafts=drafts,
             n_drafts=np.where(active, n_drafts, 0).astype(np.int32),
         )
-        return active, self.engine.decode_async(batch), batch.n_drafts
+        return active, self._dispatched(self.engine.decode_async(batch)), batch.n_drafts
 
     def _decode_finish(self, active: np.ndarray, pending, n_drafts: np.ndarray | None = None) -> None:
         result = self._result(pending)
@@ -1054,6 +1114,11 @@ class Scheduler:
             self.metrics.observe_decode_step(emitted, [int(n_drafts[slot]) for slot in slots])
 
     def _on_token(self, seq: _Seq, tok: SampledToken) -> None:
+        self._take_token(seq, tok)
+        self._handle_token(seq, tok)
+
+    def _take_token(self, seq: _Seq, tok: SampledToken) -> None:
+        """Records a sampled token: the request's counts and times, and its slot's next inputs."""
         now = self.clock()
         seq.generated += 1
         seq.output_ids.append(tok.token_id)
@@ -1068,6 +1133,10 @@ class Scheduler:
         seq.last_token_time = now
         if self.metrics is not None:
             self.metrics.generation_tokens.inc()
+
+    def _handle_token(self, seq: _Seq, tok: SampledToken) -> None:
+        """A recorded token's effects: the grammar, stop tokens and strings, max_tokens, the text and
+        log-probabilities sent to the client."""
         req = seq.req
         m = seq.matcher
         if m is not None:
@@ -1187,6 +1256,7 @@ class Scheduler:
         seq.decoding = False
 
     def _fail_all(self, error: str) -> None:
+        self._inflight, self._outstanding = None, 0
         with self._lock:
             self._failed = error
             seqs = list(self._live.values())
@@ -1291,6 +1361,7 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._finished = False
+        self._held: StreamEvent | None = None  # an error event that waits for the tokens before it
         self._handle: object | None = None
 
     def _sink(self, ev: StreamEvent) -> None:
@@ -1305,7 +1376,22 @@ class RequestStream:
     async def __anext__(self) -> StreamEvent:
         if self._finished:
             raise StopAsyncIteration
-        ev = await self._queue.get()
+        ev = self._held if self._held is not None else await self._queue.get()
+        self._held = None
+        # A reader slower than the engine finds several events queued: they go out as one (tokens,
+        # text and log-probabilities in order, the last one's finish), so it catches up instead of
+        # falling further behind. An error is never merged: what precedes it goes out first.
+        while not ev.final and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if nxt.error is not None:
+                self._held = nxt
+                break
+            ev = dataclasses.replace(
+                nxt,
+                token_ids=ev.token_ids + nxt.token_ids,
+                text=ev.text + nxt.text,
+                logprobs=ev.logprobs + nxt.logprobs,
+            )
         if ev.final:
             self._finished = True
         return ev

@@ -1,5 +1,7 @@
 """serving/scheduler.py driven step by step against the hand-computable mock engine."""
 
+import asyncio
+
 import numpy as np
 import pytest
 from serving_helpers import GREEDY, make_engine_and_config, request, run_until_idle, wait_until
@@ -8,7 +10,17 @@ from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 from serving.engine_api import SamplingParams
 from serving.metrics import Metrics
 from serving.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
-from serving.scheduler import AdmissionError, FinishReason, InvalidRequest, Scheduler, collect
+from serving.scheduler import (
+    AdmissionError,
+    FinishReason,
+    InvalidRequest,
+    RequestStream,
+    Scheduler,
+    StreamEvent,
+    TokenLogprobs,
+    Usage,
+    collect,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -198,8 +210,9 @@ def test_deadline_expires_waiting_and_running_requests():
     _assert_clean(engine, sched)
 
 
-def test_new_requests_join_between_decode_steps():
-    engine, sched = _sched()
+@pytest.mark.parametrize("overlap", [True, False])
+def test_new_requests_join_between_decode_steps(overlap):
+    engine, sched = _sched(overlap_schedule=overlap)
     a = _submit(sched, "a", "abc", max_tokens=20)
     for _ in range(5):
         sched.step()
@@ -210,8 +223,8 @@ def test_new_requests_join_between_decode_steps():
     # b was prefilled in two chunks while a kept decoding (one decode per step)
     assert engine.decode_steps == steps_before + 2
     # One token per step: the first from the prefill (the step's decode was dispatched before it),
-    # then one decode per step.
-    assert len(collect(a)[0]) == 7
+    # then one decode per step; overlapped, a step's tokens reach the stream in the next step.
+    assert len(collect(a)[0]) == (6 if overlap else 7)
     run_until_idle(sched)
     assert collect(a)[0] == mock_greedy_stream(TOK.encode("abc"), 20)
     assert collect(b)[0] == mock_greedy_stream(TOK.encode("x" * 20), 5)
@@ -306,8 +319,9 @@ def test_prefill_rows_bounds_the_requests_per_step():
     _assert_clean(engine, sched)
 
 
-def test_a_step_dispatches_its_decode_before_its_prefill_and_streams_never_stall():
-    engine, sched = _sched(prefill_token_budget=4)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_step_dispatches_its_decode_before_its_prefill_and_streams_never_stall(overlap):
+    engine, sched = _sched(prefill_token_budget=4, overlap_schedule=overlap)
     a = _submit(sched, "a", "abc", max_tokens=30)
     sched.step()  # a's prefill
     b = _submit(sched, "b", "w" * 40, max_tokens=3)  # ten steps of prefill at 4 tokens a step
@@ -315,7 +329,9 @@ def test_a_step_dispatches_its_decode_before_its_prefill_and_streams_never_stall
     for step in range(10):
         before = len(collect(a)[0])
         sched.step()
-        assert len(collect(a)[0]) == before + 1, f"step {step}: a stream stalled behind a prefill"
+        # Overlapped, the first decode's token is taken in the next step, then one a step.
+        got = 0 if overlap and step == 0 else 1
+        assert len(collect(a)[0]) == before + got, f"step {step}: a stream stalled behind a prefill"
     assert engine.calls == ["decode", "prefill"] * 10
     run_until_idle(sched)
     assert collect(a)[0] == mock_greedy_stream(TOK.encode("abc"), 30)
@@ -654,15 +670,91 @@ def test_a_finished_request_leaves_its_output_in_the_prefix_cache():
     _assert_clean(engine, sched)
 
 
-def test_device_idle_between_steps_is_measured_only_while_there_is_work():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_device_idle_between_steps_is_measured_only_while_there_is_work(overlap):
     metrics = Metrics()
-    engine, sched = _sched(metrics)
+    engine, sched = _sched(metrics, overlap_schedule=overlap)
     value = lambda name: metrics.registry.get_sample_value(name) or 0.0
     for round_ in range(2):
         events = _submit(sched, f"r{round_}", "abcdefgh", max_tokens=5)
-        steps = run_until_idle(sched)  # the last step() found nothing to do
+        run_until_idle(sched)  # the last step() found nothing to do
         assert len(collect(events)[0]) == 5
-        # Every step that ran work is timed; each but the first of a busy spell has a gap before it.
-        assert value("ced_step_seconds_count") == steps * (round_ + 1)
-        assert value("ced_device_idle_between_steps_seconds_count") == (steps - 1) * (round_ + 1)
+        # One request: each engine call (one prefill, four decodes) is a busy spell of its own, timed;
+        # each but the first of a round has a gap before it (the wait for work between rounds has none).
+        assert engine.calls == ["prefill"] + ["decode"] * 4
+        engine.calls.clear()
+        assert value("ced_step_seconds_count") == 5 * (round_ + 1)
+        assert value("ced_device_idle_between_steps_seconds_count") == 4 * (round_ + 1)
     assert 0 < value("ced_device_idle_between_steps_seconds_sum") < 5.0
+
+
+def test_overlap_hands_a_steps_tokens_out_after_the_next_step_is_dispatched():
+    engine, sched = _sched()
+    log = []
+    decode = engine.decode
+    engine.decode = lambda batch: (log.append("decode"), decode(batch))[1]
+    sched.submit(request("a", "abc", max_tokens=6), lambda ev: log.append(len(ev.token_ids)))
+    run_until_idle(sched)
+    # The prefill's token, then each decode's token only after the next decode was dispatched; the
+    # last decode (its token ends the request) is followed by no other.
+    assert log == [1, "decode", "decode", 1, "decode", 1, "decode", 1, "decode", 1, 1]
+    _assert_clean(engine, sched)
+
+
+def test_overlap_drops_the_rows_of_requests_that_left_their_slot_while_it_ran():
+    """A stop string ends "a" after its next step was dispatched (its row there is dropped), an abort
+    ends "b" likewise, and "c" and "d" take their slots at once: every stream equals its run alone."""
+    engine, sched = _sched(max_slots=2)
+    prompt = TOK.encode("hello")
+    full = TOK.decode(mock_greedy_stream(prompt, 30))
+    stop = full[4:6]
+    a = _submit(sched, "a", prompt, max_tokens=30, stop=(stop,))
+    b = _submit(sched, "b", "xyz", max_tokens=30)
+    c = _submit(sched, "c", "q" * 9, max_tokens=7)
+    d = _submit(sched, "d", "abcd", max_tokens=5)
+    for _ in range(6):
+        sched.step()
+    assert sched.abort("b")
+    run_until_idle(sched)
+    ids, text, last = collect(a)
+    assert text == full[: full.index(stop)] and last.finish_reason is FinishReason.STOP
+    assert b[-1].finish_reason is FinishReason.ABORT
+    assert collect(b)[0] == mock_greedy_stream(TOK.encode("xyz"), 30)[: len(collect(b)[0])]
+    assert collect(c)[0] == mock_greedy_stream(TOK.encode("q" * 9), 7)
+    assert collect(d)[0] == mock_greedy_stream(TOK.encode("abcd"), 5)
+    assert sched.overlap_dropped_rows == 2  # a's and b's rows of the step in flight when they ended
+    _assert_clean(engine, sched)
+
+
+def test_a_slow_reader_gets_the_events_it_fell_behind_on_as_one():
+    """Events queued while the reader was busy go out merged (in order, the last one's finish); an
+    error is never merged into them; a reader that keeps up gets every event alone."""
+    lp = lambda t: TokenLogprobs(t, -0.5, ((t, -0.5),))
+    tok = lambda t, text: StreamEvent("r", token_ids=(t,), text=text, logprobs=(lp(t),))
+    usage = Usage(3, 0, 3)
+
+    async def read(events, keep_up):
+        stream = RequestStream(None, "r", "", asyncio.get_running_loop())
+        got = []
+        for ev in events:
+            stream._sink(ev)
+            if keep_up:
+                await asyncio.sleep(0)  # the sink's call_soon_threadsafe runs
+                got.append(await anext(stream))
+        await asyncio.sleep(0)
+        async for ev in stream:
+            got.append(ev)
+        return got
+
+    final = StreamEvent(
+        "r", token_ids=(7,), text="c", logprobs=(lp(7),), finish_reason=FinishReason.STOP, usage=usage
+    )
+    events = [tok(5, "a"), tok(6, "b"), final]
+    merged = asyncio.run(read(events, keep_up=False))
+    assert len(merged) == 1 and merged[0].final and merged[0].usage == usage
+    assert merged[0].token_ids == (5, 6, 7) and merged[0].text == "abc"
+    assert [p.token_id for p in merged[0].logprobs] == [5, 6, 7]
+    assert asyncio.run(read(events, keep_up=True)) == events
+    failed = StreamEvent("r", error="engine failure")
+    got = asyncio.run(read([tok(5, "a"), tok(6, "b"), failed], keep_up=False))
+    assert [e.token_ids for e in got] == [(5, 6), ()] and got[1] == failed
