@@ -14,6 +14,7 @@ from jax import export
 
 from pallas_kernels.grouped_matmul import gmm
 from pallas_kernels.indexer import index_topk
+from pallas_kernels.mhc import hc_mixes
 from pallas_kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 
 S = jax.ShapeDtypeStruct
@@ -89,4 +90,18 @@ def test_indexer_lowers(backend, shape):
         S((b, t), jnp.int32),
     )
     call = functools.partial(index_topk, top_k=512, backend=backend)
+    assert CALL[backend] in _lower(call, backend, *args)
+
+
+# (tokens, hc * D): tiny's width at an odd token count; v41-flash (4 x 4096) at a decode batch of 64
+# and a 4K-token prefill chunk.
+MHC_SHAPES = [(37, 1024), (64, 16384), (4096, 16384)]
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("shape", MHC_SHAPES, ids=lambda s: "T{}K{}".format(*s))
+def test_mhc_mixing_lowers(backend, shape):
+    t, k = shape
+    args = (S((t, k), jnp.float32), S((24, k), jnp.float32), S((3,), jnp.float32), S((24,), jnp.float32))
+    call = functools.partial(hc_mixes, hc=4, iters=20, norm_eps=1e-20, hc_eps=1e-6, backend=backend)
     assert CALL[backend] in _lower(call, backend, *args)
