@@ -3,19 +3,21 @@
     python bench/device_check.py                   # on an H200: v41-flash shapes, Triton kernels
     python bench/device_check.py --smoke           # anywhere: tiny shapes, kernels interpreted
     python bench/device_check.py --backend tpu     # the Mosaic kernels instead (on a TPU)
-    [--repeats 20] [--json results.json] [--only gmm,attention,indexer]
+    [--repeats 20] [--json results.json] [--only gmm,attention,indexer,mhc]
 
 Shapes come from the `v41-flash` preset: the FP4 grouped matmul through w1/w3 (K = D) and w2
 (K = F) at decode batch 1, 8, 32, 64 (B x top-k rows) and a 4K-token prefill; paged sparse
 attention over the FP8 window (128 entries) plus 512 selected FP4 entries, decode at the same
 batches and a 4K-token prefill; indexer scoring + top-k over FP4 keys (decode at 32K compressed
-keys, prefill of 4K tokens over 2K keys). Experts are one device's half (E/2), as served on two
+keys, prefill of 4K tokens over 2K keys); the mHC mixing of one site (4 streams of 4096) at the
+decode batches and over 4K tokens. Experts are one device's half (E/2), as served on two
 or more devices (one device holding all 384 experts of one w1 is past the Triton kernel's i32
 offsets, see `kernel_triton.check_addressable`).
 
 For each case: the kernel's output against the reference (`pallas_kernels.*.reference`, jitted on
 the same device) with the tolerances of tests/pallas_kernels (the kernels form every product
-exactly and differ in f32 summation order only), then the kernel's median time over `repeats`
+exactly and differ in f32 summation order only; the mHC mixing also in the backend's division, bar
+2e-5 of the output scale), then the kernel's median time over `repeats`
 calls (after a warm-up; compile excluded) against its roofline: max(bytes / 4.3 TB/s, FLOPs / 790
 TFLOP/s) with the bytes each kernel must move (touched experts' packed weights and scales,
 gathered entries, visible keys, activations in and results out, as stored) and its matmul FLOPs.
@@ -58,6 +60,8 @@ from pallas_kernels.grouped_matmul import gmm  # noqa: E402
 from pallas_kernels.grouped_matmul import reference as gmm_ref  # noqa: E402
 from pallas_kernels.indexer import index_scores, select_topk  # noqa: E402
 from pallas_kernels.indexer import reference as index_ref  # noqa: E402
+from pallas_kernels.mhc import hc_mixes  # noqa: E402
+from pallas_kernels.mhc import reference as mhc_ref  # noqa: E402
 from pallas_kernels.sparse_attention import (  # noqa: E402
     reference as attn_ref,
 )
@@ -264,6 +268,35 @@ def check_indexer(
     )
 
 
+# --------------------------------------------------------------------------------- mHC mixing
+def check_mhc(label, t, hc, d, *, backend, interpret, repeats, seed) -> Row:
+    """One mixing site over t tokens' hc streams of width d, against the pure-jnp reference (XLA's
+    own sums and quotients: the kernel differs in f32 order and in the backend's division)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    n_mix, k = (2 + hc) * hc, hc * d
+    x = bf16_values(ks[0], (t, k), 3.0)
+    fn = jax.random.normal(ks[1], (n_mix, k), jnp.float32) / math.sqrt(k)
+    scale = jax.random.uniform(ks[2], (3,), jnp.float32, 0.5, 2.0)
+    base = jax.random.normal(ks[3], (n_mix,), jnp.float32) * 0.5
+    args = (x, fn, scale, base)
+    kw = dict(hc=hc, iters=20, norm_eps=1e-20, hc_eps=1e-6)
+    kernel = jax.jit(functools.partial(hc_mixes, backend=backend, interpret=interpret, **kw))
+    got = [np.asarray(a) for a in kernel(*args)]
+    want = [np.asarray(a) for a in jax.jit(functools.partial(mhc_ref.hc_mixes, **kw))(*args)]
+    err = max(float(np.abs(g - w).max()) / float(np.abs(w).max()) for g, w in zip(got, want, strict=True))
+    bar = 2e-5  # f32 rounding through 20 Sinkhorn iterations (tests/pallas_kernels: bit for bit interpreted)
+    ok = bool(all(np.isfinite(g).all() for g in got) and err <= bar)
+    return Row(
+        "mhc " + label,
+        f"T={t} hc={hc} D={d} iterations=20",
+        f"max|d|/max|ref| {err:.1e} (<= {bar:.0e})",
+        ok,
+        time_call(kernel, args, repeats),
+        float(t * k * 4 + n_mix * k * 4 + t * n_mix * 4),
+        2.0 * t * k * (n_mix + 1),
+    )
+
+
 # ------------------------------------------------------------------------------------ driver
 def check_vision(label, width, height, *, backend, interpret, repeats, seed) -> Row:
     """The ViT + aligner at the config of `label` ("released" or "smoke") on a noise image."""
@@ -346,6 +379,10 @@ def cases(smoke: bool):
         out.append(("indexer", check_indexer, f"decode B={b}", (b, 1, *index, i_pages, i_topk), {}))
     p_pages = max(1, i_pages // 16)
     out.append(("indexer", check_indexer, f"prefill {prefill}", (1, prefill, *index, p_pages, i_topk), {}))
+    hc, width = (4, 128) if smoke else (preset("v41-flash").hc_mult, d)
+    for b in batches:
+        out.append(("mhc", check_mhc, f"decode B={b}", (b, hc, width), {}))
+    out.append(("mhc", check_mhc, f"prefill {prefill}", (prefill, hc, width), {}))
     if smoke:  # one case per kernel variant: interpret-mode compiles dominate on a CPU
         keep = {
             "gmm w1 decode B=2",
@@ -353,6 +390,7 @@ def cases(smoke: bool):
             "attention decode B=2",
             "attention prefill 24",
             "indexer prefill 24",
+            "mhc prefill 24",
         }
         out = [c for c in out if f"{c[0]} {c[2]}" in keep]
         out.append(("vision", check_vision, "smoke (tiny-v tower)", (300, 200), {}))
@@ -393,12 +431,12 @@ def run(argv=None) -> tuple[list[Row], int]:
     parser.add_argument("--backend", choices=("gpu", "tpu"), default="gpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 20; smoke 1)")
     parser.add_argument(
-        "--only", default="gmm,attention,indexer,vision", help="comma-separated kernel groups"
+        "--only", default="gmm,attention,indexer,mhc,vision", help="comma-separated kernel groups"
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     groups = set(args.only.split(","))
-    unknown = groups - {"gmm", "attention", "indexer", "vision"}
+    unknown = groups - {"gmm", "attention", "indexer", "mhc", "vision"}
     if unknown:
         parser.error(f"--only: unknown group(s) {sorted(unknown)}")
     interpret = args.smoke

@@ -14,6 +14,8 @@ bitcasts), through calls, conditionals (every branch) and while loops. "static" 
 "per step" multiplies a loop's body by its known trip count (what a GPU would launch). Layers are
 told apart by the `layer{i}` scope the model opens for each (`ced_jax.model.forward`); what XLA adds
 without metadata inside a loop or call (its counter, copies) goes to the layer the rest of it names.
+"mHC mixing per step" counts the kernels of the mixing sites (`ced_jax.layers.mhc.hc_mixes`, its
+Sinkhorn loop's counters included): what impl=pallas runs as one kernel per site instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ FREE = {
 CONTROL = {"call", "while", "conditional"}
 HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 LAYER = re.compile(r"/layer(\d+)/")
+# The mHC mixing (`ced_jax.layers.mhc.hc_mixes`, its own jit, so its ops carry this op_name): what the
+# Pallas kernel of impl=pallas runs as one kernel per site.
+MHC = "jit(hc_mixes)/"
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Counts:
     per_step: int = 0
     by_kind: collections.Counter = field(default_factory=collections.Counter)
     by_layer: collections.Counter = field(default_factory=collections.Counter)
+    mhc_per_step: int = 0  # kernels of the mHC mixing (MHC), its loops' counters included
     unknown_trip_counts: int = 0
 
 
@@ -143,7 +149,20 @@ def count_launches(text: str) -> Counts:
             dominant[name] = seen.most_common(1)[0][0] if seen else None
         return dominant[name]
 
-    def walk(name: str, times: int, inherited: int | None, depth: int = 0) -> None:
+    mhc_computation: dict[str, bool] = {}
+
+    def in_mhc(name: str) -> bool:
+        """Whether most instructions of a computation (callees included) are the mHC mixing's."""
+        if name not in mhc_computation:
+            votes = collections.Counter(
+                in_mhc(c) if ins.opcode in CONTROL else MHC in ins.text
+                for ins in computations[name]
+                for c in (_callees(ins)[0] if ins.opcode in CONTROL else [None])
+            )
+            mhc_computation[name] = votes[True] > votes[False]
+        return mhc_computation[name]
+
+    def walk(name: str, times: int, inherited: int | None, depth: int = 0, mhc: bool = False) -> None:
         if depth > 64:
             raise ValueError(f"computation nesting past 64 at {name}")
         here = inherited if name == entry else (layer_of(name) if layer_of(name) is not None else inherited)
@@ -153,13 +172,15 @@ def count_launches(text: str) -> Counts:
                 if trips is None:
                     counts.unknown_trip_counts += 1
                 for callee in callees:
-                    walk(callee, times * (trips or 1), _layer(ins) or here, depth + 1)
+                    walk(callee, times * (trips or 1), _layer(ins) or here, depth + 1, mhc or in_mhc(callee))
                 continue
             if ins.opcode in FREE:
                 continue
             counts.static += 1
             counts.per_step += times
             counts.by_kind[_kind(ins)] += times
+            if mhc or MHC in ins.text:
+                counts.mhc_per_step += times
             layer = _layer(ins)
             counts.by_layer[layer if layer is not None else (here if here is not None else -1)] += times
 
@@ -232,6 +253,7 @@ def measure(
             "per_layer": in_layers,
             "per_layer_mean": sum(in_layers) / max(1, len(in_layers)),
             "outside_layers": c.by_layer[-1],
+            "mhc_per_step": c.mhc_per_step,
             "unknown_trip_counts": c.unknown_trip_counts,
             "top_kinds": c.by_kind.most_common(15),
         }
@@ -241,14 +263,15 @@ def measure(
 def format_table(out: dict) -> str:
     lines = [
         f"{out['model']} ({out['layers']} layers), {out['backend']}, jax {out['jax']}",
-        "| program | compile s | kernels (static) | kernels per step | per layer (mean) | outside layers |",
-        "|---|---|---|---|---|---|",
+        "| program | compile s | kernels (static) | kernels per step | per layer (mean) | outside layers "
+        "| mHC mixing per step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, p in out["programs"].items():
         compile_s = "?" if p["compile_s"] is None else f"{p['compile_s']:.1f}"
         lines.append(
             f"| {name} | {compile_s} | {p['static']} | {p['per_step']} | {p['per_layer_mean']:.0f} "
-            f"| {p['outside_layers']} |"
+            f"| {p['outside_layers']} | {p['mhc_per_step']} |"
         )
     for name, p in out["programs"].items():
         top = ", ".join(f"{k} {n}" for k, n in p["top_kinds"])

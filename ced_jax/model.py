@@ -31,7 +31,7 @@ from ced_jax.layers import moe as moe_lib
 from ced_jax.layers.attention import attention, write_compressed_kv
 from ced_jax.layers.common import f32_linear, rms_norm
 from ced_jax.layers.engram import engram
-from ced_jax.layers.mhc import hc_collapse, hc_expand, site_mixes, stream_mean
+from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
 from ced_jax.quant import round_bf16
 
 FP8 = ml_dtypes.float8_e4m3fn
@@ -211,8 +211,8 @@ def _moe(
     return round_bf16(routed + shared).reshape(b, t, d), own.reshape(b, t, -1)
 
 
-def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig, impl: str):
-    return site_mixes(
+def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig):
+    return hc_mixes(
         x,
         p[f"hc_{site}_fn"],
         p[f"hc_{site}_scale"],
@@ -221,7 +221,6 @@ def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig, impl: str):
         iters=cfg.hc_sinkhorn_iters,
         norm_eps=cfg.rms_norm_eps,
         hc_eps=cfg.hc_eps,
-        impl=impl,
     )
 
 
@@ -341,7 +340,7 @@ def forward(
                 pre = forced["pre_mix"][str(i)].astype(jnp.float32)
             # --- attention site (collapses with the previous site's pre: single-pass mHC)
             residual = x
-            attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg, impl)
+            attn_pre, attn_post, attn_comb = _mixes(p, "attn", x, cfg)
             a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
             y, topk, cache, shared = attention(
                 p["attn"],
@@ -360,7 +359,7 @@ def forward(
             x = hc_expand(y, residual, attn_post, attn_comb)
             # --- FFN site
             residual = x
-            ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg, impl)
+            ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
             f_in = rms_norm(hc_collapse(x, attn_pre), p["ffn_norm"]["weight"], cfg.rms_norm_eps)
             forced_ids = forced["experts"][i] if "experts" in forced else None
             y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout, image_mask)

@@ -103,27 +103,6 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
 
 
-def hc_mixes_kernel(
-    x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, hc: int, iters: int,
-    norm_eps: float, hc_eps: float, impl: str,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """The mHC mixing of `ced_jax.layers.mhc.hc_mixes` (x [..., hc, D] -> pre, post [..., hc], comb
-    [..., hc, hc]) through the Pallas kernel of impl="pallas...": one kernel per site instead of the
-    projection, the splits and every Sinkhorn step as separate XLA ops. In interpret mode it equals
-    the reference path bit for bit (tests/pallas_kernels/test_mhc.py)."""
-    kind, backend, interpret = parse_impl(impl)
-    if kind != "pallas":
-        raise NotImplementedError(f"impl={impl!r}: the mHC kernel is a Pallas one")
-    from pallas_kernels.mhc import hc_mixes
-
-    lead = x.shape[:-2]
-    pre, post, comb = hc_mixes(
-        x.reshape(-1, x.shape[-2] * x.shape[-1]), fn, scale, base,
-        hc=hc, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps, backend=backend, interpret=interpret,
-    )  # fmt: skip
-    return pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
-
-
 class KeySegment(NamedTuple):
     """Keys of one part of a query's attention span, read where they live: packed entries addressed
     through page tables, exactly what the paged kernels take.

@@ -13,7 +13,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ced_jax import ops
 from ced_jax.quant import exact_div, matmul_rows, max_small, mean_last, round_bf16, sum_small
 
 
@@ -41,14 +40,6 @@ def hc_mixes(
     comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*mixes.shape[:-1], hc, hc)
     comb = jnp.exp(comb - max_small(comb, -1)[..., None])  # no reduce: see ced_jax.quant
     return pre, post, sinkhorn(comb, iters=iters, eps=hc_eps)
-
-
-def site_mixes(x, fn, scale, base, *, hc: int, iters: int, norm_eps: float, hc_eps: float, impl: str):
-    """`hc_mixes` on impl="reference", else the Pallas kernel of `ops.hc_mixes_kernel`."""
-    kw = dict(hc=hc, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
-    if ops.parse_impl(impl)[0] == "reference":
-        return hc_mixes(x, fn, scale, base, **kw)
-    return ops.hc_mixes_kernel(x, fn, scale, base, impl=impl, **kw)
 
 
 def sinkhorn(comb: jax.Array, *, iters: int, eps: float) -> jax.Array:

@@ -58,9 +58,13 @@ def unpack(packed: jax.Array, t: int, hc: int):
     return p[:, :hc], p[:, hc : 2 * hc], p[:, 2 * hc : (2 + hc) * hc].reshape(t, hc, hc)
 
 
-def _lane(values: jax.Array, j: int) -> jax.Array:
-    """Column j of [R, W] as [R, 1]: a masked sum, exact (one term, the rest zeros), and an operation
-    both Mosaic and Triton lower (Triton cannot slice a value)."""
+def _lane(values: jax.Array, j: int, exact: bool) -> jax.Array:
+    """Column j of [R, W] as [R, 1]. On hardware a masked sum, exact (one term, the rest zeros), and an
+    operation both Mosaic and Triton lower (Triton cannot slice a value). In interpret mode a slice:
+    XLA:CPU may fuse a reduce with the exp or sigmoid that consumes it and hand the fusion to YNNPACK,
+    whose exp differs in the last ulp (`ced_jax.quant`, row-invariant sums), so no reduce is used."""
+    if exact:
+        return values[:, j : j + 1]
     lane = jax.lax.broadcasted_iota(jnp.int32, values.shape, 1)
     return jnp.sum(jnp.where(lane == j, values, 0.0), axis=1, keepdims=True)
 
@@ -72,8 +76,8 @@ def epilogue(mixes, sum_sq, k: int, scale, base, *, hc, iters, norm_eps, hc_eps,
     (its reduce_precision has no Mosaic or Triton lowering; there a quotient is the backend's own)."""
     div = formats.exact_div if exact else (lambda a, b: a / b)
     m = mixes * jax.lax.rsqrt(div(sum_sq, float(k)) + norm_eps)
-    s_pre, s_post, s_comb = (_lane(scale, i) for i in range(3))
-    mix = lambda j, s: _lane(m, j) * s + _lane(base, j)
+    s_pre, s_post, s_comb = (_lane(scale, i, exact) for i in range(3))
+    mix = lambda j, s: _lane(m, j, exact) * s + _lane(base, j, exact)
     pre = [jax.nn.sigmoid(mix(j, s_pre)) + hc_eps for j in range(hc)]
     post = [2 * jax.nn.sigmoid(mix(hc + j, s_post)) for j in range(hc)]
     c = [[mix(2 * hc + j * hc + i, s_comb) for i in range(hc)] for j in range(hc)]

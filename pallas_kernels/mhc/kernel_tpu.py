@@ -3,8 +3,9 @@
 Grid (T / rows,): one step holds `rows` tokens' whole flattened streams in VMEM ([8, 16384] f32 is
 512 KiB at v41-flash's width), forms the projection and the sum of squares on the matrix unit at
 f32 precision, and runs the epilogue (splits, softmax, every Sinkhorn iteration) on [rows, 1]
-columns. In interpret mode the sum of squares is a product with ones, the reference's form
-(`_tiles.row_sum`), so the result equals `ced_jax.layers.mhc.hc_mixes` bit for bit on XLA:CPU.
+columns. In interpret mode all rows are one block and the sum of squares is a product with ones,
+the reference's forms (`_tiles.row_sum`), so the result equals `ced_jax.layers.mhc.hc_mixes`
+compiled on its own bit for bit on XLA:CPU (not inside every larger program: see `__init__`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def hc_mixes(x, fn, scale, base, *, hc, iters, norm_eps, hc_eps, interpret=False
     if cfg.rows % 8:
         raise NotImplementedError(f"rows={cfg.rows} must be a multiple of 8 on TPU")
     rows = min(cfg.rows, -(-t // 8) * 8)
+    if interpret:  # all rows in one block: the reference's product shapes (`_tiles`; a lone row pairs up)
+        rows = max(t, 2)
     t_pad = -(-t // rows) * rows
     x_p = jnp.pad(x, ((0, t_pad - t), (0, 0)))  # zero rows: finite (rsqrt(eps) * 0), cut below
     packed = pl.pallas_call(

@@ -4,8 +4,8 @@ Grid (T / rows,): one program loops over the flattened streams in `k_chunk` slic
 the projection (an f32 dot against the projection padded to 32 rows, a power of two as Triton
 needs) and the sum of squares, then runs the epilogue (splits, softmax, every Sinkhorn iteration)
 in registers and writes its rows packed 32 wide. rows: a power of two >= 16 (a dot's minimum).
-In interpret mode the sums take the reference's forms over the whole width (`_tiles`), so the result
-equals `ced_jax.layers.mhc.hc_mixes` bit for bit on XLA:CPU, as the TPU kernel's does.
+In interpret mode all rows are one block and the sums take the reference's forms over the whole
+width (`_tiles`), as in the TPU kernel.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def hc_mixes(x, fn, scale, base, *, hc, iters, norm_eps, hc_eps, interpret=False
         raise NotImplementedError(f"Triton needs power-of-two rows and k_chunk: {e}") from None
     if k % k_chunk or n_mix > WIDTH:
         raise NotImplementedError(f"hc * D = {k} must be a multiple of k_chunk={k_chunk}, hc <= 4")
+    if interpret:  # all rows in one block: the reference's product shapes (`_tiles`; a lone row pairs up)
+        rows = max(t, 2)
     t_pad = -(-t // rows) * rows
     x_p = jnp.pad(x, ((0, t_pad - t), (0, 0)))
     packed = pl.pallas_call(

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax import model as model_module
 from ced_jax import ops
 from ced_jax.api import load
 from ced_jax.layers import moe
@@ -49,8 +48,7 @@ def test_greedy_tokens_equal_reference():
 def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fresh_programs):
     """The reference forward of the tiny model (the prompt above in chunks of 32, then 4 decode
     steps), with every sparse-attention, indexer-scoring and routed-expert call run a second time
-    through the kernels on the same inputs (and each mHC mixing site's): each kernel output equals
-    the reference's bit for bit
+    through the kernels on the same inputs: each kernel output equals the reference's bit for bit
     (for a Reindex layer's pool-only scores, the kernel's whole-row scores at the pool's entries).
 
     Before the kernels took the reference's order in interpret mode, one attention output element of
@@ -67,7 +65,6 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fres
         return check
 
     sparse_attention, index_scores, expert_rows = ops.sparse_attention, ops.index_scores, moe._expert_rows
-    site_mixes = model_module.site_mixes
     index_scores_at = ops.index_scores_at
 
     def attention_twice(q, segments, sink, scale, *, impl):
@@ -99,15 +96,7 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fres
         jax.debug.callback(record("expert_rows"), ref, got)
         return ref
 
-    def mixes_twice(x, fn, scale, base, *, impl, **kw):
-        ref = site_mixes(x, fn, scale, base, impl=impl, **kw)
-        got = site_mixes(x, fn, scale, base, impl=PALLAS, **kw)
-        flat = lambda parts: jnp.concatenate([a.reshape(-1) for a in parts])
-        jax.debug.callback(record("mhc_mixes"), flat(ref), flat(got))
-        return ref
-
     monkeypatch.setattr(ops, "sparse_attention", attention_twice)
-    monkeypatch.setattr(model_module, "site_mixes", mixes_twice)
     monkeypatch.setattr(ops, "index_scores", scores_twice)
     monkeypatch.setattr(ops, "index_scores_at", scores_at_twice)
     monkeypatch.setattr(moe, "_expert_rows", expert_rows_twice)
@@ -119,11 +108,7 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fres
     cfg = model.cfg
     # Per call: every layer's attention and experts, the indexer on its source layers (the whole row or
     # a Reindex layer's pool); 2 chunks + 4 steps.
-    per_call = {
-        "sparse_attention": cfg.num_layers,
-        "expert_rows": cfg.num_layers,
-        "mhc_mixes": 2 * cfg.num_layers,
-    }
+    per_call = {"sparse_attention": cfg.num_layers, "expert_rows": cfg.num_layers}
     per_call["index_scores"] = len(cfg.index_source_layer_ids)
     counts = {name: sum(m[0] == name for m in mismatches) for name in per_call}
     assert counts == {name: n * 6 for name, n in per_call.items()}, counts

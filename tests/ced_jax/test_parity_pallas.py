@@ -30,7 +30,6 @@ from safetensors.numpy import load_file
 
 import pallas_kernels.grouped_matmul as gmm_module
 import pallas_kernels.indexer as indexer_module
-import pallas_kernels.mhc as mhc_module
 import pallas_kernels.sparse_attention as attention_module
 from ced_jax import ops
 from ced_jax.api import Model, load
@@ -49,7 +48,7 @@ PALLAS = "pallas:interpret"
 def kernel_calls(monkeypatch, fresh_programs):
     """Counts the kernel entry points the bridge reaches (traced calls: the test's models trace their
     own programs, `fresh_programs`)."""
-    calls = {"gmm": 0, "decode": 0, "prefill": 0, "index": 0, "mhc": 0}
+    calls = {"gmm": 0, "decode": 0, "prefill": 0, "index": 0}
 
     def spy(module, attr, key):
         real = getattr(module, attr)
@@ -64,7 +63,6 @@ def kernel_calls(monkeypatch, fresh_programs):
     spy(attention_module, "sparse_attention_decode", "decode")
     spy(attention_module, "sparse_attention_prefill", "prefill")
     spy(indexer_module, "index_scores", "index")
-    spy(mhc_module, "hc_mixes", "mhc")
     return calls
 
 
@@ -222,7 +220,7 @@ def test_one_layer_prefill_pallas_equals_reference(kernel_calls, backend):
     for name in ("reference", impl):
         model = Model(cfg, flat, hasher=None, tokenizer_path=None, impl=name)
         out[name] = model.logits(prompt, capture=True)
-    assert kernel_calls == {"gmm": 3, "decode": 0, "prefill": 1, "index": 1, "mhc": 2}
+    assert kernel_calls == {"gmm": 3, "decode": 0, "prefill": 1, "index": 1}
     ref, got = out["reference"], out[impl]
     logits = ref["prefill_logits_full"]
     np.testing.assert_allclose(got["prefill_logits_full"], logits, rtol=0, atol=1e-4 * np.abs(logits).max())

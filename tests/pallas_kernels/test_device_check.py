@@ -26,7 +26,8 @@ def test_smoke_runs_every_gpu_kernel(tmp_path, capsys):
     rows, status = dc.run(["--smoke", "--json", str(tmp_path / "rows.json")])
     assert status == 0, [r.error for r in rows if not r.ok]
     kernels = [r.kernel for r in rows]
-    for variant in ("gmm w1 decode", "gmm w2 prefill", "attention decode", "attention prefill", "indexer", "vision"):
+    variants = ("gmm w1 decode", "gmm w2 prefill", "attention decode", "attention prefill", "indexer", "mhc")
+    for variant in (*variants, "vision"):
         assert any(k.startswith(variant) for k in kernels), (variant, kernels)
     assert all(r.time_s > 0 and r.bytes > 0 and r.flops > 0 for r in rows)
     table = capsys.readouterr().out

@@ -49,3 +49,27 @@ def test_truncated_v41_flash_keeps_its_layer_kinds(launches):
     assert cfg.candidate_source_layer_id == -1
     full = launches._config("v41-flash", None)
     assert [cfg.layer_kind(i) for i in range(10)] == [full.layer_kind(i) for i in range(10)]
+
+
+def test_the_mhc_mixing_is_counted_with_its_sinkhorn_loop(launches):
+    """Two mixing sites (each its own jit, with a Sinkhorn loop) beside other work: every kernel of the
+    sites, their loops' counters included, is attributed to them, and nothing else is."""
+    from ced_jax.layers.mhc import hc_mixes
+
+    def f(x, fn, scale, base):
+        kw = dict(hc=4, iters=5, norm_eps=1e-20, hc_eps=1e-6)
+        a = hc_mixes(x, fn, scale, base, **kw)
+        b = hc_mixes(jnp.sort(x * 2.0, axis=-1), fn, scale, base, **kw)
+        return jnp.sort(a[2].sum() + b[2].sum() + x.sum(-1), axis=-1)
+
+    shapes = ((2, 3, 4, 32), (24, 128), (3,), (24,))
+    args = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes]
+    text = jax.jit(f).lower(*args).compile().as_text()
+    c = launches.count_launches(text)
+    alone = jax.jit(lambda *a: hc_mixes(*a, hc=4, iters=5, norm_eps=1e-20, hc_eps=1e-6))
+    one = launches.count_launches(alone.lower(*args).compile().as_text())
+    # A program that is only the mixing: all of it but the copy of its loop counter's start, which XLA
+    # makes without metadata (the count is a lower bound by one kernel per site).
+    assert one.per_step - 1 <= one.mhc_per_step < one.per_step
+    assert c.mhc_per_step >= 2 * (4 + 4 + 2)  # two sites, each at least four loop trips of kernels
+    assert c.per_step - c.mhc_per_step >= 2  # the sorts are not the mixing's
