@@ -260,15 +260,18 @@ class EngramStore:
                     f"ids: layer {k} rows must be in [0, {len(w)}), got {rows.min()}..{rows.max()}"
                 )
             jobs += [(w, rows, weight[k]), (s, rows, scale[k])]
-        step = max(MIN_PIECE_ROWS, -(-len(jobs) * flat.shape[1] // (2 * GATHER_THREADS)))
-        pieces = [
-            (table, rows[i : i + step], out[i : i + step])
-            for table, rows, out in jobs
-            for i in range(0, len(rows), step)
-        ]
-        if self.files and len(pieces) > 1:
+        if self.files:
             # Mapped files: a row not in the page cache is a disk read taken by the faulting thread,
             # so pieces run on threads to keep several reads in flight (np.take releases the GIL).
+            step = max(MIN_PIECE_ROWS, -(-len(jobs) * flat.shape[1] // (2 * GATHER_THREADS)))
+            pieces = [
+                (table, rows[i : i + step], out[i : i + step])
+                for table, rows, out in jobs
+                for i in range(0, len(rows), step)
+            ]
+        else:  # tables in memory: one take per table (a decode step's few rows: pieces only cost calls)
+            pieces = jobs
+        if self.files and len(pieces) > 1:
             list(self._pool().map(_take_into, pieces))
         else:
             for piece in pieces:
