@@ -123,6 +123,12 @@ class Metrics:
             "Times a decoding request gave up its slot to waiting requests (decode_segment_tokens).",
             registry=r,
         )
+        self.overlap_dropped_rows = Counter(
+            "ced_overlap_dropped_rows",
+            "Rows of overlapped decode steps whose request had left its slot (a stop string, an abort, "
+            "a deadline, a yield) by the time the step's tokens were taken; their results were dropped.",
+            registry=r,
+        )
         self.generation_tokens = Counter("ced_generation_tokens", "Sampled tokens.", registry=r)
         self.vit_runs = Counter("ced_vit_runs", "Images run through the ViT and aligner.", registry=r)
         self.image_feature_cache_hits = Counter(

@@ -690,6 +690,8 @@ class Scheduler:
         for slot, seq, admissions in tickets:
             if self._slots[slot] is not seq or seq.done or not seq.decoding or seq.admissions != admissions:
                 self.overlap_dropped_rows += 1
+                if self.metrics is not None:
+                    self.metrics.overlap_dropped_rows.inc()
                 continue
             rows += 1
             tok = result.row(slot)

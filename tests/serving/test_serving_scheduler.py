@@ -704,7 +704,8 @@ def test_overlap_hands_a_steps_tokens_out_after_the_next_step_is_dispatched():
 def test_overlap_drops_the_rows_of_requests_that_left_their_slot_while_it_ran():
     """A stop string ends "a" after its next step was dispatched (its row there is dropped), an abort
     ends "b" likewise, and "c" and "d" take their slots at once: every stream equals its run alone."""
-    engine, sched = _sched(max_slots=2)
+    metrics = Metrics()
+    engine, sched = _sched(metrics, max_slots=2)
     prompt = TOK.encode("hello")
     full = TOK.decode(mock_greedy_stream(prompt, 30))
     stop = full[4:6]
@@ -723,6 +724,7 @@ def test_overlap_drops_the_rows_of_requests_that_left_their_slot_while_it_ran():
     assert collect(c)[0] == mock_greedy_stream(TOK.encode("q" * 9), 7)
     assert collect(d)[0] == mock_greedy_stream(TOK.encode("abcd"), 5)
     assert sched.overlap_dropped_rows == 2  # a's and b's rows of the step in flight when they ended
+    assert metrics.registry.get_sample_value("ced_overlap_dropped_rows_total") == 2
     _assert_clean(engine, sched)
 
 
