@@ -269,13 +269,10 @@ class EngramStore:
                 for table, rows, out in jobs
                 for i in range(0, len(rows), step)
             ]
-        else:  # tables in memory: one take per table (a decode step's few rows: pieces only cost calls)
-            pieces = jobs
-        if self.files and len(pieces) > 1:
             list(self._pool().map(_take_into, pieces))
-        else:
-            for piece in pieces:
-                _take_into(piece)
+        else:  # tables in memory: one take per table (a decode step's few rows: pieces only cost calls)
+            for job in jobs:
+                _take_into(job)
         shape = lambda a: np.moveaxis(a.reshape(n, *lead, cols, a.shape[-1]), 0, -3)
         return {"weight": np.ascontiguousarray(shape(weight)), "scale": np.ascontiguousarray(shape(scale))}
 

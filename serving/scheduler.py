@@ -695,17 +695,12 @@ class Scheduler:
                 continue
             rows += 1
             tok = result.row(slot)
-            ends = (
-                tok.token_id in seq.req.stop_token_ids
-                or (tok.token_id in self._eos and not seq.req.ignore_eos)
-                or seq.generated + 1 >= seq.max_tokens
-            )
-            if ends or seq.matcher is not None:
+            last = seq.generated + 1 >= seq.max_tokens
+            if self._stops(seq, tok.token_id) or last or seq.matcher is not None:
                 self._on_token(seq, tok)
             else:
                 self._take_token(seq, tok)
                 later.append((seq, tok))
-            self._draft_count[slot] = 0
         if self.metrics is not None and rows:
             self.metrics.observe_decode_step([1] * rows)
         return later
@@ -1151,7 +1146,7 @@ class Scheduler:
                     error_field="constraint",
                 )
                 return
-        if tok.token_id in req.stop_token_ids or (tok.token_id in self._eos and not req.ignore_eos):
+        if self._stops(seq, tok.token_id):
             self._finish(seq, FinishReason.STOP)
             return
         payload = None
@@ -1170,6 +1165,10 @@ class Scheduler:
             if rel.token_ids or rel.text:
                 self._emit(seq, rel)
             self._fill_mask(seq)  # the next token's, before the next engine call
+
+    def _stops(self, seq: _Seq, token_id: int) -> bool:
+        """Whether a sampled token is a stop token of its request (its stop ids, or EOS unless ignored)."""
+        return token_id in seq.req.stop_token_ids or (token_id in self._eos and not seq.req.ignore_eos)
 
     def _fill_mask(self, seq: _Seq) -> None:
         """Makes the slot's row the mask of the request's next token before the next engine call:
