@@ -47,7 +47,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import compile_cache, generation, ops, sharding
+from ced_jax import compile_cache, generation, sharding
 from ced_jax.checkpoint.converted import (
     included_parts,
     is_converted_checkpoint,
@@ -66,6 +66,7 @@ from ced_jax.engram_hash import EngramHasher
 from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw, table_leaves
 from ced_jax.generation import bucket, check_ids, check_prefill_mode, pieces, prefill_split
 from ced_jax.model import flatten_specs, param_specs
+from ced_jax.options import Impl
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
 from ced_jax.text_ids import encode_ids
 from ced_jax.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
@@ -200,7 +201,7 @@ class Model:
         into one) or "device" (in `params`, from `flat_params` or, when given, `engram_store`).
         weight_layout: how the quantised weights are kept (`ced_jax.weight_layout`); None:
         `default_weight_layout` for this backend, mesh and impl."""
-        ops.parse_impl(impl)  # an unknown kernel choice fails here, not when a program is first traced
+        impl = Impl.parse(impl)  # an unknown kernel choice fails here, not when a program is first traced
         self.cfg = cfg
         if weight_layout is None:
             weight_layout = default_weight_layout(cfg, backend=jax.default_backend(), mesh=mesh, impl=impl)
@@ -227,7 +228,7 @@ class Model:
         self.impl = impl
         self.prefill_chunk = prefill_chunk
         # One set of programs over the one step function, shared by every Session and serving engine.
-        self.programs = Programs.shared(cfg, impl=impl, mesh=mesh, rules=self.rules)
+        self.programs = Programs.shared(cfg, mesh=mesh, rules=self.rules)
         # The ViT + aligner (`ced_jax.vision.VisionEncoder`), None without a vision tower.
         self.vision = None
         if vision_params is not None:
@@ -265,7 +266,7 @@ class Model:
     def draft_programs(self) -> Programs:
         """The programs of speculative engines (`Engine(..., dspark=True)`): the prefill also inserts
         the DSpark context, and `speculative_decode` exists. Built on first use."""
-        return Programs.shared(self.cfg, impl=self.impl, mesh=self.mesh, rules=self.rules, dspark=True)
+        return Programs.shared(self.cfg, mesh=self.mesh, rules=self.rules, dspark=True)
 
     def _put_input(self, arr) -> jax.Array:
         """A host input of a step: on one device as is, on a mesh replicated (global array)."""

@@ -219,6 +219,9 @@ class StepMetadata:
     write_from  i32 [B] or None  compressed entries (pages) are written only for groups starting at
                 or after this position: a replay over cached positions recomputes rings and partial
                 groups and leaves the cached pages as they are. None: every complete group is written.
+    decoder_from i32 [B] or None  a prefill's CED split: the row's tokens before it run only the
+                encoder pass (`forward`'s stop_at_layer), the rest every layer; `forward` itself
+                does not read it (window_floor already bounds the decoder layers' windows).
     """
 
     start: jax.Array
@@ -227,6 +230,7 @@ class StepMetadata:
     page_tables: jax.Array
     window_floor: jax.Array | None = None
     write_from: jax.Array | None = None
+    decoder_from: jax.Array | None = None
 
     def positions(self, tokens: int) -> jax.Array:
         """i32 [B, T]: the position of every token of a chunk of T tokens."""
@@ -235,7 +239,7 @@ class StepMetadata:
 
 jax.tree_util.register_dataclass(
     StepMetadata,
-    data_fields=["start", "lens", "slots", "page_tables", "window_floor", "write_from"],
+    data_fields=["start", "lens", "slots", "page_tables", "window_floor", "write_from", "decoder_from"],
     meta_fields=[],
 )
 

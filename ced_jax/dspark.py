@@ -42,6 +42,7 @@ from ced_jax.layers import moe as moe_lib
 from ced_jax.layers.attention import ring_positions
 from ced_jax.layers.common import apply_rope, f32_linear, fp8_linear, rms_norm, rope_inv_freq
 from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
+from ced_jax.options import REFERENCE
 from ced_jax.quant import fp8_fake_quant, round_bf16
 from pallas_kernels.formats import np_dequant_fp8_weight
 
@@ -230,7 +231,7 @@ def _stage_moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids: jax.Array | 
         forced,
     )
     routed = moe_lib.routed_experts(
-        flat, ids, weights, f["experts"], limit=cfg.swiglu_limit, impl="reference"
+        flat, ids, weights, f["experts"], limit=cfg.swiglu_limit, impl=REFERENCE
     )
     shared = moe_lib.shared_expert(flat, f["shared_experts"], limit=cfg.swiglu_limit)
     out = round_bf16(routed + shared).reshape(n, b, d)

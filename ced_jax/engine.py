@@ -57,9 +57,11 @@ import numpy as np
 from ced_jax import cache as cache_lib
 from ced_jax import dspark as dspark_lib
 from ced_jax import page_io, sharding
+from ced_jax.batch import ImageInputs, SamplingBatch, StepBatch
 from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.model import forward
+from ced_jax.options import RunOptions
 from ced_jax.sampling import mask_words, sample, speculative_sample
 
 
@@ -130,50 +132,33 @@ def _replicated(tree, mesh):
     return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
 
 
-def step(
-    params,
-    tokens,
-    state,
-    meta,
-    engram_rows,
-    forced,
-    token_types=None,
-    span_embeds=None,
-    *,
-    cfg,
-    capture_blocks,
-    index_k_mode,
-    stop_at_layer=None,
-    impl,
-    mesh,
-    rules,
-    dspark,
-):
-    """`forward` over a chunk of every row: (logits [B, T, V], new state, aux). token_types i32 [B, T]
-    and span_embeds f32 [B, T, D]: image spans (`forward`), None for both = text only (its own
-    executable: jit traces None as an empty argument). dspark: also insert the chunk's context into
-    the DSpark stages' rings. stop_at_layer: `forward`'s (CED prefill's encoder pass: logits None, no
-    DSpark context)."""
+def step(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules, dspark):
+    """`forward` over a chunk of every row: (new state, (logits [B, T, V], aux)). batch.images: image
+    spans (`forward`), None = text only (its own executable). dspark: also insert the chunk's context
+    into the DSpark stages' rings. options.stop_at_layer: `forward`'s (CED prefill's encoder pass:
+    logits None, no DSpark context)."""
+    meta, images = batch.meta, batch.images
+    stopped = options.stop_at_layer is not None
     logits, state, aux = forward(
         params,
         cfg,
-        tokens,
+        batch.tokens,
         state,
         meta,
-        engram_rows,
-        forced,
-        token_types=token_types,
-        span_embeds=span_embeds,
-        capture_blocks=capture_blocks,
-        capture_main_hidden=dspark and stop_at_layer is None,
-        index_k_mode=index_k_mode,
-        impl=impl,
+        batch.engram,
+        batch.forced,
+        token_types=None if images is None else images.token_types,
+        span_embeds=None if images is None else images.span_embeds,
+        capture_blocks=options.capture_blocks,
+        capture_main_hidden=dspark and not stopped,
+        index_keys=options.index_keys,
+        impl=options.impl,
         layout=sharding.make_layout(mesh, rules),
-        stop_at_layer=stop_at_layer,
+        stop_at_layer=options.stop_at_layer,
     )
-    if dspark and stop_at_layer is None:
+    if dspark and not stopped:
         state = _insert_context(params, cfg, state, meta, aux.pop("main_hidden"))
-    return _replicated(logits, mesh), _pin(state, mesh, rules), _replicated(aux, mesh)
+    return _pin(state, mesh, rules), (_replicated(logits, mesh), _replicated(aux, mesh))
 
 
 def _insert_context(params, cfg, state, meta, main_hidden):
@@ -182,41 +167,29 @@ def _insert_context(params, cfg, state, meta, main_hidden):
     return dspark_lib.insert_into_state(params, cfg, state, meta, mx)
 
 
-def decode(
-    params,
-    state,
-    tokens,
-    meta,
-    engram_rows,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    token_bitmask,
-    *,
-    cfg,
-    impl,
-    max_logprobs,
-    mesh,
-    rules,
-):
-    """One token per row (tokens i32 [B]; rows with lens 0 are idle and write nothing), then the
+def _sample(logits, positions, sampling: SamplingBatch, options: RunOptions):
+    return sample(
+        logits, positions, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed,
+        sampling.token_bitmask, num_logprobs=options.max_logprobs,
+    )  # fmt: skip
+
+
+def decode(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules):
+    """One token per row (batch.tokens i32 [B]; rows with lens 0 are idle and write nothing), then the
     sampler under each row's token mask (i32 [B, W], all ones = unconstrained): (new state, (token [B],
     logprob [B], top ids [B, K], top logprobs [B, K]))."""
+    meta = batch.meta
     logits, state, _ = forward(
         params,
         cfg,
-        tokens[:, None],
+        batch.tokens[:, None],
         state,
         meta,
-        engram_rows,
-        impl=impl,
+        batch.engram,
+        impl=options.impl,
         layout=sharding.make_layout(mesh, rules),
     )
-    out = sample(
-        logits[:, 0], meta.start + 1, temperature, top_p, top_k, seed, token_bitmask,
-        num_logprobs=max_logprobs,
-    )  # fmt: skip
+    out = _sample(logits[:, 0], meta.start + 1, batch.sampling, options)
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
@@ -257,15 +230,16 @@ def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> 
     return -(-tokens // page_size) * page_size
 
 
-def floor_per_layer(cfg: ModelConfig, window_floor, decoder_from):
-    """i32 [R, L] `StepMetadata.window_floor` of rows whose rings hold nothing before window_floor [R]
-    and whose decoder layers (from `ced_boundary`) nothing before decoder_from [R] either."""
+def floor_per_layer(cfg: ModelConfig, window_floor, decoder_from) -> np.ndarray:
+    """i32 [R, L] `StepMetadata.window_floor` (on the host) of rows whose rings hold nothing before
+    window_floor [R] and whose decoder layers (from `ced_boundary`) nothing before decoder_from [R]
+    either."""
+    window_floor = np.asarray(window_floor, np.int32)
+    floors = np.repeat(window_floor[:, None], cfg.num_layers, axis=1)
     boundary = ced_boundary(cfg)
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)[None, :]
-    decoder = jnp.maximum(window_floor, decoder_from)[:, None]
-    if boundary is None:
-        return jnp.broadcast_to(window_floor[:, None], (window_floor.shape[0], cfg.num_layers))
-    return jnp.where(layers >= boundary, decoder, window_floor[:, None])
+    if boundary is not None:
+        floors[:, boundary:] = np.maximum(window_floor, np.asarray(decoder_from, np.int32))[:, None]
+    return floors
 
 
 def _loop_params(params, k):
@@ -287,56 +261,34 @@ def _take_tokens(a, offset, width):
     return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
 
 
-def prefill_batch(
-    params,
-    state,
-    tokens,
-    rows,
-    start,
-    n,
-    slots,
-    page_tables,
-    window_floor,
-    decoder_from,
-    write_from,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    token_bitmask,
-    token_types=None,
-    span_embeds=None,
-    *,
-    cfg,
-    impl,
-    max_logprobs,
-    mesh,
-    rules,
-    dspark,
-    step_tokens=None,
-):
-    """Prefill R rows at once: row r is a chunk tokens[r] (i32 [R, C], C a multiple of page_size,
-    n[r] valid, 0 for an idle row) of slot slots[r] (distinct) starting at start[r] (page aligned)
-    through page_tables[r]. `step_tokens` of every row per loop iteration (`forward` on
-    [R, step_tokens]; None: a page; a multiple of page_size dividing C); a row whose chunk has no
-    tokens in that step brings 0 tokens and writes nothing. `forward` computes a token the same way
-    whatever the step's width and start (tests/ced_jax/test_invariance.py), so the width is a speed
-    choice: a page for many short chunks, wide steps for one long prompt.
+def prefill_batch(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules, dspark):
+    """Prefill R rows at once: row r is a chunk batch.tokens[r] (i32 [R, C], C a multiple of
+    page_size, meta.lens[r] valid, 0 for an idle row) of slot meta.slots[r] (distinct) starting at
+    meta.start[r] (page aligned) through meta.page_tables[r]. `options.step_tokens` of every row per
+    loop iteration (`forward` on [R, step_tokens]; None: a page; a multiple of page_size dividing C);
+    a row whose chunk has no tokens in that step brings 0 tokens and writes nothing. `forward`
+    computes a token the same way whatever the step's width and start
+    (tests/ced_jax/test_invariance.py), so the width is a speed choice: a page for many short chunks,
+    wide steps for one long prompt.
 
-    CED prefill (spec 4.2) per row: decoder_from [R] is the position from which the row runs every
-    layer; its tokens before it (the prompt but its last window) run only the encoder pass (the
+    CED prefill (spec 4.2) per row: meta.decoder_from [R] is the position from which the row runs
+    every layer; its tokens before it (the prompt but its last window) run only the encoder pass (the
     blocks below `cfg.ced_boundary` and that layer's compressed-KV projection, `forward`'s
     stop_at_layer), in a first loop over their pages; then a second loop runs every layer over the
-    rest, its decoder layers' SWA seeing no key before decoder_from (decoder SWA bounded replay).
-    decoder_from <= start: the exact prefill (only the second loop does work for that row).
-    window_floor [R]: no layer's ring holds a key before it (`StepMetadata.window_floor`; the start of
-    a replay that rebuilds the rings, else 0). write_from [R]: pages are written only for groups from
-    it on (a replay over cached positions; else 0).
+    rest, its decoder layers' SWA seeing no key before decoder_from (meta.window_floor [R, L],
+    `floor_per_layer`). decoder_from <= start: the exact prefill (only the second loop does work for
+    that row). meta.write_from [R]: pages are written only for groups from it on (a replay over cached
+    positions; else 0).
 
-    Returns (new state, the sample after each row's chunk (rows with n 0, or a chunk whose tokens all
-    ran only the encoder pass: garbage)). token_types i32 [R, C] (-1 for text) and span_embeds f32
-    [R, C, D]: image spans, sliced per page like the tokens; None for both = the text program (a
-    separate executable)."""
+    Returns (new state, the sample after each row's chunk (rows with lens 0, or a chunk whose tokens
+    all ran only the encoder pass: garbage)). batch.images: image spans, sliced per page like the
+    tokens; None = the text program (a separate executable)."""
+    meta, tokens, images = batch.meta, batch.tokens, batch.images
+    start, n, slots, page_tables = meta.start, meta.lens, meta.slots, meta.page_tables
+    floors, decoder_from, write_from = meta.window_floor, meta.decoder_from, meta.write_from
+    token_types = None if images is None else images.token_types
+    span_embeds = None if images is None else images.span_embeds
+    impl, step_tokens = options.impl, options.step_tokens
     layout = sharding.make_layout(mesh, rules)
     w = state.page_size if step_tokens is None else step_tokens
     num_rows, width = tokens.shape
@@ -345,7 +297,6 @@ def prefill_batch(
             f"step_tokens {w}: a multiple of the page size {state.page_size} dividing the chunk {width}"
         )
     steps = width // w
-    floors = floor_per_layer(cfg, window_floor, decoder_from)
     boundary = ced_boundary(cfg)
     # Tokens of each row that run the encoder pass only: [0, encoder_n) of its chunk.
     encoder_n = jnp.clip(decoder_from - start, 0, n) if boundary is not None else jnp.zeros_like(n)
@@ -357,7 +308,7 @@ def prefill_batch(
             page_tables=page_tables, window_floor=floors, write_from=write_from,
         )  # fmt: skip
         take = lambda a: _take_tokens(a, offset, w)
-        return meta, take(tokens), jax.tree.map(take, rows), take(token_types), take(span_embeds)
+        return meta, take(tokens), jax.tree.map(take, batch.engram), take(token_types), take(span_embeds)
 
     def encoder_body(carry):
         k, state = carry
@@ -402,50 +353,35 @@ def prefill_batch(
     _, state, last = jax.lax.while_loop(
         lambda c: c[0] * w < jnp.max(jnp.where(busy, n, 0)), body, (first, state, last)
     )
-    out = sample(last, start + n, temperature, top_p, top_k, seed, token_bitmask, num_logprobs=max_logprobs)
+    out = _sample(last, start + n, batch.sampling, options)
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
-def speculative_decode(
-    params,
-    state,
-    tokens,
-    meta,
-    engram_rows,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    token_bitmask,
-    *,
-    cfg,
-    impl,
-    max_logprobs,
-    mesh,
-    rules,
-):
-    """One speculative decode step (spec 7.3; the loop is ours). Row b's chunk tokens[b] (i32 [B, K+1])
-    is its last emitted token (position meta.start[b]) then its K drafts from the previous step, of
-    which meta.lens[b] - 1 are verified (lens 0: an idle row). The target runs once over the chunk;
-    `ced_jax.sampling.speculative_sample` accepts a prefix of the drafts and samples the token after
-    it; the state keeps only the input token and the accepted drafts (`PagedCache.keep_accepted`:
-    rejected positions' SWA and compressor writes undone, their page entries left past the row's
-    length); their main_x goes into the stages' rings; then the stages draft the next block from the
-    token just sampled. token_bitmask i32 [B, K+1, W]: mask j for the token after j accepted drafts.
-    Returns (new state, (accepted [B], tokens [B, K+1], logprob [B, K+1], top ids, top logprobs,
-    next drafts [B, block], next confidence [B, block]))."""
+def speculative_decode(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules):
+    """One speculative decode step (spec 7.3; the loop is ours). Row b's chunk batch.tokens[b] (i32
+    [B, K+1]) is its last emitted token (position meta.start[b]) then its K drafts from the previous
+    step, of which meta.lens[b] - 1 are verified (lens 0: an idle row). The target runs once over the
+    chunk; `ced_jax.sampling.speculative_sample` accepts a prefix of the drafts and samples the token
+    after it; the state keeps only the input token and the accepted drafts
+    (`PagedCache.keep_accepted`: rejected positions' SWA and compressor writes undone, their page
+    entries left past the row's length); their main_x goes into the stages' rings; then the stages
+    draft the next block from the token just sampled. sampling.token_bitmask i32 [B, K+1, W]: mask j
+    for the token after j accepted drafts. Returns (new state, (accepted [B], tokens [B, K+1], logprob
+    [B, K+1], top ids, top logprobs, next drafts [B, block], next confidence [B, block]))."""
+    meta, tokens, sampling, impl = batch.meta, batch.tokens, batch.sampling, options.impl
+    temperature, top_p, top_k, seed = sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed
     layout = sharding.make_layout(mesh, rules)
     before = state
     width = tokens.shape[1] - 1
     logits, state, aux = forward(
-        params, cfg, tokens, state, meta, engram_rows, capture_main_hidden=True,
+        params, cfg, tokens, state, meta, batch.engram, capture_main_hidden=True,
         capture_chunk_state=True, impl=impl, layout=layout,
     )  # fmt: skip
     n_drafts = jnp.maximum(meta.lens - 1, 0)
     draft_filtered = state.draft_logits["q"][meta.slots][:, :width]
     accepted, emitted, logp, top_ids, top_logp = speculative_sample(
         logits, draft_filtered, tokens[:, 1:], n_drafts, meta.start, temperature, top_p, top_k, seed,
-        token_bitmask, num_logprobs=max_logprobs,
+        sampling.token_bitmask, num_logprobs=options.max_logprobs,
     )  # fmt: skip
     live = meta.lens > 0
     kept = jnp.where(live, accepted + 1, 0)
@@ -469,51 +405,36 @@ def write_pages(state, pages, contents, *, mesh, rules):
 
 
 class Programs:
-    """The jitted programs of one model (see the module docstring); the state is donated by name."""
+    """The jitted programs of one model (see the module docstring): each is
+    `program(params, state, batch, options=RunOptions(...)) -> (state, out)`, the state donated, the
+    options static (one executable per value)."""
 
-    def __init__(self, cfg: ModelConfig, *, impl: str, mesh=None, rules=None, dspark: bool = False):
+    def __init__(self, cfg: ModelConfig, *, mesh=None, rules=None, dspark: bool = False):
         """dspark: the programs of a speculative engine (prefill and step insert DSpark context;
         `speculative_decode` exists); the model must carry the stages (params['mtp'])."""
-        static = dict(cfg=cfg, impl=impl, mesh=mesh, rules=rules)
+        static = dict(cfg=cfg, mesh=mesh, rules=rules)
+        jit = lambda fn: jax.jit(fn, static_argnames=("options",), donate_argnames=("state",))  # noqa: E731
         self.dspark = dspark
-        self.step = jax.jit(
-            partial(step, **static, dspark=dspark),
-            static_argnames=("capture_blocks", "index_k_mode", "stop_at_layer"),
-            donate_argnames=("state",),
-        )
-        self.decode = jax.jit(
-            partial(decode, **static), static_argnames=("max_logprobs",), donate_argnames=("state",)
-        )
-        self.prefill_batch = jax.jit(
-            partial(prefill_batch, **static, dspark=dspark),
-            static_argnames=("max_logprobs", "step_tokens"),
-            donate_argnames=("state",),
-        )
-        self.speculative_decode = (
-            jax.jit(
-                partial(speculative_decode, **static),
-                static_argnames=("max_logprobs",),
-                donate_argnames=("state",),
-            )
-            if dspark
-            else None
-        )
+        self.step = jit(partial(step, **static, dspark=dspark))
+        self.decode = jit(partial(decode, **static))
+        self.prefill_batch = jit(partial(prefill_batch, **static, dspark=dspark))
+        self.speculative_decode = jit(partial(speculative_decode, **static)) if dspark else None
         self.read_pages = jax.jit(page_io.read_pages)
         self.write_pages = jax.jit(partial(write_pages, mesh=mesh, rules=rules), donate_argnames=("state",))
 
     @classmethod
-    def shared(cls, cfg: ModelConfig, *, impl: str, mesh=None, rules=None, dspark: bool = False) -> Programs:
+    def shared(cls, cfg: ModelConfig, *, mesh=None, rules=None, dspark: bool = False) -> Programs:
         """The `Programs` for these static choices while any model holds them: a second model of the
         same config reuses the compiled executables instead of tracing and compiling again. Held
         weakly, so the executables go with the last model (a long-lived process that loads many
         configs, a test session, must not keep every one). The parameters and state are arguments,
         so their shapes, dtypes and weight layout still pick the executable."""
         frozen_rules = None if rules is None else tuple(sorted((k, repr(v)) for k, v in rules.items()))
-        key = (cfg, impl, mesh, frozen_rules, dspark)
+        key = (cfg, mesh, frozen_rules, dspark)
         with _SHARED_LOCK:
             programs = _SHARED.get(key)
             if programs is None:
-                programs = _SHARED[key] = cls(cfg, impl=impl, mesh=mesh, rules=rules, dspark=dspark)
+                programs = _SHARED[key] = cls(cfg, mesh=mesh, rules=rules, dspark=dspark)
         return programs
 
 
@@ -548,6 +469,7 @@ class Engine:
         if dspark and "mtp" not in model.params:
             raise ValueError("dspark: the model has no DSpark stages loaded (load it with its mtp.* tensors)")
         self.dspark = dspark
+        self.impl = model.impl
         self.programs: Programs = model.draft_programs if dspark else model.programs
         self.hasher = model.hasher
         # Engram tables on the host (placement "host"): each step's rows are gathered here.
@@ -680,10 +602,23 @@ class Engine:
     def decoder_floor(self, rows: int, decoder_from) -> np.ndarray:
         """i32 [rows, L] window floors of rows whose decoder layers run from decoder_from [rows] on
         (CED prefill; `floor_per_layer` with no floor below the decoder)."""
-        boundary = self.cfg.ced_boundary
-        floor = np.zeros((rows, self.cfg.num_layers), np.int32)
-        floor[:, boundary:] = np.asarray(decoder_from, np.int32)[:, None]
-        return floor
+        self.cfg.ced_boundary  # noqa: B018 (raises for a model without the CED layout)
+        return floor_per_layer(self.cfg, np.zeros(rows, np.int32), decoder_from)
+
+    def sampling(self, temperature, top_p, top_k, seed, token_bitmask) -> SamplingBatch:
+        """The sampling inputs of a call, on the device (`put`)."""
+        put = self.put
+        return SamplingBatch(
+            temperature=put(np.asarray(temperature, np.float32)),
+            top_p=put(np.asarray(top_p, np.float32)),
+            top_k=put(np.asarray(top_k, np.int32)),
+            seed=put(np.asarray(seed, np.uint32)),
+            token_bitmask=put(token_bitmask),
+        )
+
+    def images(self, types, spans) -> ImageInputs | None:
+        """`image_inputs`' checked arrays on the device, None for a text chunk."""
+        return None if types is None else ImageInputs(self.put(types), self.put(spans))
 
     def _mesh_context(self):
         import contextlib
@@ -715,19 +650,22 @@ class Engine:
         tokens = np.asarray(tokens, np.int32)
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(np.asarray(slots), tokens, lens, dead)
+        batch = StepBatch(
+            tokens=self.put(tokens),
+            meta=self.metadata(start, lens, slots, page_tables, window_floor),
+            engram=self.put_rows(rows),
+            images=self.images(types, spans),
+            forced=None if forced is None else jax.tree.map(self.put, forced),
+        )
+        options = RunOptions(
+            impl=self.impl,
+            index_keys=index_k_mode,
+            capture_blocks=capture_blocks,
+            stop_at_layer=stop_at_layer,
+        )
         with self._mesh_context():
-            logits, self.state, aux = self.programs.step(
-                self.model.params,
-                self.put(tokens),
-                self.state,
-                self.metadata(start, lens, slots, page_tables, window_floor),
-                self.put_rows(rows),
-                None if forced is None else jax.tree.map(self.put, forced),
-                None if types is None else self.put(types),
-                None if spans is None else self.put(spans),
-                capture_blocks=capture_blocks,
-                index_k_mode=index_k_mode,
-                stop_at_layer=stop_at_layer,
+            self.state, (logits, aux) = self.programs.step(
+                self.model.params, self.state, batch, options=options
             )
         return logits, aux
 
@@ -784,21 +722,17 @@ class Engine:
         tokens = np.asarray(tokens, np.int32)
         lens = np.asarray(active, np.int32)
         rows = self.engram_rows(np.asarray(slots), tokens[:, None], lens)
-        put = self.put
+        batch = StepBatch(
+            tokens=self.put(tokens),
+            meta=self.metadata(positions, lens, slots, page_tables),
+            engram=self.put_rows(rows),
+            sampling=self.sampling(
+                temperature, top_p, top_k, seed, self.token_bitmask(len(tokens), token_bitmask)
+            ),
+        )
+        options = RunOptions(impl=self.impl, max_logprobs=max_logprobs)
         with self._mesh_context():
-            self.state, out = self.programs.decode(
-                self.model.params,
-                self.state,
-                put(tokens),
-                self.metadata(positions, lens, slots, page_tables),
-                self.put_rows(rows),
-                put(np.asarray(temperature, np.float32)),
-                put(np.asarray(top_p, np.float32)),
-                put(np.asarray(top_k, np.int32)),
-                put(np.asarray(seed, np.uint32)),
-                put(self.token_bitmask(len(tokens), token_bitmask)),
-                max_logprobs=max_logprobs,
-            )
+            self.state, out = self.programs.decode(self.model.params, self.state, batch, options=options)
         return out
 
     def prefill_batch(
@@ -845,28 +779,29 @@ class Engine:
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(slots, tokens, n, dead)
         put = self.put
+        decoder_from = per_row(decoder_from)
+        meta = StepMetadata(
+            start=put(np.asarray(start, np.int32)),
+            lens=put(n),
+            slots=put(slots),
+            page_tables=put(np.asarray(page_tables, np.int32)),
+            window_floor=put(floor_per_layer(self.cfg, per_row(window_floor), decoder_from)),
+            write_from=put(per_row(write_from)),
+            decoder_from=put(decoder_from),
+        )
+        batch = StepBatch(
+            tokens=put(tokens),
+            meta=meta,
+            engram=self.put_rows(rows),
+            sampling=self.sampling(
+                temperature, top_p, top_k, seed, self.token_bitmask(len(slots), token_bitmask)
+            ),
+            images=self.images(types, spans),
+        )
+        options = RunOptions(impl=self.impl, max_logprobs=max_logprobs, step_tokens=step_tokens)
         with self._mesh_context():
             self.state, out = self.programs.prefill_batch(
-                self.model.params,
-                self.state,
-                put(tokens),
-                self.put_rows(rows),
-                put(np.asarray(start, np.int32)),
-                put(n),
-                put(slots),
-                put(np.asarray(page_tables, np.int32)),
-                put(per_row(window_floor)),
-                put(per_row(decoder_from)),
-                put(per_row(write_from)),
-                put(np.asarray(temperature, np.float32)),
-                put(np.asarray(top_p, np.float32)),
-                put(np.asarray(top_k, np.int32)),
-                put(np.asarray(seed, np.uint32)),
-                put(self.token_bitmask(len(slots), token_bitmask)),
-                None if types is None else put(types),
-                None if spans is None else put(spans),
-                max_logprobs=max_logprobs,
-                step_tokens=step_tokens,
+                self.model.params, self.state, batch, options=options
             )
         return out
 
@@ -918,20 +853,16 @@ class Engine:
             mask = np.full((b, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32)
         else:
             mask = np.asarray(token_bitmask, np.int32)
-        put = self.put
+        batch = StepBatch(
+            tokens=self.put(chunk),
+            meta=self.metadata(positions, lens, slots, page_tables),
+            engram=self.put_rows(rows),
+            sampling=self.sampling(temperature, top_p, top_k, seed, mask),
+        )
+        options = RunOptions(impl=self.impl, max_logprobs=max_logprobs)
         with self._mesh_context():
             self.state, out = self.programs.speculative_decode(
-                self.model.params,
-                self.state,
-                put(chunk),
-                self.metadata(positions, lens, slots, page_tables),
-                self.put_rows(rows),
-                put(np.asarray(temperature, np.float32)),
-                put(np.asarray(top_p, np.float32)),
-                put(np.asarray(top_k, np.int32)),
-                put(np.asarray(seed, np.uint32)),
-                put(mask),
-                max_logprobs=max_logprobs,
+                self.model.params, self.state, batch, options=options
             )
         out = SpecOutput(*jax.device_get(out))
         if history is not None:

@@ -32,6 +32,7 @@ from ced_jax.layers.attention import attention, write_compressed_kv
 from ced_jax.layers.common import f32_linear, rms_norm
 from ced_jax.layers.engram import engram
 from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
+from ced_jax.options import REFERENCE, Impl, IndexKeys
 from ced_jax.quant import round_bf16
 
 FP8 = ml_dtypes.float8_e4m3fn
@@ -184,7 +185,7 @@ def _moe(
     cfg: ModelConfig,
     x: jax.Array,
     forced_ids,
-    impl: str,
+    impl: Impl,
     layout: sharding.Layout | None,
     image_mask: jax.Array | None = None,
 ):
@@ -253,8 +254,8 @@ def forward(
     capture_blocks: bool = False,
     capture_main_hidden: bool = False,
     capture_chunk_state: bool = False,
-    index_k_mode: str = "intended",
-    impl: str = "reference",
+    index_keys: IndexKeys = IndexKeys.INTENDED,
+    impl: Impl = REFERENCE,
     layout: sharding.Layout | None = None,
     stop_at_layer: int | None = None,
 ):
@@ -299,15 +300,14 @@ def forward(
             params, cfg, tokens, state, meta, engram_rows, forced, token_types=token_types,
             span_embeds=span_embeds, capture_blocks=capture_blocks,
             capture_main_hidden=capture_main_hidden, capture_chunk_state=capture_chunk_state,
-            index_k_mode=index_k_mode, impl=impl, layout=layout, stop_at_layer=stop_at_layer,
+            index_keys=index_keys, impl=impl, layout=layout, stop_at_layer=stop_at_layer,
         )  # fmt: skip
-    if index_k_mode not in ("intended", "reference"):
-        raise ValueError(f"index_k_mode must be 'intended' or 'reference', got {index_k_mode!r}")
+    impl, index_keys = Impl.parse(impl), IndexKeys.parse(index_keys)
     forced = forced or {}
     b, t = tokens.shape
     cache = state
     shared: dict[str, Any] = {}
-    if index_k_mode == "reference" and cfg.kv_source_layer_ids:
+    if index_keys is IndexKeys.REFERENCE and cfg.kv_source_layer_ids:
         # The released code's pointer still names the last KV source published in the previous call.
         width = max(cache.capacity("index_k", s, meta) for s in cfg.kv_source_layer_ids)
         last = cache.entries("index_k", cfg.kv_source_layer_ids[-1], meta)
@@ -351,7 +351,7 @@ def forward(
                 cache,
                 shared,
                 forced_topk=forced.get("topk", {}).get(str(i)),
-                index_k_mode=index_k_mode,
+                key_source=index_keys,
                 impl=impl,
             )
             if topk is not None:
@@ -372,7 +372,7 @@ def forward(
             x = _engram_site(p, cfg, num_blocks, x, engram_rows, image_mask)
             a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
             cache, shared = write_compressed_kv(
-                p["attn"], cfg, num_blocks, a_in, meta, cache, shared, index_k_mode=index_k_mode
+                p["attn"], cfg, num_blocks, a_in, meta, cache, shared, key_source=index_keys
             )
         aux = {"topk": own_topk, "experts": jnp.stack(own_experts) if own_experts else None}
         if capture_chunk_state:

@@ -1,11 +1,8 @@
 """The one seam between the model and its kernels. Selection is explicit (`impl=`); an
 unsupported implementation or shape raises, there is never a silent fallback.
 
-impl="reference" is the pure-jnp path (the default on CPU and the parity target).
-impl="pallas[:tpu|:gpu][:interpret]" runs the `pallas_kernels` kernels: the backend's own (Mosaic
-on TPU, Triton on GPU) unless one is named; ":interpret" runs them in the Pallas HLO interpreter,
-which is how they run on CPU (there the TPU kernels by default). The string travels as the model's
-static `impl` argument, so the flag needs no other plumbing.
+`impl` (`ced_jax.options.Impl`): the pure-jnp reference (the default on CPU and the parity target) or
+the `pallas_kernels` kernels (the backend's own unless one is named, or in the HLO interpreter).
 """
 
 from __future__ import annotations
@@ -15,26 +12,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ced_jax.options import REFERENCE, Impl
 from ced_jax.quant import exact_div, expert_weight, max_fenced, round_bf16, sum_last, sum_small
 
-IMPLS = ("reference", "pallas")
 # Key slots the reference indexer scores at a time (`index_scores`): a block's f32 keys stay in a
 # CPU's cache (measured best at 4,096-8,192 slots, BENCHMARKS.md).
 INDEX_SCORE_BLOCK = 8192
-
-
-def parse_impl(impl: str) -> tuple[str, str | None, bool]:
-    """-> (kind, pallas backend or None, interpret). Raises NotImplementedError on anything else."""
-    kind, *mods = impl.split(":")
-    backend = next((m for m in mods if m in ("tpu", "gpu")), None)
-    interpret = "interpret" in mods
-    backends = [m for m in mods if m in ("tpu", "gpu")]
-    bad = any(m not in ("tpu", "gpu", "interpret") for m in mods) or len(set(mods)) != len(mods)
-    if kind not in IMPLS or bad or len(backends) > 1 or (kind == "reference" and mods):
-        raise NotImplementedError(
-            f"impl={impl!r} is not available; choose 'reference' or 'pallas[:tpu|:gpu][:interpret]'"
-        )
-    return kind, backend, interpret
 
 
 # Entries (row, expert) whose weights a decode step dequantises at once in `expert_matmul`.
@@ -51,7 +34,7 @@ def _expert_pairs(rows: jax.Array, expert_ids: jax.Array, w: dict) -> jax.Array:
     return jnp.einsum("mik,mnk->min", pair, weight, precision=jax.lax.Precision.HIGHEST)[:, 0]
 
 
-def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str = "reference") -> jax.Array:
+def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: Impl = REFERENCE) -> jax.Array:
     """rows [M, K] (FP8-dequantised activations) times each row's expert weight^T -> f32 [M, N].
 
     w: {'weight': u8 packed FP4 [E, N, K/2], 'scale': u8 e8m0 [E, N, K/32]}, or {'weight': f32
@@ -60,9 +43,8 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
     `lax.ragged_dot` over the dequantised expert stack. Both compute the same products in f32.
     impl="pallas..." sorts the rows by expert and runs the FP4 grouped-matmul kernel, which
     dequantises the weights tile by tile inside the kernel."""
-    kind, backend, interpret = parse_impl(impl)
     num_experts = w["weight"].shape[0]
-    if kind == "pallas":
+    if impl.pallas:
         from pallas_kernels.grouped_matmul import gmm
 
         if "scale" not in w:
@@ -77,8 +59,8 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: str 
             w["weight"],
             w["scale"],
             group_sizes,
-            backend=backend,
-            interpret=interpret,
+            backend=impl.backend,
+            interpret=impl.interpret,
         )
         return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     m = rows.shape[0]
@@ -127,7 +109,7 @@ def sparse_attention(
     sink: jax.Array,
     scale: float,
     *,
-    impl: str = "reference",
+    impl: Impl = REFERENCE,
 ) -> jax.Array:
     """Single-KV-head attention (V = K) over several key segments, with a per-head sink.
 
@@ -136,7 +118,6 @@ def sparse_attention(
     valid key returns zeros. Output [B, T, H, Dh], rounded to bf16. Both implementations read the
     segments' pages through their page tables (`pallas_kernels.sparse_attention.common.resolve_rows`
     is the one place ids become physical rows); the reference unpacks only the entries it reads."""
-    kind, backend, interpret = parse_impl(impl)
     b, t = q.shape[:2]
     for i, seg in enumerate(segments):
         want = (b, t, seg.ids.shape[-1])
@@ -145,8 +126,8 @@ def sparse_attention(
                 f"segment {i}: ids must be [B, N] or [B, T, N] and valid [B, T, N] = {list(want)}, "
                 f"got ids {list(seg.ids.shape)}, valid {list(seg.valid.shape)}"
             )
-    if kind == "pallas":
-        return _sparse_attention_pallas(q, segments, sink, scale, backend, interpret)
+    if impl.pallas:
+        return _sparse_attention_pallas(q, segments, sink, scale, impl.backend, impl.interpret)
     from pallas_kernels import formats
     from pallas_kernels.sparse_attention.common import resolve_rows, segment_format
 
@@ -204,7 +185,7 @@ def index_scores(
     page_table: jax.Array,
     n_visible: jax.Array,
     *,
-    impl: str = "reference",
+    impl: Impl = REFERENCE,
     block_entries: int = INDEX_SCORE_BLOCK,
 ) -> jax.Array:
     """The indexer's bf16 score of every key slot of each row, read from the paged FP4 index keys.
@@ -229,12 +210,11 @@ def index_scores(
     scored (their -inf is the same)."""
     from pallas_kernels import indexer
 
-    kind, backend, interpret = parse_impl(impl)
     b = indexer.validate_inputs(q, weights, key_pages, page_table, n_visible)[0]
-    if kind == "pallas":
+    if impl.pallas:
         return indexer.index_scores(
             q, weights, key_pages, page_table.astype(jnp.int32), n_visible.astype(jnp.int32),
-            backend=backend, interpret=interpret,
+            backend=impl.backend, interpret=impl.interpret,
         )  # fmt: skip
     from pallas_kernels import formats
 

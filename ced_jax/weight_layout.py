@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ced_jax.options import Impl
 from pallas_kernels.formats import dequant_fp4_weight, dequant_fp8_weight
 
 WEIGHT_LAYOUTS = ("stored", "f32-dense", "f32")
@@ -50,7 +51,7 @@ def routed_expert_f32_bytes(cfg) -> int:
     return 4 * per_expert * cfg.n_routed_experts * cfg.num_layers
 
 
-def default_weight_layout(cfg, *, backend: str, mesh, impl: str) -> str:
+def default_weight_layout(cfg, *, backend: str, mesh, impl: str | Impl) -> str:
     """The layout `ced_jax.load` uses when none is given: "f32" on a single XLA:CPU device when the
     routed experts' f32 copy is small and no Pallas kernel reads them, else "stored".
 
@@ -60,18 +61,18 @@ def default_weight_layout(cfg, *, backend: str, mesh, impl: str) -> str:
     beside them on the other core."""
     if backend != "cpu" or mesh is not None:
         return "stored"
-    if impl.split(":")[0] == "reference" and routed_expert_f32_bytes(cfg) <= F32_EXPERTS_MAX_BYTES:
+    if not Impl.parse(impl).pallas and routed_expert_f32_bytes(cfg) <= F32_EXPERTS_MAX_BYTES:
         return "f32"
     return "stored"
 
 
-def check_compatible(layout: str, *, mesh, impl: str) -> None:
+def check_compatible(layout: str, *, mesh, impl: str | Impl) -> None:
     """A layout the model can run: a mesh's sharding rules and the Pallas grouped matmul read the
     stored formats."""
     check_weight_layout(layout)
     if mesh is not None and layout != "stored":
         raise ValueError(f"weight_layout={layout!r}: a mesh places the stored formats; use 'stored'")
-    if impl.split(":")[0] == "pallas" and layout == "f32":
+    if Impl.parse(impl).pallas and layout == "f32":
         raise ValueError(
             "weight_layout='f32': impl='pallas' runs the FP4 grouped-matmul kernel on the packed "
             "experts; use 'f32-dense' or 'stored'"

@@ -146,16 +146,17 @@ def _engram_inputs(cfg: ModelConfig, rows: int, tokens: int, engram_on_host: boo
     }
 
 
-def _sampling_inputs(cfg: ModelConfig, rows: int, whole) -> tuple:
+def _sampling_inputs(cfg: ModelConfig, rows: int, whole):
+    from ced_jax.batch import SamplingBatch
     from ced_jax.sampling import mask_words
 
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
-    return (
-        s((rows,), np.float32),  # temperature
-        s((rows,), np.float32),  # top_p
-        s((rows,), np.int32),  # top_k
-        s((rows,), np.uint32),  # seed
-        s((rows, mask_words(cfg.vocab_size)), np.int32),  # token_bitmask
+    return SamplingBatch(
+        temperature=s((rows,), np.float32),
+        top_p=s((rows,), np.float32),
+        top_k=s((rows,), np.int32),
+        seed=s((rows,), np.uint32),
+        token_bitmask=s((rows, mask_words(cfg.vocab_size)), np.int32),
     )
 
 
@@ -208,8 +209,10 @@ def compile_in_process(
     devices; XLA's per-device memory analysis of each, and the per-device bytes of the abstract
     arguments by kind (parameters, state, step inputs). programs: None = `server_programs(context)`.
     on_compiled(name, compiled) sees each compiled program (bench/launches.py reads its HLO)."""
+    from ced_jax.batch import StepBatch
     from ced_jax.cache import StepMetadata
     from ced_jax.engine import Programs, StateShapes
+    from ced_jax.options import RunOptions
 
     need = math.prod(mesh_sizes.values())
     have = jax.device_count()
@@ -230,7 +233,7 @@ def compile_in_process(
         raise ValueError(f"programs: unknown {unknown}; known: {list(PROGRAMS)}")
     if scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler: expected one of {sorted(SCHEDULERS)}, got {scheduler!r}")
-    options = SCHEDULERS[scheduler] if jax.default_backend() == "cpu" else None
+    xla_options = SCHEDULERS[scheduler] if jax.default_backend() == "cpu" else None
     table = sharding.get_rules(rules)
     mesh = sharding.make_mesh(mesh_sizes)
     whole = sharding.replicated(mesh)
@@ -250,7 +253,7 @@ def compile_in_process(
     long_rows = 1 if layout is None else layout.attention_shards  # a busy row, idle ones in other blocks
     params = abstract_params(cfg, mesh, table, engram_on_host=engram_on_host)
     state = abstract_state(cfg, shapes, mesh, table)
-    progs = Programs(cfg, impl=impl, mesh=mesh, rules=table)
+    progs = Programs(cfg, mesh=mesh, rules=table)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=whole)
     out: dict = {
         "mesh": dict(mesh_sizes),
@@ -282,38 +285,42 @@ def compile_in_process(
         for name in programs:
             if name == "decode":
                 b = max_seqs
-                meta = StepMetadata(i32(b), i32(b), i32(b), i32(b, shapes.pages_per_slot))
-                inputs = (i32(b), meta, _engram_inputs(cfg, b, 1, engram_on_host, whole))
-                sampling = _sampling_inputs(cfg, b, whole)
+                batch = StepBatch(
+                    tokens=i32(b),
+                    meta=StepMetadata(i32(b), i32(b), i32(b), i32(b, shapes.pages_per_slot)),
+                    engram=_engram_inputs(cfg, b, 1, engram_on_host, whole),
+                    sampling=_sampling_inputs(cfg, b, whole),
+                )
                 fn = progs.decode
-                args = (params, state, *inputs, *sampling)
             else:
                 r, c = (rows, prefill_bucket) if name == "prefill" else (long_rows, LONG_PREFILL_CHUNK)
-                eng = _engram_inputs(cfg, r, c, engram_on_host, whole)
-                # tokens, engram, start, n, slots, page tables, window floor, decoder_from, write_from
-                inputs = (
-                    i32(r, c),
-                    eng,
-                    i32(r),
-                    i32(r),
-                    i32(r),
-                    i32(r, shapes.pages_per_slot),
-                    i32(r),
-                    i32(r),
-                    i32(r),
+                meta = StepMetadata(
+                    start=i32(r),
+                    lens=i32(r),
+                    slots=i32(r),
+                    page_tables=i32(r, shapes.pages_per_slot),
+                    window_floor=i32(r, cfg.num_layers),
+                    write_from=i32(r),
+                    decoder_from=i32(r),
                 )
-                sampling = _sampling_inputs(cfg, r, whole)
+                batch = StepBatch(
+                    tokens=i32(r, c),
+                    meta=meta,
+                    engram=_engram_inputs(cfg, r, c, engram_on_host, whole),
+                    sampling=_sampling_inputs(cfg, r, whole),
+                )
                 fn = progs.prefill_batch
-                args = (params, state, *inputs, *sampling)
-            static = {"max_logprobs": SERVE.max_logprobs}
-            if name == "long_prefill":
-                static["step_tokens"] = SERVE.long_prefill_step
+            options = RunOptions(
+                impl=impl,
+                max_logprobs=SERVE.max_logprobs,
+                step_tokens=SERVE.long_prefill_step if name == "long_prefill" else None,
+            )
             t0 = time.perf_counter()
-            compiled = fn.lower(*args, **static).compile(options)
+            compiled = fn.lower(params, state, batch, options=options).compile(xla_options)
             result = _analysis(compiled, time.perf_counter() - t0)
             if on_compiled is not None:
                 on_compiled(name, compiled)
-            result["inputs_bytes"] = _tree_bytes_per_device((inputs, sampling))
+            result["inputs_bytes"] = _tree_bytes_per_device(batch)
             out["programs"][name] = result
     return out
 

@@ -33,6 +33,7 @@ from ced_jax.layers.common import (
     rms_norm,
     rope_inv_freq,
 )
+from ced_jax.options import Impl, IndexKeys
 from ced_jax.quant import (
     exact_div,
     fp4_fake_quant_e4m3,
@@ -180,12 +181,22 @@ def main_entries(latent: jax.Array, entry_pos: jax.Array, inv_freq) -> jax.Array
 
 
 def index_scores(
-    x, qr, p: dict, keys, positions, inv_freq, cfg: ModelConfig, ratio: int, *, index_k_mode: str, impl: str
+    x,
+    qr,
+    p: dict,
+    keys,
+    positions,
+    inv_freq,
+    cfg: ModelConfig,
+    ratio: int,
+    *,
+    key_source: IndexKeys,
+    impl: Impl,
 ):
     """The indexer's bf16 score row per query: sum_h relu(qI_h . k_t) w_h, invisible entries -inf
     (entry j is visible to the token at position p when its group is complete, j < (p + 1) // R).
 
-    Where the keys come from is chosen by index_k_mode, explicitly (not by their shape):
+    Where the keys come from is chosen by key_source, explicitly (not by their shape):
     - "intended": keys = (key_pages u8 [P, E, Dk/2 + Dk/32], page_tables i32 [B, n]), the KV source's
       packed index keys where they live; `ops.index_scores` reads them through the page tables under
       `impl` (impl="pallas..." runs the indexer kernel on the pages, nothing unpacked beforehand).
@@ -196,7 +207,7 @@ def index_scores(
     -> scores [B, T, S] (f32 holding bf16 values)."""
     q, w = index_queries(x, qr, p, positions, inv_freq, cfg)
     n_visible = ((positions + 1) // ratio).astype(jnp.int32)
-    if index_k_mode == "reference":
+    if key_source is IndexKeys.REFERENCE:
         return ops.index_scores_unpacked(q, w, keys, n_visible)
     key_pages, page_tables = keys
     return ops.index_scores(q, w, key_pages, page_tables, n_visible, impl=impl)
@@ -278,14 +289,14 @@ def select_topk(
 
 
 def _pool_entries(
-    cfg: ModelConfig, layer: int, shared: dict, keys, positions, ratio: int, index_k_mode: str, impl: str
+    cfg: ModelConfig, layer: int, shared: dict, keys, positions, ratio: int, key_source: IndexKeys, impl: Impl
 ):
     """For a Reindex layer whose candidate pool is smaller than its row, (entry ids, valid) of the
     pool (`candidate_entries`) to score alone; else None (score the row, then mask it). Only the
     reference scoring of paged keys: the Pallas indexer kernels score whole rows through the page
     tables, and the reference index-K mode's keys are not pages."""
-    reference = ops.parse_impl(impl)[0] == "reference"
-    if not cfg.uses_candidates(layer) or index_k_mode != "intended" or not reference:
+    reference = not impl.pallas
+    if not cfg.uses_candidates(layer) or key_source is not IndexKeys.INTENDED or not reference:
         return None
     key_pages, page_tables = keys
     row = page_tables.shape[1] * key_pages.shape[1]
@@ -304,7 +315,7 @@ def write_compressed_kv(
     cache: PagedCache,
     shared: dict,
     *,
-    index_k_mode: str,
+    key_source: IndexKeys,
 ):
     """A KV-source layer's compressor: pool the chunk's complete groups (partial groups carried in
     the slot's state) into main entries and index keys and write them into the pages. x: the layer's
@@ -335,7 +346,7 @@ def write_compressed_kv(
     keys = index_keys(latent, p["indexer"], entry_pos, inv_freq, eps)
     cache = cache.write_entries("index_k", layer, meta, keys, entry, complete)
     cache = cache.write_entries("kv", layer, meta, main_entries(latent, entry_pos, inv_freq), entry, complete)
-    if index_k_mode == "reference":
+    if key_source is IndexKeys.REFERENCE:
         # The released code moves its global index-K pointer only when an owner publishes.
         ptr = shared["index_k_ptr"]
         own = cache.entries("index_k", layer, meta)
@@ -354,8 +365,8 @@ def attention(
     shared: dict,
     *,
     forced_topk: jax.Array | None,
-    index_k_mode: str,
-    impl: str,
+    key_source: IndexKeys,
+    impl: Impl,
 ):
     """One attention sublayer. x: attn_norm output [B, T, D].
 
@@ -376,7 +387,7 @@ def attention(
     kv = rms_norm(fp8_linear(x, p["wkv"]), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
     packed_kv = cache_lib.pack_fp8_ue8m0(kv)
-    by_position = ops.parse_impl(impl)[0] == "reference"
+    by_position = not impl.pallas
     segments = (window_segment_by_position if by_position else window_segments)(
         cache, layer, packed_kv, meta, positions, cfg.sliding_window
     )
@@ -390,11 +401,9 @@ def attention(
     if ratio > 0:
         src = cfg.kv_source_of(layer)
         if layer in cfg.kv_source_layer_ids:
-            cache, shared = write_compressed_kv(
-                p, cfg, layer, x, meta, cache, shared, index_k_mode=index_k_mode
-            )
+            cache, shared = write_compressed_kv(p, cfg, layer, x, meta, cache, shared, key_source=key_source)
         if layer in cfg.index_source_layer_ids:
-            if index_k_mode == "reference":
+            if key_source is IndexKeys.REFERENCE:
                 keys = shared["index_k_ptr"]
                 cap = cache.capacity("index_k", src, meta)
                 keys = (
@@ -404,7 +413,7 @@ def attention(
                 )
             else:
                 keys = (cache.index_k[str(src)], meta.page_tables)
-            pool_entries = _pool_entries(cfg, layer, shared, keys, positions, ratio, index_k_mode, impl)
+            pool_entries = _pool_entries(cfg, layer, shared, keys, positions, ratio, key_source, impl)
             if pool_entries is not None:
                 # A Reindex layer picks only inside the candidate pool: score just the pool's entries
                 # (a fixed count) instead of the whole row (the context), with the same result.
@@ -416,7 +425,7 @@ def attention(
             else:
                 scores = index_scores(
                     x, qr, p["indexer"], keys, positions, inv_freq, cfg, ratio,
-                    index_k_mode=index_k_mode, impl=impl,
+                    key_source=key_source, impl=impl,
                 )  # fmt: skip
                 if layer == cfg.candidate_source_layer_id:
                     shared["candidates"], shared["candidate_blocks"] = candidate_pool(

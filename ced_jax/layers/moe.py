@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ced_jax import ops, sharding
 from ced_jax.layers.common import f32_linear, fp8_linear
+from ced_jax.options import Impl
 from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16, sum_small
 
 
@@ -55,14 +56,14 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 EXPERT_AXES = ("experts", "expert_mlp", None)
 
 
-def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: str, f_axis=None):
+def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: Impl, f_axis=None):
     """Per (token, expert) entry: w2(weight * swiglu(w1 row, w3 row)), bf16-rounded f32 [R, out].
 
     rows [R, D] FP8-dequantised, eids [R] expert ids into `experts`, weights [R]. Under shard_map
     with w1/w3 split along F over `f_axis`, the hidden activation is all-gathered before its FP8
     quantisation, so the quantisation blocks and the w2 contraction are the unsplit ones."""
     num_experts = experts["w1"]["weight"].shape[0]
-    if f_axis is None and ops.parse_impl(impl)[0] == "reference" and rows.shape[0] >= num_experts:
+    if f_axis is None and not impl.pallas and rows.shape[0] >= num_experts:
         # Prefill. Decode (fewer rows than experts) keeps the per-row gather of ops.expert_matmul:
         # the expert loop measured 2x slower inside the whole mid decode step (BENCHMARKS.md).
         # At least two rows per tile: a one-row product sums in another order (`ops.expert_matmul`).
@@ -144,7 +145,7 @@ def routed_experts(
     experts: dict,
     *,
     limit: float,
-    impl: str,
+    impl: Impl,
     layout: sharding.Layout | None = None,
 ) -> jax.Array:
     """sum over the X selected experts of w2(weight * swiglu(w1 x, w3 x)), f32 [N, D].
@@ -164,7 +165,7 @@ def routed_experts(
     return _sum_in_order(out.reshape(n, top_k, -1))
 
 
-def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, impl: str) -> jax.Array:
+def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, impl: Impl) -> jax.Array:
     """`routed_experts` under shard_map: dropless padded all_to_all dispatch and combine. Inside the
     shard_map of data-parallel attention (`layout.manual`) the tokens and experts are already this
     device's block, and the dispatch runs in place."""

@@ -34,6 +34,7 @@ import pallas_kernels.sparse_attention as attention_module
 from ced_jax import ops
 from ced_jax.api import Model, load
 from ced_jax.config import preset
+from ced_jax.options import Impl
 from ced_jax.quant import fp4_fake_quant_e4m3, fp8_fake_quant
 from ced_jax.testing.random_weights import random_params
 from pallas_kernels import formats
@@ -68,13 +69,16 @@ def kernel_calls(monkeypatch, fresh_programs):
 
 # ----------------------------------------------------------------------------- ops bridge
 def test_parse_impl():
-    assert ops.parse_impl("reference") == ("reference", None, False)
-    assert ops.parse_impl("pallas") == ("pallas", None, False)
-    assert ops.parse_impl("pallas:interpret") == ("pallas", None, True)
-    assert ops.parse_impl("pallas:gpu:interpret") == ("pallas", "gpu", True)
+    for text, want in (
+        ("reference", ("reference", None, False)),
+        ("pallas", ("pallas", None, False)),
+        ("pallas:interpret", ("pallas", None, True)),
+        ("pallas:gpu:interpret", ("pallas", "gpu", True)),
+    ):
+        assert Impl.parse(text) == want and str(Impl.parse(text)) == text
     for bad in ("xla", "pallas:cuda", "pallas:tpu:gpu", "reference:interpret", "pallas:interpret:interpret"):
         with pytest.raises(NotImplementedError, match="not available"):
-            ops.parse_impl(bad)
+            Impl.parse(bad)
 
 
 def _expert_case(seed, m, k, n, e):
@@ -91,7 +95,7 @@ def _expert_case(seed, m, k, n, e):
 def test_expert_matmul_bridge_matches_reference(kernel_calls, backend, m):
     rows, ids, w = _expert_case(m, m, 256, 128, 8)
     ref = np.asarray(jax.jit(lambda r, i, w: ops.expert_matmul(r, i, w))(rows, ids, w))
-    impl = f"pallas:{backend}:interpret"
+    impl = Impl("pallas", backend, interpret=True)
     out = np.asarray(jax.jit(lambda r, i, w: ops.expert_matmul(r, i, w, impl=impl))(rows, ids, w))
     assert kernel_calls["gmm"] == 1
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
@@ -147,7 +151,9 @@ def test_sparse_attention_bridge_matches_reference(kernel_calls, backend, t):
     q, segments, sink = _attention_segments(t, 2, t, 4, 128, 16, 16)
 
     def run(impl):
-        fn = lambda q, segments, sink: ops.sparse_attention(q, segments, sink, 128**-0.5, impl=impl)
+        fn = lambda q, segments, sink: ops.sparse_attention(
+            q, segments, sink, 128**-0.5, impl=Impl.parse(impl)
+        )
         return np.asarray(jax.jit(fn)(q, segments, sink))
 
     ref = run("reference")
@@ -177,7 +183,7 @@ def test_index_scores_bridge_matches_reference(kernel_calls, backend, case):
     n_visible = np.asarray(args[-1])
 
     def run(impl):
-        return np.asarray(jax.jit(lambda *a: ops.index_scores(*a, impl=impl))(*args))
+        return np.asarray(jax.jit(lambda *a: ops.index_scores(*a, impl=Impl.parse(impl)))(*args))
 
     ref = run("reference")
     out = run(f"pallas:{backend}:interpret")

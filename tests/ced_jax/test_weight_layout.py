@@ -14,6 +14,7 @@ from ced_jax.api import load
 from ced_jax.config import preset
 from ced_jax.layers.common import fp8_linear
 from ced_jax.layers.moe import routed_experts
+from ced_jax.options import REFERENCE, Impl
 from ced_jax.weight_layout import (
     F32_EXPERTS_MAX_BYTES,
     apply_weight_layout,
@@ -54,8 +55,8 @@ def test_linears_and_experts_match_the_stored_layout_bit_for_bit(models):
             assert np.array_equal(np.asarray(want), np.asarray(fp8_linear(x, dense["attn"][name]))), name
         ids = jnp.asarray(rng.integers(0, 8, (rows, 2)).astype(np.int32))
         weights = jnp.asarray(rng.random((rows, 2)).astype(np.float32))
-        want = routed_experts(x, ids, weights, stored["ffn"]["experts"], limit=10.0, impl="reference")
-        got = routed_experts(x, ids, weights, f32["ffn"]["experts"], limit=10.0, impl="reference")
+        want = routed_experts(x, ids, weights, stored["ffn"]["experts"], limit=10.0, impl=REFERENCE)
+        got = routed_experts(x, ids, weights, f32["ffn"]["experts"], limit=10.0, impl=REFERENCE)
         assert np.array_equal(np.asarray(want), np.asarray(got)), rows
 
 
@@ -127,4 +128,4 @@ def test_pallas_grouped_matmul_refuses_dequantised_experts(models):
     experts = models["f32"].params["layers"]["0"]["ffn"]["experts"]["w1"]
     rows = jnp.zeros((4, experts["weight"].shape[-1]), jnp.float32)
     with pytest.raises(ValueError, match="reads packed experts"):
-        ops.expert_matmul(rows, jnp.zeros((4,), jnp.int32), experts, impl="pallas:interpret")
+        ops.expert_matmul(rows, jnp.zeros((4,), jnp.int32), experts, impl=Impl.parse("pallas:interpret"))
