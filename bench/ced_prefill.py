@@ -90,7 +90,7 @@ def speed(model, length: int, repeats: int, seed: int, page: int) -> dict:
     cfg = model.cfg
     context = -(-(length + 1) // page) * page
     shapes = StateShapes(max_slots=1, page_size=page, num_pages=context // page, max_context=context)
-    engine = Engine(model, shapes)
+    engine = Engine(model.loaded, shapes)
     ids = np.full((1, context), cfg.pad_token_id, np.int32)  # a chunk is whole pages
     ids[0, :length] = np.random.default_rng(seed).integers(3, cfg.vocab_size, length)
     table = np.arange(context // page, dtype=np.int32)[None]

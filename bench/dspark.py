@@ -44,7 +44,7 @@ def _engine(model, batch: int, context: int, dspark: bool):
     shapes = StateShapes(
         max_slots=batch, page_size=page, num_pages=batch * context // page, max_context=context
     )
-    return Engine(model, shapes, dspark=dspark), cache_lib.contiguous_page_tables(
+    return Engine(model.loaded, shapes, dspark=dspark), cache_lib.contiguous_page_tables(
         batch, shapes.pages_per_slot
     )
 

@@ -158,7 +158,8 @@ def child(model: str, mesh_text: str, via_host: bool) -> dict:
 
     import ced_jax
     from ced_jax import sharding
-    from ced_jax.api import Model, _mesh_targets
+    from ced_jax.api import Model
+    from ced_jax.checkpoint.place import mesh_targets
 
     mesh = sharding.make_mesh(sharding.parse_mesh(mesh_text))
     n_dev = len(jax.devices())
@@ -191,7 +192,7 @@ def child(model: str, mesh_text: str, via_host: bool) -> dict:
     after_trim = _status("VmRSS")
     buffers: dict[int, int] = {}  # device buffer address -> bytes (aliased host buffers count once)
     wrong = []
-    targets = _mesh_targets(m.cfg, mesh, m.rules)
+    targets = mesh_targets(m.cfg, mesh, m.rules)
     for path, leaf in jax.tree_util.tree_leaves_with_path(m.params):
         name = ".".join(str(getattr(k, "key", k)) for k in path)
         for s in leaf.addressable_shards:

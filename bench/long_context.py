@@ -68,7 +68,7 @@ def measure(
     if context < need:
         raise SystemExit(f"--table-context {table_context} holds fewer than {need} tokens")
     shapes = StateShapes(max_slots=1, page_size=page, num_pages=context // page, max_context=context)
-    engine = Engine(model, shapes)
+    engine = Engine(model.loaded, shapes)
     ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, length).astype(np.int32)
     whole = np.arange(context // page, dtype=np.int32)[None]
     width = next(w for w in default_context_buckets(context, page) if w >= need) // page

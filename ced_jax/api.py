@@ -32,7 +32,7 @@ kept, replicated on a mesh); `Model.dspark` says whether they are there.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import math
 import re
@@ -42,141 +42,31 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
 from ced_jax import compile_cache, generation, sharding
+from ced_jax.checkpoint import place
 from ced_jax.checkpoint.converted import (
     included_parts,
     is_converted_checkpoint,
-    is_engram_table,
     load_flat,
     load_onto_mesh,
     read_manifest,
 )
 from ced_jax.checkpoint.digest import arrays_digest, directory_digest
 from ced_jax.checkpoint.hf_loader import CheckpointError, load_hf_checkpoint, read_index
-from ced_jax.checkpoint.mapping import hf_inventory, our_param_specs, parameter_counts
+from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
 from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
-from ced_jax.engine import Engine, Programs, StateShapes
+from ced_jax.engine import Engine, LoadedModel, StateShapes
 from ced_jax.engram_hash import EngramHasher
-from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw, table_leaves
+from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw
 from ced_jax.generation import bucket, check_ids, check_prefill_mode, pieces, prefill_split
-from ced_jax.model import flatten_specs, param_specs
 from ced_jax.options import Impl
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
 from ced_jax.text_ids import encode_ids
 from ced_jax.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
-
-
-def _to_device(
-    flat: dict[str, np.ndarray], bf16_as_f32: bool, shardings: dict[str, Any] | None = None
-) -> dict:
-    """Flat {dotted name: array} -> nested dict of device arrays. bf16 is widened to f32 (exact)
-    where XLA:CPU would otherwise run pathologically slow bf16 GEMVs. With `shardings` (flat name
-    -> NamedSharding) each device receives only its own block, also across processes."""
-    root: dict = {}
-    for name, arr in flat.items():
-        if bf16_as_f32 and arr.dtype == ml_dtypes.bfloat16:
-            arr = arr.astype(np.float32)
-        node = root
-        parts = name.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = jnp.asarray(arr) if shardings is None else _put_global(arr, shardings[name])
-    return root
-
-
-def _put_global(arr, target) -> jax.Array:
-    """A host array (identical on every process) -> a global array laid out by `target`. A jax Array
-    already laid out so (a parameter `load` read straight onto the mesh) is kept as is."""
-    if isinstance(arr, jax.Array):
-        return arr if arr.sharding.is_equivalent_to(target, arr.ndim) else jax.device_put(arr, target)
-    arr = np.asarray(arr)
-    return jax.make_array_from_callback(arr.shape, target, lambda index: arr[index])
-
-
-def _flat_param_shardings(cfg: ModelConfig, names, mesh, rules) -> dict[str, Any]:
-    """flat name -> NamedSharding from the parameter specs' logical axes (sharding.param_shardings)."""
-    specs = param_specs(cfg)
-    flat_specs = flatten_specs(specs)
-    unknown = sorted(set(names) - set(flat_specs))
-    if unknown:
-        raise ValueError(f"parameters without a spec (cannot be placed on the mesh): {unknown[:5]}")
-    nested = sharding.param_shardings(specs, mesh, rules)
-    out = {}
-    for name in names:
-        node = nested
-        for part in name.split("."):
-            node = node[part]
-        out[name] = node
-    return out
-
-
-def _mesh_targets(cfg: ModelConfig, mesh, rules) -> dict[str, Any]:
-    """The parameters `load` reads straight onto the mesh (flat name -> NamedSharding): every backbone
-    parameter but the Engram tables, which `Model` keeps in host memory or places itself."""
-    names = [n for n in flatten_specs(param_specs(cfg)) if not is_engram_table(n)]
-    return _flat_param_shardings(cfg, names, mesh, sharding.get_rules(rules))
-
-
-DSPARK_PREFIX = "mtp."
-
-
-def _dspark_to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], mesh) -> dict:
-    """The DSpark stages' flat `mtp.*` arrays -> the nested tree under params["mtp"], as
-    `ced_jax.dspark.load_dspark_params` gives it: storage dtypes kept (no bf16 widening: the stages
-    are small and the draft code casts where it computes in f32), checked against the config's
-    inventory. On a mesh every device gets the whole (small) tree: replicated."""
-    if cfg.num_nextn_predict_layers <= 0:
-        raise ValueError(
-            f"DSpark parameters given (e.g. {sorted(flat)[0]}) but the config's num_nextn_predict_layers is 0"
-        )
-    specs = our_param_specs(cfg, ("dspark",))
-    missing = sorted(set(specs) - set(flat))
-    extra = sorted(set(flat) - set(specs))
-    if missing or extra:
-        raise ValueError(
-            f"DSpark parameters: missing {missing[:5]}, not in the config's inventory {extra[:5]}"
-        )
-    for name, arr in flat.items():
-        shape, dtype = specs[name]
-        if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
-            raise ValueError(
-                f"DSpark parameter {name}: {arr.dtype} {list(arr.shape)}, expected {dtype} {list(shape)}"
-            )
-    target = None if mesh is None else sharding.replicated(mesh)
-    root: dict = {}
-    for name, arr in flat.items():
-        node = root
-        *parents, leaf = name[len(DSPARK_PREFIX) :].split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = jnp.asarray(arr) if target is None else _put_global(arr, target)
-    return root
-
-
-def _place_engram(
-    cfg: ModelConfig, backbone: dict[str, np.ndarray], placement: str, store: EngramStore | None
-) -> EngramStore | None:
-    """Move the Engram tables between `backbone` (flat params, changed in place) and a host store
-    as `placement` says; returns the store (None on device or without Engram layers)."""
-    if not cfg.engram_layer_ids:
-        return None
-    if placement == "host":
-        if store is None:
-            return EngramStore.pop_from_flat(cfg, backbone)
-        for pair in table_leaves(cfg):
-            for leaf in pair:
-                backbone.pop(leaf, None)
-        return store
-    if store is not None:
-        for (w, s), (tw, ts) in zip(table_leaves(cfg), store.tables, strict=True):
-            backbone[w], backbone[s] = np.asarray(tw), np.asarray(ts)
-    return None
 
 
 class Model:
@@ -202,33 +92,31 @@ class Model:
         weight_layout: how the quantised weights are kept (`ced_jax.weight_layout`); None:
         `default_weight_layout` for this backend, mesh and impl."""
         impl = Impl.parse(impl)  # an unknown kernel choice fails here, not when a program is first traced
-        self.cfg = cfg
         if weight_layout is None:
             weight_layout = default_weight_layout(cfg, backend=jax.default_backend(), mesh=mesh, impl=impl)
         check_compatible(weight_layout, mesh=mesh, impl=impl)
         self.weight_layout = weight_layout
         if bf16_as_f32 is None:
             bf16_as_f32 = jax.default_backend() == "cpu"
-        self.mesh = mesh
-        self.rules = sharding.get_rules(rules)
-        # DSpark stages (`mtp.*` paths) go to params["mtp"]: see _dspark_to_device.
-        draft = {k: v for k, v in flat_params.items() if k.startswith(DSPARK_PREFIX)}
-        backbone = {k: v for k, v in flat_params.items() if not k.startswith(DSPARK_PREFIX)}
+        rules = sharding.get_rules(rules)
+        # DSpark stages (`mtp.*` paths) go to params["mtp"]: see `place.dspark_to_device`.
+        draft = {k: v for k, v in flat_params.items() if k.startswith(place.DSPARK_PREFIX)}
+        backbone = {k: v for k, v in flat_params.items() if not k.startswith(place.DSPARK_PREFIX)}
         self.engram_placement = check_placement(engram_placement)
-        self.engram_store = _place_engram(cfg, backbone, engram_placement, engram_store)
-        shardings = None if mesh is None else _flat_param_shardings(cfg, backbone, mesh, self.rules)
-        self.params = apply_weight_layout(
-            _to_device(backbone, bf16_as_f32, shardings), weight_layout, block=cfg.weight_block_size
+        store = place.place_engram(cfg, backbone, engram_placement, engram_store)
+        shardings = None if mesh is None else place.flat_param_shardings(cfg, backbone, mesh, rules)
+        params = apply_weight_layout(
+            place.to_device(backbone, bf16_as_f32, shardings), weight_layout, block=cfg.weight_block_size
         )
         if draft:  # the DSpark stages stay stored: `ced_jax.dspark_train` starts from their stored pairs
-            self.params["mtp"] = _dspark_to_device(cfg, draft, mesh)
-        self.hasher = hasher
+            params["mtp"] = place.dspark_to_device(cfg, draft, mesh)
+        # What every engine of this model runs (its programs shared by every Session and server).
+        self.loaded = LoadedModel(
+            cfg=cfg, params=params, hasher=hasher, engram_store=store, mesh=mesh, rules=rules, impl=impl
+        )
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
-        self.impl = impl
         self.prefill_chunk = prefill_chunk
-        # One set of programs over the one step function, shared by every Session and serving engine.
-        self.programs = Programs.shared(cfg, mesh=mesh, rules=self.rules)
         # The ViT + aligner (`ced_jax.vision.VisionEncoder`), None without a vision tower.
         self.vision = None
         if vision_params is not None:
@@ -257,22 +145,25 @@ class Model:
             arrays += [(f"vision.{k}", np.asarray(v)) for k, v in sorted(self.vision.params.items())]
         return arrays_digest(arrays)
 
+    # The loaded model's parts, as attributes of the notebook API's object.
+    cfg = property(lambda self: self.loaded.cfg)
+    hasher = property(lambda self: self.loaded.hasher)
+    engram_store = property(lambda self: self.loaded.engram_store)
+    mesh = property(lambda self: self.loaded.mesh)
+    rules = property(lambda self: self.loaded.rules)
+    impl = property(lambda self: self.loaded.impl)
+    programs = property(lambda self: self.loaded.programs)
+    draft_programs = property(lambda self: self.loaded.draft_programs)
+    dspark = property(lambda self: self.loaded.dspark)
+
     @property
-    def dspark(self) -> bool:
-        """Whether the DSpark draft stages are loaded (params["mtp"])."""
-        return "mtp" in self.params
+    def params(self) -> dict:
+        return self.loaded.params
 
-    @functools.cached_property
-    def draft_programs(self) -> Programs:
-        """The programs of speculative engines (`Engine(..., dspark=True)`): the prefill also inserts
-        the DSpark context, and `speculative_decode` exists. Built on first use."""
-        return Programs.shared(self.cfg, mesh=self.mesh, rules=self.rules, dspark=True)
-
-    def _put_input(self, arr) -> jax.Array:
-        """A host input of a step: on one device as is, on a mesh replicated (global array)."""
-        if self.mesh is None:
-            return jnp.asarray(arr)
-        return _put_global(arr, sharding.replicated(self.mesh))
+    @params.setter
+    def params(self, params: dict) -> None:
+        """Run this model object with other parameters of the same tree (a patched copy)."""
+        self.loaded = dataclasses.replace(self.loaded, params=params)
 
     # ------------------------------------------------------------------ tokenizer
     @property
@@ -628,7 +519,7 @@ class Session:
         shapes = StateShapes(
             max_slots=self.rows, page_size=page, num_pages=self.rows * (context // page), max_context=context
         )
-        self.engine = Engine(model, shapes, dspark=dspark)
+        self.engine = Engine(model.loaded, shapes, dspark=dspark)
         self.slots = np.arange(self.rows, dtype=np.int32)
         self.page_tables = cache_lib.contiguous_page_tables(self.rows, shapes.pages_per_slot)
         self.positions = np.zeros(self.rows, np.int32)
@@ -1061,7 +952,7 @@ def load(
             flat, _report = load_hf_onto_mesh(
                 directory,
                 cfg,
-                _mesh_targets(cfg, mesh, rules),
+                place.mesh_targets(cfg, mesh, rules),
                 include=include,
                 bf16_as_f32=jax.default_backend() == "cpu",
             )

@@ -45,6 +45,7 @@ reads comes back replicated, so every process of a multi-host run holds all of i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from functools import partial
@@ -61,7 +62,7 @@ from ced_jax.batch import ImageInputs, SamplingBatch, StepBatch
 from ced_jax.cache import PagedCache, StepMetadata
 from ced_jax.config import ModelConfig
 from ced_jax.model import forward
-from ced_jax.options import RunOptions
+from ced_jax.options import REFERENCE, Impl, RunOptions
 from ced_jax.sampling import mask_words, sample, speculative_sample
 
 
@@ -445,6 +446,44 @@ _SHARED_LOCK = threading.Lock()
 # ------------------------------------------------------------------------------------ host side
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What an `Engine` runs: the config, the placed parameters (`ced_jax.checkpoint.place`), the Engram
+    hasher and host tables (None without them, or with the tables on device), the mesh and its rules
+    (None, {} on one device) and the kernel choice; the programs are shared by every engine of it."""
+
+    cfg: ModelConfig
+    params: dict
+    hasher: object = None
+    engram_store: object = None
+    mesh: jax.sharding.Mesh | None = None
+    rules: dict = dataclasses.field(default_factory=dict)
+    impl: Impl = REFERENCE
+
+    @functools.cached_property
+    def programs(self) -> Programs:
+        return Programs.shared(self.cfg, mesh=self.mesh, rules=self.rules)
+
+    @functools.cached_property
+    def draft_programs(self) -> Programs:
+        """The programs of speculative engines: the prefill also inserts the DSpark context, and
+        `speculative_decode` exists."""
+        return Programs.shared(self.cfg, mesh=self.mesh, rules=self.rules, dspark=True)
+
+    @property
+    def dspark(self) -> bool:
+        """Whether the DSpark draft stages are loaded (params["mtp"])."""
+        return "mtp" in self.params
+
+    def put_input(self, arr):
+        """A host input of a step: on one device the numpy array itself (jit transfers it; a
+        `jnp.asarray` would run a small program of its own per new shape), on a mesh replicated
+        (global array)."""
+        if self.mesh is None:
+            return np.asarray(arr)
+        return sharding.put_global(arr, sharding.replicated(self.mesh))
+
+
 class SpecOutput(NamedTuple):
     """A speculative step on the host (rows as the call's; inactive rows are garbage)."""
 
@@ -462,7 +501,7 @@ class Engine:
     slot), run by a model's `Programs`. Clients say which slots and pages a call uses; the engine
     checks nothing about scheduling (that is the client's job) but keeps the history in step."""
 
-    def __init__(self, model, shapes: StateShapes, *, dspark: bool = False):
+    def __init__(self, model: LoadedModel, shapes: StateShapes, *, dspark: bool = False):
         """dspark: a speculative engine (`speculative_decode`; prefill inserts the DSpark context);
         the model must carry the DSpark stages."""
         self.model, self.cfg, self.shapes = model, model.cfg, shapes
@@ -473,7 +512,7 @@ class Engine:
         self.programs: Programs = model.draft_programs if dspark else model.programs
         self.hasher = model.hasher
         # Engram tables on the host (placement "host"): each step's rows are gathered here.
-        self.engram_store = getattr(model, "engram_store", None)
+        self.engram_store = model.engram_store
         self.mesh, self.rules = model.mesh, model.rules
         self.state = new_state(self.cfg, shapes, self.mesh, self.rules, dspark=dspark)
         self.history = self.empty_history(shapes.max_slots)
@@ -484,12 +523,8 @@ class Engine:
 
     # ---- host inputs
     def put(self, arr):
-        """A host input of a step: on one device the numpy array itself (jit transfers it; a
-        `jnp.asarray` would run a small program of its own per new shape), on a mesh replicated
-        (global array)."""
-        if self.mesh is None:
-            return np.asarray(arr)
-        return self.model._put_input(arr)
+        """A host input of a step, on the device (`LoadedModel.put_input`)."""
+        return self.model.put_input(arr)
 
     def empty_history(self, rows: int) -> np.ndarray:
         if self.hasher is None:

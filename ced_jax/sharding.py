@@ -292,6 +292,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def put_global(arr, target: NamedSharding) -> jax.Array:
+    """A host array (identical on every process) -> a global array laid out by `target`. A jax Array
+    already laid out so (a parameter `load` read straight onto the mesh) is kept as is."""
+    if isinstance(arr, jax.Array):
+        return arr if arr.sharding.is_equivalent_to(target, arr.ndim) else jax.device_put(arr, target)
+    arr = np.asarray(arr)
+    return jax.make_array_from_callback(arr.shape, target, lambda index: arr[index])
+
+
 # ------------------------------------------------------------------ the layout a program is traced under
 @dataclass(frozen=True)
 class Layout:

@@ -145,7 +145,7 @@ def weight_ledger(
 ) -> dict:
     """Per-device and total resident weight bytes (by dtype and by part) under `rules` on `mesh`.
     dspark: also the DSpark draft stages, whole on every device (the runtime replicates them:
-    `ced_jax.api._dspark_to_device`)."""
+    `ced_jax.checkpoint.place.dspark_to_device`)."""
     per_device_dtype: dict[str, int] = defaultdict(int)
     per_device_part: dict[str, int] = defaultdict(int)
     total_dtype: dict[str, int] = defaultdict(int)

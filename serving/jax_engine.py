@@ -375,7 +375,7 @@ class JaxEngine:
         # Prefill chunks per device block (data-parallel attention; block 0 otherwise).
         self.blocks_used: collections.Counter[int] = collections.Counter()
         self.engine = Engine(
-            model,
+            model.loaded,
             StateShapes(
                 max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
             ),

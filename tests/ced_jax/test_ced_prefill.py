@@ -88,7 +88,7 @@ def _engine_prefill(model, ids, decoder_from):
     page = 16
     context = -(-(len(ids) + 1) // page) * page
     shapes = StateShapes(max_slots=2, page_size=page, num_pages=2 * context // page, max_context=context)
-    engine = Engine(model, shapes)
+    engine = Engine(model.loaded, shapes)
     one = lambda v, dt: np.array([v, 0], dt)  # row 1: an idle slot
     tokens = np.zeros((2, context), np.int32)
     tokens[0, : len(ids)] = ids

@@ -27,7 +27,7 @@ def tiny():
 def _engine(model, page=PAGE, dspark=False):
     context = 2 * WIDTH
     shapes = StateShapes(max_slots=2, page_size=page, num_pages=3 * context // page, max_context=context)
-    return Engine(model, shapes, dspark=dspark)
+    return Engine(model.loaded, shapes, dspark=dspark)
 
 
 def _prefill(engine, slot, tokens, start, n, table, **kw):

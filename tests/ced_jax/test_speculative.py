@@ -40,7 +40,7 @@ def _engine(model, slots: int, context: int = 128) -> tuple[Engine, np.ndarray]:
     shapes = StateShapes(
         max_slots=slots, page_size=page, num_pages=slots * context // page, max_context=context
     )
-    engine = Engine(model, shapes, dspark=True)
+    engine = Engine(model.loaded, shapes, dspark=True)
     return engine, cache_lib.contiguous_page_tables(slots, shapes.pages_per_slot)
 
 
@@ -230,7 +230,7 @@ def test_engine_refuses_without_stages(model):
     no_stages.params = params
     with pytest.raises(ValueError, match="no DSpark stages"):
         Engine(no_stages, shapes, dspark=True)
-    engine = Engine(model, shapes)
+    engine = Engine(model.loaded, shapes)
     with pytest.raises(ValueError, match="dspark=True"):
         engine.speculative_decode(
             [0], [1], np.zeros((1, 2), np.int32), [0], [0], [True], np.zeros((1, 8), np.int32),

@@ -53,7 +53,9 @@ def _width(n: int) -> int:
 
 def _engine(model, context: int) -> Engine:
     pages = ROWS * context // PAGE
-    return Engine(model, StateShapes(max_slots=ROWS, page_size=PAGE, num_pages=pages, max_context=context))
+    return Engine(
+        model.loaded, StateShapes(max_slots=ROWS, page_size=PAGE, num_pages=pages, max_context=context)
+    )
 
 
 def _prefill(engine: Engine, tokens, n, *, types=None, spans=None, max_logprobs=8):

@@ -27,9 +27,9 @@ import pytest
 
 import ced_jax
 from ced_jax import sharding
-from ced_jax.api import _mesh_targets
 from ced_jax.checkpoint.hf_loader import load_hf_checkpoint
 from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
+from ced_jax.checkpoint.place import mesh_targets
 from ced_jax.config import ModelConfig
 from conversion.convert import ConvertOptions, convert
 from tests.conftest import GOLDEN_TINY_A, REPO
@@ -73,7 +73,7 @@ def test_tiny_a_on_mesh_matches_host_path(tiny_converted):
     )  # a mesh holds the stored leaves
     for source in (GOLDEN_TINY_A, tiny_converted):
         model = ced_jax.load(source, mesh=mesh)
-        targets = _mesh_targets(model.cfg, mesh, model.rules)
+        targets = mesh_targets(model.cfg, mesh, model.rules)
         got = _leaves(model.params)
         assert sorted(got) == sorted(host)
         assert {n for n, t in targets.items() if t.spec != jax.P()}, "nothing is sharded: a vacuous test"
@@ -90,7 +90,7 @@ def test_blocks_read_piecewise_are_the_host_bytes():
     block takes several); the Engram tables, not in `shardings`, come back as host numpy."""
     cfg = ModelConfig.from_pretrained(GOLDEN_TINY_A)
     mesh = sharding.make_mesh(MESH)
-    targets = _mesh_targets(cfg, mesh, "ep_tp")
+    targets = mesh_targets(cfg, mesh, "ep_tp")
     host, host_report = load_hf_checkpoint(GOLDEN_TINY_A, cfg)
     got, report = load_hf_onto_mesh(GOLDEN_TINY_A, cfg, targets, bf16_as_f32=False, piece_bytes=1000)
     assert sorted(got) == sorted(host)
@@ -166,7 +166,7 @@ def test_each_block_reads_only_its_byte_ranges(monkeypatch):
 
     cfg = ModelConfig.from_pretrained(GOLDEN_TINY_A)
     mesh = sharding.make_mesh(MESH)
-    targets = _mesh_targets(cfg, mesh, "ep_tp")
+    targets = mesh_targets(cfg, mesh, "ep_tp")
     read: dict[str, int] = {}
     original = mesh_loader._Files.read_into
 
