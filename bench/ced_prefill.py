@@ -12,7 +12,7 @@ Reports, as one JSON document, per length:
 - KL(exact || ced) and KL(exact || last window) of the next-token distribution after the prompt
   (mean and max over the prompts) and their ratio; argmax agreement of ced and of last-window with
   exact;
-- prefill tokens/s of the server's prefill program (`ced_jax.engine.prefill_batch`, one row, the
+- prefill tokens/s of the server's prefill program (`ced_jax.engine.programs.prefill_batch`, one row, the
   prompt in one chunk, a page of `--page-size` tokens per loop iteration) in exact and in ced mode,
   measured alternately in one run (median of `--repeats`, compile excluded), and the speed-up.
 The machine is shared: the load average at the start and the end is reported.

@@ -174,7 +174,7 @@ def main() -> None:
         "--weight-layout",
         choices=("stored", "f32-dense", "f32"),
         default=None,
-        help="ced_jax.weight_layout (default: the backend's default)",
+        help="ced_jax.checkpoint.weight_layout (default: the backend's default)",
     )
     args = parser.parse_args()
     result = bench(

@@ -305,11 +305,11 @@ def check_vision(label, width, height, *, backend, interpret, repeats, seed) -> 
     import ml_dtypes
     from PIL import Image
 
+    from ced_jax.checkpoint.vision import vision_inventory
     from ced_jax.config import ModelConfig
     from ced_jax.testing.random_weights import draw
     from ced_jax.vision import prepare_image
     from ced_jax.vision.tower import VisionEncoder, forward_flops
-    from ced_jax.vision.weights import vision_inventory
 
     cfg = preset("v41-flash") if label.startswith("released") else ModelConfig.from_pretrained(
         REPO / "tests" / "golden" / "tiny-v"

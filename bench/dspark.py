@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from ced_jax import cache as cache_lib  # noqa: E402
 from ced_jax.api import load, session_page_size  # noqa: E402
-from ced_jax.dspark import confident_prefix  # noqa: E402
 from ced_jax.engine import Engine, StateShapes  # noqa: E402
+from ced_jax.model.dspark import confident_prefix  # noqa: E402
 
 
 def _engine(model, batch: int, context: int, dspark: bool):

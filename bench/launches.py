@@ -3,8 +3,8 @@
     python bench/launches.py MODEL [--programs decode prefill] [--layers N] [--json OUT]
 
 MODEL is a preset (tiny, v41-flash) or a checkpoint directory's config (bench/configs/mid). The
-programs are the server's (`ced_jax.engine.Programs`), compiled from abstract inputs on one CPU
-device as `ced-jax plan --compile` does (`serving.compile_proof`): no weights are read. `--layers N`
+programs are the server's (`ced_jax.engine.programs.Programs`), compiled from abstract inputs on one CPU
+device as `ced-jax plan --compile` does (`serving.planning.compile_proof`): no weights are read. `--layers N`
 keeps the first N layers (a 40-layer v41-flash program takes many CPU minutes to compile; per-layer
 counts do not need them all).
 
@@ -14,7 +14,7 @@ bitcasts), through calls, conditionals (every branch) and while loops. "static" 
 "per step" multiplies a loop's body by its known trip count (what a GPU would launch). Layers are
 told apart by the `layer{i}` scope the model opens for each (`ced_jax.model.forward`); what XLA adds
 without metadata inside a loop or call (its counter, copies) goes to the layer the rest of it names.
-"mHC mixing per step" counts the kernels of the mixing sites (`ced_jax.layers.mhc.hc_mixes`, its
+"mHC mixing per step" counts the kernels of the mixing sites (`ced_jax.model.layers.mhc.hc_mixes`, its
 Sinkhorn loop's counters included): what impl=pallas runs as one kernel per site instead.
 """
 
@@ -39,7 +39,7 @@ FREE = {
 CONTROL = {"call", "while", "conditional"}
 HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 LAYER = re.compile(r"/layer(\d+)/")
-# The mHC mixing (`ced_jax.layers.mhc.hc_mixes`, its own jit, so its ops carry this op_name): what the
+# The mHC mixing (`ced_jax.model.layers.mhc.hc_mixes`, its own jit, so its ops carry this op_name): what the
 # Pallas kernel of impl=pallas runs as one kernel per site.
 MHC = "jit(hc_mixes)/"
 
@@ -189,7 +189,7 @@ def count_launches(text: str) -> Counts:
 
 
 def _config(model: str, layers: int | None):
-    from serving.compile_proof import _config as model_config
+    from serving.planning.compile_proof import _config as model_config
 
     cfg = model_config(model)
     if layers is None or layers >= cfg.num_layers:
@@ -217,7 +217,7 @@ def measure(
 ) -> dict:
     import jax
 
-    from serving.compile_proof import compile_in_process
+    from serving.planning.compile_proof import compile_in_process
 
     cfg = _config(model, layers)
     texts: dict[str, str] = {}

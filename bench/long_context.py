@@ -50,8 +50,8 @@ from ced_jax import cache as cache_lib  # noqa: E402
 from ced_jax.api import load  # noqa: E402
 from ced_jax.config import preset  # noqa: E402
 from ced_jax.engine import Engine, StateShapes  # noqa: E402
-from serving.capacity import engine_state, kv_bytes_per_token  # noqa: E402
 from serving.config import default_context_buckets  # noqa: E402
+from serving.planning.capacity import engine_state, kv_bytes_per_token  # noqa: E402
 
 
 def one(v, dtype) -> np.ndarray:
@@ -128,13 +128,13 @@ def measure(
 
 def indexer_only(cfg, length: int, page: int, repeats: int = 9) -> dict:
     """The part of a decode step that grows with the context, alone: each index source layer's
-    scoring of every compressed entry (`ops.index_scores`, impl reference: the FP4 keys unpacked
+    scoring of every compressed entry (`kernels.index_scores`, impl reference: the FP4 keys unpacked
     through the page table, bf16 dot products) and its top-k, at one query, summed over the layers
     (median ms of `repeats` after one compile). Also the multiply-adds it does (entries x index
     heads x index head dim)."""
     import jax.numpy as jnp
 
-    from ced_jax import ops
+    from ced_jax.model.layers import kernels
 
     key_bytes = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
     total_ms, macs = 0.0, 0
@@ -149,7 +149,7 @@ def indexer_only(cfg, length: int, page: int, repeats: int = 9) -> dict:
         q = jnp.asarray(rng.standard_normal((1, 1, cfg.index_n_heads, cfg.index_head_dim)), jnp.float32)
         w = jnp.ones((1, 1, cfg.index_n_heads), jnp.float32)
         visible = jnp.full((1, 1), entries, jnp.int32)
-        fn = jax.jit(lambda q, w, k, t, n: jax.lax.top_k(ops.index_scores(q, w, k, t, n), cfg.index_topk))
+        fn = jax.jit(lambda q, w, k, t, n: jax.lax.top_k(kernels.index_scores(q, w, k, t, n), cfg.index_topk))
         jax.block_until_ready(fn(q, w, key_pages, table, visible))
         times = []
         for _ in range(repeats):

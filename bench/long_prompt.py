@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 
 from ced_jax.api import load  # noqa: E402
 from serving.config import ServeConfig  # noqa: E402
-from serving.engine_api import SamplingParams  # noqa: E402
-from serving.jax_engine import JaxEngine, ModelTokenizer  # noqa: E402
-from serving.scheduler import GenerationRequest, Scheduler  # noqa: E402
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer  # noqa: E402
+from serving.engine.protocol import SamplingParams  # noqa: E402
+from serving.scheduling.scheduler import GenerationRequest, Scheduler  # noqa: E402
 
 
 def served_ttft(sched: Scheduler, rid: str, prompt: list[int]) -> tuple[float, int]:

@@ -3,7 +3,7 @@
     python bench/prefix_cache_bytes.py [--models tiny v41-flash] [--page-size 16] [--json]
 
 A cached block is its device page (compressed KV and index keys: `kv_bytes_per_token` x page_size,
-890 B/token for v41-flash) and the prefix cache's host entry (`serving.pages.CacheEntry`: the
+890 B/token for v41-flash) and the prefix cache's host entry (`serving.scheduling.pages.CacheEntry`: the
 block's tokens, its key, its parent's key and its scope tag). Nothing else is kept: on a hit the
 engine replays the last `replay_tokens` cached tokens to rebuild the SWA rings (spec 4.2, "encoder
 SWA bounded replay"; the compressor's partial group is empty at a page boundary and the Engram
@@ -14,10 +14,10 @@ reported here as "before" for comparison.
 For every model (a preset's config: nothing is loaded or allocated, the state's shapes come from
 `jax.eval_shape`), per cached token:
 - device: the page bytes (`ced_jax.cache.kv_bytes_per_token`, checked against
-  `ced_jax.page_io.PageLayout`, the host and disk tiers' blob);
+  `ced_jax.engine.page_io.PageLayout`, the host and disk tiers' blob);
 - host entry: the arrays and keys of a real `PagePool` entry registered for one block (Python
   object headers not counted), divided by page_size;
-- host tier / disk tier: what `serving.kv_tiers` keeps for a demoted block (the blob plus its chain
+- host tier / disk tier: what `serving.scheduling.kv_tiers` keeps for a demoted block (the blob plus its chain
   link; the disk file's fixed header too), divided by page_size;
 - before: the snapshot's arrays per block, divided by page_size;
 and the ratio of device + host entry to the device bytes (goal: <= 1.1), and the replay a hit costs
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ced_jax import cache as cache_lib  # noqa: E402
 from ced_jax.config import preset  # noqa: E402
 from ced_jax.engine import replay_tokens  # noqa: E402
-from ced_jax.page_io import PageLayout  # noqa: E402
-from serving import kv_tiers  # noqa: E402
-from serving.pages import ROOT_KEY, PagePool  # noqa: E402
+from ced_jax.engine.page_io import PageLayout  # noqa: E402
+from serving.scheduling import kv_tiers  # noqa: E402
+from serving.scheduling.pages import ROOT_KEY, PagePool  # noqa: E402
 
 ENGRAM_HISTORY_BYTES = 8  # int64 per history slot (`ced_jax.engram_hash`)
 

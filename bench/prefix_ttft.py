@@ -4,7 +4,8 @@ disk, against the same prompt cold (issue 13, point 6), and the bytes each tier 
     python bench/prefix_ttft.py [MODEL] [--prompt 16384] [--shared 0.9] [--repeats 3] [--chunk 512]
 
 MODEL is a preset ('tiny', the default) or a checkpoint directory. The server's scheduler and engine
-(`serving.scheduler.Scheduler` over `serving.jax_engine.JaxEngine`, driven step by step on this
+(`serving.scheduling.scheduler.Scheduler` over `serving.engine.jax_engine.JaxEngine`, driven step by step
+on this
 thread, no network) serve, per repeat, fresh random prompts of `--prompt` tokens:
 - cold: a prompt A nothing is cached for;
 - device: a prompt B sharing A's first `--shared` fraction (page aligned), A's blocks on the device;
@@ -35,9 +36,9 @@ sys.path.insert(0, str(REPO))
 
 from ced_jax.api import load  # noqa: E402
 from serving.config import ServeConfig  # noqa: E402
-from serving.engine_api import SamplingParams  # noqa: E402
-from serving.jax_engine import JaxEngine, ModelTokenizer  # noqa: E402
-from serving.scheduler import GenerationRequest, Scheduler  # noqa: E402
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer  # noqa: E402
+from serving.engine.protocol import SamplingParams  # noqa: E402
+from serving.scheduling.scheduler import GenerationRequest, Scheduler  # noqa: E402
 
 
 def ttft(sched: Scheduler, rid: str, prompt: list[int]) -> tuple[float, int]:

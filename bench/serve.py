@@ -128,7 +128,7 @@ def _start_local(args, http: bool = False):
 
     import ced_jax
     from serving.config import ServeConfig
-    from serving.jax_engine import JaxEngine, ModelTokenizer
+    from serving.engine.jax_engine import JaxEngine, ModelTokenizer
     from serving.server import Server
 
     model = ced_jax.load(args.model)

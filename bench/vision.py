@@ -32,11 +32,11 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from ced_jax.checkpoint.vision import load_vision_params, vision_inventory  # noqa: E402
 from ced_jax.config import ModelConfig, preset  # noqa: E402
 from ced_jax.testing.random_weights import draw  # noqa: E402
 from ced_jax.vision.preprocess import prepare_image  # noqa: E402
 from ced_jax.vision.tower import VisionEncoder, forward_flops  # noqa: E402
-from ced_jax.vision.weights import load_vision_params, vision_inventory  # noqa: E402
 
 
 def random_vision_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

@@ -32,7 +32,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from serving import client  # noqa: E402
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
 
     import ced_jax
     from serving.config import ServeConfig
-    from serving.jax_engine import JaxEngine, ModelTokenizer
+    from serving.engine.jax_engine import JaxEngine, ModelTokenizer
     from serving.server import Server
 
     model = ced_jax.load(args.model)

@@ -3,7 +3,7 @@
 `logits` and `generate` run on one device, or with `--mesh data=D,expert=E,tensor=T` on a device
 mesh; `--coordinator/--num-processes/--process-id` join a multi-host run (jax.distributed), where
 every process runs the same command and process 0 writes the outputs. `serve` runs multi-host the
-same way: process 0 serves gRPC and schedules, the others run each step with it (serving.multihost).
+same way: process 0 serves gRPC and schedules, the others run each step with it (serving.engine.multihost).
 
 Errors a user can cause (bad paths, malformed configs or checkpoints, bad ids) print one line
 naming the problem and exit with status 2; nothing is half-written (outputs are written to a
@@ -165,7 +165,7 @@ def _check_processes(args) -> None:
 def _setup_distributed(args, *, recoverable: bool = False) -> None:
     """Join a multi-process JAX run (jax.distributed) before anything touches a device.
     recoverable: the distributed runtime reports a dead process instead of terminating the others
-    (`serve`, which then turns NOT_SERVING: serving.multihost)."""
+    (`serve`, which then turns NOT_SERVING: serving.engine.multihost)."""
     _check_processes(args)
     if args.coordinator is None:
         return
@@ -183,11 +183,11 @@ def _setup_distributed(args, *, recoverable: bool = False) -> None:
 
 def _lockstep(args):
     """A context in which, in a multi-process run, every compile ends at a barrier of all processes
-    (serving.multihost), so one that loads a program from the persistent compilation cache does not
+    (serving.engine.multihost), so one that loads a program from the persistent compilation cache does not
     start it while a peer still compiles (gloo gives up on a peer after 30 s)."""
     if args.coordinator is None:
         return contextlib.nullcontext()
-    from serving.multihost import Cluster, lockstep
+    from serving.engine.multihost import Cluster, lockstep
 
     return lockstep(Cluster())
 
@@ -330,7 +330,8 @@ def _model_config(model: str):
 
 
 def _auto_context(args) -> int:
-    """--max-context auto (serving.capacity.auto_max_context): from the model, the memory and --num-pages."""
+    """--max-context auto (serving.planning.capacity.auto_max_context): from the model, the memory and
+    --num-pages."""
     page = args.page_size
     _check_at_least("--max-slots", args.max_slots, 1)
     _check_at_least("--page-size", page, 1)
@@ -358,7 +359,7 @@ def _auto_context(args) -> int:
     import jax
 
     from ced_jax import sharding
-    from serving import capacity
+    from serving.planning import capacity
 
     device = jax.local_devices()[0]
     device_bytes = None if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit")
@@ -664,7 +665,8 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
         "--weight-layout",
         choices=("stored", "f32-dense", "f32"),
         default=None,
-        help="how the FP8/FP4 weights are kept (ced_jax.weight_layout): as released, the FP8 linears "
+        help="how the FP8/FP4 weights are kept (ced_jax.checkpoint.weight_layout): as released, the FP8 "
+        "linears "
         "dequantised to f32 once at load, or those and the routed experts; same values, dequantised "
         "once instead of at every step. Default: f32 on one CPU device when the experts' f32 copy "
         "stays under 1 GiB (and not with --impl pallas), else stored",
@@ -679,7 +681,7 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
 
 def _http_models(args):
     """ModelNames with the --model-alias values (each NAME or NAME=thinking|non-thinking)."""
-    from serving.http.models import ModelNames, parse_alias
+    from serving.model_names import ModelNames, parse_alias
 
     try:
         return ModelNames(extra_aliases=tuple(parse_alias(v) for v in args.model_alias or ()))
@@ -689,7 +691,7 @@ def _http_models(args):
 
 def _http_limits(args):
     """AdmissionLimits from --http-max-concurrent / --max-effort-concurrent / --max-effort-queue."""
-    from serving.http.limits import AdmissionLimits
+    from serving.admission import AdmissionLimits
 
     _check_at_least("--http-max-concurrent", args.http_max_concurrent, 1)
     if args.http_max_body_bytes is not None:
@@ -848,7 +850,7 @@ def _serve_config(args):
     )  # validates the shapes before anything is loaded
     # Before the model loads: a busy, unwritable or foreign directory fails at once.
     if config.kv_disk_dir is not None:
-        from serving.kv_tiers import DiskTier
+        from serving.scheduling.kv_tiers import DiskTier
 
         try:
             DiskTier.check_directory(config.kv_disk_dir)
@@ -869,7 +871,7 @@ def cmd_serve(args) -> int:
         return _serve_follower(args, config, cluster)
 
     def load():  # called by serve once every port is bound
-        from serving.jax_engine import JaxEngine, ModelTokenizer
+        from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 
         model = _load_sharded(args)
         if cluster is not None and getattr(model, "vision", None) is not None:
@@ -919,7 +921,7 @@ def cmd_compile(args) -> int:
     if cluster is not None and not cluster.is_leader:
         return _serve_follower(args, config, cluster)
     from ced_jax import compile_cache
-    from serving.jax_engine import JaxEngine
+    from serving.engine.jax_engine import JaxEngine
 
     started = time.perf_counter()
     try:
@@ -958,16 +960,16 @@ def _serve_cluster(args):
     if args.mesh is None:
         raise ValueError("a multi-process run needs --mesh (e.g. --mesh expert=4,tensor=2)")
     _setup_distributed(args, recoverable=True)
-    from serving.multihost import Cluster
+    from serving.engine.multihost import Cluster
 
     return Cluster()
 
 
 def _serve_follower(args, config, cluster) -> int:
     """A process other than 0 of a multi-host `serve`: the model and the engine's state on its devices,
-    then the leader's calls until it stops (serving.multihost)."""
-    from serving.jax_engine import JaxEngine
-    from serving.multihost import follow
+    then the leader's calls until it stops (serving.engine.multihost)."""
+    from serving.engine.jax_engine import JaxEngine
+    from serving.engine.multihost import follow
 
     model = _load_sharded(args)
     engine = JaxEngine(model, config)  # the same Engine (state, programs, history) as the leader's
@@ -1011,7 +1013,7 @@ def cmd_plan(args) -> int:
     _check_plan_options(args)
     from ced_jax import sharding
     from ced_jax.config import PRESETS, ModelConfig, preset
-    from serving.capacity import Hardware, format_plan, plan
+    from serving.planning.capacity import Hardware, format_plan, plan
 
     cfg = preset(args.model) if args.model in PRESETS else ModelConfig.from_pretrained(args.model)
     workload = {  # what is not given here is a server's default (ServeConfig, through plan's defaults)
@@ -1034,7 +1036,7 @@ def cmd_plan(args) -> int:
     )
     text = None if args.json else format_plan(result)
     if args.compile:
-        from serving.compile_proof import format_proof, prove
+        from serving.planning.compile_proof import format_proof, prove
 
         if text is not None:  # the plan first: the compile takes minutes
             print(text, flush=True)
@@ -1101,7 +1103,7 @@ def _add_convert_options(p: argparse.ArgumentParser) -> None:
 
 
 class _ImplAction(argparse.Action):
-    """`--impl reference|pallas` and `--interpret` combined into one `ced_jax.ops` impl string in
+    """`--impl reference|pallas` and `--interpret` combined into one impl string (`ced_jax.options.Impl`) in
     `args.impl` ("reference", "pallas", "pallas:interpret"), whatever their order."""
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -1133,7 +1135,7 @@ def _add_impl_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_train_draft(args) -> int:
     """Self-distil the DSpark draft stages of MODEL on its backbone's greedy continuations
-    (`ced_jax.dspark_train.distill`) and write them as released `mtp.*` tensors to --out; prints the
+    (`ced_jax.training.dspark_train.distill`) and write them as released `mtp.*` tensors to --out; prints the
     held-out acceptance before and after (JSON on stdout, progress on stderr)."""
     for flag, value, minimum in (
         ("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--prompts", args.prompts, 1),
@@ -1145,7 +1147,7 @@ def cmd_train_draft(args) -> int:
         raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
     _check_output_file("--out", args.out)
     import ced_jax
-    from ced_jax import dspark_train
+    from ced_jax.training import dspark_train
 
     model = ced_jax.load(args.model)
     cfg = model.cfg

@@ -26,7 +26,7 @@ Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a direc
 
 DSpark draft stages: `load(..., dspark=None)` reads them when the checkpoint has them (config
 `num_nextn_predict_layers` > 0 and the `mtp.*` tensors, or a converted checkpoint's `dspark` part),
-into `Model.params["mtp"]` (the tree `ced_jax.dspark.load_dspark_params` returns, storage dtypes
+into `Model.params["mtp"]` (the tree `ced_jax.checkpoint.dspark.load_dspark_params` returns, storage dtypes
 kept, replicated on a mesh); `Model.dspark` says whether they are there.
 """
 
@@ -58,6 +58,7 @@ from ced_jax.checkpoint.digest import arrays_digest, directory_digest
 from ced_jax.checkpoint.hf_loader import CheckpointError, load_hf_checkpoint, read_index
 from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
 from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
+from ced_jax.checkpoint.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
 from ced_jax.engine import Engine, LoadedModel, StateShapes
 from ced_jax.engram_hash import EngramHasher
@@ -66,7 +67,6 @@ from ced_jax.generation import bucket, check_ids, check_prefill_mode, pieces, pr
 from ced_jax.options import Impl
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
 from ced_jax.text_ids import encode_ids
-from ced_jax.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
 
 
 class Model:
@@ -89,7 +89,7 @@ class Model:
     ):
         """engram_placement: "host" (the tables in `engram_store`, or taken out of `flat_params`
         into one) or "device" (in `params`, from `flat_params` or, when given, `engram_store`).
-        weight_layout: how the quantised weights are kept (`ced_jax.weight_layout`); None:
+        weight_layout: how the quantised weights are kept (`ced_jax.checkpoint.weight_layout`); None:
         `default_weight_layout` for this backend, mesh and impl."""
         impl = Impl.parse(impl)  # an unknown kernel choice fails here, not when a program is first traced
         if weight_layout is None:
@@ -108,7 +108,8 @@ class Model:
         params = apply_weight_layout(
             place.to_device(backbone, bf16_as_f32, shardings), weight_layout, block=cfg.weight_block_size
         )
-        if draft:  # the DSpark stages stay stored: `ced_jax.dspark_train` starts from their stored pairs
+        # The DSpark stages stay stored: `ced_jax.training.dspark_train` starts from their stored pairs.
+        if draft:
             params["mtp"] = place.dspark_to_device(cfg, draft, mesh)
         # What every engine of this model runs (its programs shared by every Session and server).
         self.loaded = LoadedModel(
@@ -578,7 +579,7 @@ class Session:
     ):
         """One speculative decode step of a one-row session: feed `token` (the last emitted one) and
         verify the first n_drafts of drafts [1, K] (`Engine.speculative_decode`). Returns the
-        `ced_jax.engine.SpecOutput`; the session advances by the accepted drafts + 1."""
+        `ced_jax.engine.SpeculativeOutput`; the session advances by the accepted drafts + 1."""
         if self.batch != 1:
             raise ValueError("speculative_step: sessions of one row only")
         drafts = np.asarray(drafts, np.int32)
@@ -883,10 +884,10 @@ def load(
     engram_placement: where the Engram tables live (module docstring): "host" or "device"; None:
     `default_engram_placement`. A converted checkpoint's raw table files (`engram_raw/`, written by
     `convert_weights`) are memory-mapped for "host", its Orbax Engram item read otherwise.
-    weight_layout: "stored", "f32-dense" or "f32" (`ced_jax.weight_layout`: the FP8 linears, and for
-    "f32" the routed experts too, dequantised once here instead of at every step; same values);
-    None: `ced_jax.weight_layout.default_weight_layout` ("f32" on one CPU device when the experts
-    fit in 1 GiB as f32, else "stored").
+    weight_layout: "stored", "f32-dense" or "f32" (`ced_jax.checkpoint.weight_layout`: the FP8
+    linears, and for "f32" the routed experts too, dequantised once here instead of at every step;
+    same values); None: `ced_jax.checkpoint.weight_layout.default_weight_layout` ("f32" on one CPU
+    device when the experts fit in 1 GiB as f32, else "stored").
     compilation_cache / compilation_cache_dir: JAX's persistent compilation cache for this process
     (`ced_jax.compile_cache`): on by default, in the directory already in use or the per-user one
     (`~/.cache/ced-jax/xla` on Linux), so a second process compiles nothing it compiled before."""
@@ -965,7 +966,7 @@ def load(
         else:
             raise ValueError(f"{directory}: Engram layers need tokenizer.json or engram_token_map.json")
     tok = directory / "tokenizer.json"
-    from ced_jax.vision.weights import load_vision_params
+    from ced_jax.checkpoint.vision import load_vision_params
 
     model = Model(
         cfg,

@@ -5,7 +5,7 @@ per slot the SWA rings and compressor partial groups; a call's rows are describe
 (start, lens, slots, page tables). Its methods (`write_window`, `compressor_state`,
 `write_compressor_state`, `write_entries`, `entries`, `keep_accepted`) return a new cache and never
 change the one they are called on; the attention kernels read the rings and pages directly
-(`ced_jax.ops.KeySegment`).
+(`ced_jax.model.layers.kernels.KeySegment`).
 
 Packed formats (spec 2.4), sizes derived from the config's head dims:
 - FP4 main entry, `main_entry_bytes(D)` = D/2 + D/16 (288 B for D = 512): D e2m1 codes two per byte

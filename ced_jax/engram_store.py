@@ -7,7 +7,7 @@ of their ids. The row ids are what `ced_jax.engram_hash.EngramHasher` computes o
 `EngramStore.gather` turns ids i32 [B, T, n_engram_layers, C] into
 {"weight": FP8 e4m3 [B, T, n_engram_layers, C, ehd], "scale": ue8m0 bytes [..., ehd / 32]}, and the
 layer dequantises them with the same ops it applies after its on-device gather
-(`ced_jax.layers.engram.engram_dequant`), so logits are bit-identical between the placements.
+(`ced_jax.model.layers.engram.engram_dequant`), so logits are bit-identical between the placements.
 
 Tables come from numpy arrays (the tiny preset, HF and Orbax loads: `from_flat`) or from raw
 row-major files memory-mapped read-only (`open_raw`), which `convert_weights` writes beside its

@@ -85,7 +85,7 @@ def pow2_scale_ceil(amax: jax.Array, max_inv: np.float32) -> jax.Array:
 
 # ------------------------------------------------------------------ weights in either layout
 # A quantised weight is a dict: {'weight', 'scale'} as released, or {'weight'} in f32 when the model
-# was loaded with a dequantised layout (`ced_jax.weight_layout`). Both give the same f32 values.
+# was loaded with a dequantised layout (`ced_jax.checkpoint.weight_layout`). Both give the same f32 values.
 
 
 def linear_weight(p: dict, block: int = 32) -> jax.Array:
@@ -118,7 +118,7 @@ def expert_weight(p: dict, index=None) -> jax.Array:
 # - once a fusion holding a reduce is large enough, XLA:CPU hands the whole fusion to YNNPACK (the
 #   default `xla_cpu_experimental_ynn_fusion_type` includes reduce fusions), which evaluates the fused
 #   elementwise ops with its own exp (and sums in its own order): the Sinkhorn row softmax of
-#   `ced_jax.layers.mhc.hc_mixes`, exp(c - max(c)) over [T, 4, 4], changes in the last ulp from T = 256
+#   `ced_jax.model.layers.mhc.hc_mixes`, exp(c - max(c)) over [T, 4, 4], changes in the last ulp from T = 256
 #   rows on. Which fusion goes to YNNPACK depends on its size, hence on B and T.
 # So the model's f32 contractions go through `matmul_rows` (at least two rows), its long sums
 # through `sum_last` (a `matmul_rows` against ones: sequential f32 accumulation, exact products) and

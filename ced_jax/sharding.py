@@ -16,7 +16,7 @@ Logical axes:
 - index_heads  indexer heads
 - experts      routed experts
 - expert_mlp   routed-expert output rows: the hidden width F of w1/w3, the width D of w2 (both
-               split without partial sums, see ced_jax.layers.moe)
+               split without partial sums, see ced_jax.model.layers.moe)
 - mlp          shared-expert hidden width
 - engram_rows  Engram hash-table rows
 - batch        sequences (cache and activations)
@@ -357,7 +357,7 @@ def make_layout(mesh: Mesh | None, rules: str | Rules = DEFAULT_RULES) -> Layout
 # ------------------------------------------------------------------ MoE expert parallelism
 @dataclass(frozen=True)
 class MoELayout:
-    """How the routed experts sit on the mesh, derived from the rules (see ced_jax.layers.moe).
+    """How the routed experts sit on the mesh, derived from the rules (see ced_jax.model.layers.moe).
 
     ep_axis: mesh axis splitting the expert index (None: every device holds every expert);
     f_axis: mesh axis splitting w1/w3 along the hidden width F; d_axis: mesh axis splitting w2
@@ -383,7 +383,7 @@ class MoELayout:
 
 def moe_layout(layout: Layout, expert_axes: tuple[str | None, ...], experts: dict) -> MoELayout:
     """The expert-parallel layout for stacked experts {'w1'|'w2'|'w3': {'weight', 'scale'}} whose
-    dimensions carry `expert_axes` (ced_jax.layers.moe.EXPERT_AXES)."""
+    dimensions carry `expert_axes` (ced_jax.model.layers.moe.EXPERT_AXES)."""
     specs = {
         name: {
             part: layout.spec(expert_axes, tuple(arr.shape), name=f"routed experts {name}.{part}")

@@ -19,7 +19,7 @@ Output layout (OUT/)
   default) `ced_jax.load` gathers each step's rows from them and never reads the Orbax item, so the
   tables cost neither device memory nor their size in host RAM. Twice the tables' disk space.
 - `dspark/`, `vision/`: the DSpark draft stages (`mtp.*`, with `--include dspark`) and the vision
-  tower, aligner and image delimiters (`ced_jax.vision.load_vision_params` reads them back), each
+  tower, aligner and image delimiters (`ced_jax.checkpoint.vision.load_vision_params` reads them back), each
   as its own Orbax item restored into host memory. Without an explicit `--include` (options
   `include=None`), the vision item is written whenever config.json describes a vision tower, and the
   DSpark item whenever config.json describes DSpark stages (num_nextn_predict_layers > 0) and the

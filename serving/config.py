@@ -1,11 +1,11 @@
 """ServeConfig: the runtime knobs of a server (shapes, buckets, limits, ports), never model structure.
 
 The one place serving shapes and their defaults are declared: `ced-jax serve` takes its flags'
-defaults from these fields, and `serving.jax_engine.JaxEngine` is built from a ServeConfig. The shape
+defaults from these fields, and `serving.engine.jax_engine.JaxEngine` is built from a ServeConfig. The shape
 fields (`max_slots`, `page_size`, `num_pages`, `max_context`, `prefill_buckets`) are what an engine
 is built with; `check_engine` verifies that the engine actually was, so the scheduler's host-side
 tables and the engine's device buffers cannot disagree (an engine not built from this config, such
-as `serving.mock_engine.MockEngine`, is checked all the same). The policy fields only concern the
+as `serving.testing.mock_engine.MockEngine`, is checked all the same). The policy fields only concern the
 scheduler and server.
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from serving.engine_api import PREFILL_MODES, EngineSpec, check_shapes
+from serving.accounting import PricingConfig
+from serving.admission import AdmissionLimits
+from serving.engine.protocol import PREFILL_MODES, EngineSpec, check_shapes
 from serving.files import MIB, FilesConfig
-from serving.http.accounting import PricingConfig
-from serving.http.limits import AdmissionLimits
-from serving.http.models import ModelNames
-from serving.image_fetch import ImageFetchConfig
+from serving.image_fetch import ImageFetchConfig, ImageInputConfig
+from serving.model_names import ModelNames
 from serving.tenants import ApiKeys
 
 # The fields that name a TCP port the server listens on (checked to be in 0..65535).
@@ -164,8 +164,8 @@ class ServeConfig:
     # stopped, with the same tokens). So a request with a very large max_tokens cannot hold a slot
     # while others wait. 0 = off (a request keeps its slot until it finishes).
     decode_segment_tokens: int = 4096
-    # KV tiers below the device pages (serving/kv_tiers.py): blocks the prefix cache evicts from the
-    # device are kept in host memory (`kv_host_bytes`, LRU) and, pushed off host, on disk
+    # KV tiers below the device pages (serving/scheduling/kv_tiers.py): blocks the prefix cache evicts
+    # from the device are kept in host memory (`kv_host_bytes`, LRU) and, pushed off host, on disk
     # (`kv_disk_dir` within `kv_disk_bytes`, LRU; kept across restarts), and come back on a hit
     # instead of being recomputed. 0 / None: off. Needs the prefix cache and an engine that can move
     # pages (`EngineSpec.kv_page_bytes`).
@@ -200,7 +200,7 @@ class ServeConfig:
     # free port. Its host: None = `host` (loopback unless told otherwise).
     http_port: int | None = None
     http_host: str | None = None
-    http_models: ModelNames = ModelNames()  # served name and aliases (serving/http/models.py)
+    http_models: ModelNames = ModelNames()  # served name and aliases (serving/model_names.py)
     http_limits: AdmissionLimits = AdmissionLimits()  # 2500 concurrent; the effort-max tier (limits.py)
     # A request body's bytes, checked as it arrives (before parsing; beyond: 413). None: the gRPC
     # limits' equivalent, 4 x max_prompt_bytes (JSON escapes) + 1 MiB, plus base64 images
@@ -380,8 +380,6 @@ class ServeConfig:
     @property
     def http_images(self):
         """The HTTP API's per-request image limits: the same as gRPC's (one declaration, above)."""
-        from serving.http.images import ImageInputConfig  # prometheus and the HTTP errors: only when used
-
         return ImageInputConfig(
             max_images_per_request=self.max_images_per_request, max_image_bytes=self.max_image_bytes
         )

@@ -1,6 +1,6 @@
 """The errors a request can meet before it runs, at the bottom of `serving` (every layer raises them).
 
-`serving.scheduler` re-exports both, where callers have always found them."""
+`serving.scheduling.scheduler` re-exports both, where callers have always found them."""
 
 from __future__ import annotations
 

@@ -30,6 +30,20 @@ _READ_CHUNK = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageInputConfig:
+    """Per-request image limits of the HTTP API (`ced-jax serve --max-images-per-request N
+    --max-image-bytes B`)."""
+
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * MIB  # one image's decoded bytes
+
+    def __post_init__(self):
+        for name in ("max_images_per_request", "max_image_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ImageInputConfig.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ImageFetchConfig:
     """`ced-jax serve --allow-image-urls HOST[,HOST...] --image-url-max-bytes B --image-url-timeout S`."""
 

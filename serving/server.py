@@ -16,7 +16,7 @@ UNAVAILABLE; in-flight streams may finish for up to `grace_period_s` (a second s
 period at once); whatever is still running is then aborted, so its stream ends normally with
 finish_reason ABORT; the gRPC server stops and `serve` returns 0.
 
-Multi-host (`serve_async(..., cluster=...)`, process 0 of a `serving.multihost` run): once serving, a
+Multi-host (`serve_async(..., cluster=...)`, process 0 of a `serving.engine.multihost` run): once serving, a
 `PeerWatch` follows the other processes' heartbeats; when one stops, `Server.lose_peer` logs a line
 naming it, turns health NOT_SERVING, refuses new requests (UNAVAILABLE) and aborts those in flight.
 
@@ -44,7 +44,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -59,11 +58,11 @@ from grpc_reflection.v1alpha import reflection
 
 from serving.config import ServeConfig
 from serving.constraints import constraint_from_proto
-from serving.engine_api import Engine, SamplingParams
+from serving.engine.protocol import EngineProtocol, SamplingParams
 from serving.files import FileError, FileLease, FileStore
 from serving.metrics import Metrics, MetricsServer
 from serving.proto import ced_pb2, ced_pb2_grpc
-from serving.scheduler import (
+from serving.scheduling.scheduler import (
     AdmissionError,
     FinishReason,
     GenerationRequest,
@@ -386,9 +385,9 @@ class InferenceServicer(ced_pb2_grpc.InferenceServiceServicer):
 
 
 def image_pipeline(
-    engine: Engine, config: ServeConfig, metrics: Metrics | None = None
+    engine: EngineProtocol, config: ServeConfig, metrics: Metrics | None = None
 ) -> ImagePipeline | None:
-    """The ImagePipeline of `engine`'s model (serving.jax_engine.JaxEngine keeps it as `.model`), with
+    """The ImagePipeline of `engine`'s model (serving.engine.jax_engine.JaxEngine keeps it as `.model`), with
     the config's cache size and image limits; None for a model without a vision tower (or an engine
     without a model, such as the mock).
 
@@ -623,7 +622,7 @@ class Server:
         self.images: ImagePipeline | None = None  # set by attach() for a model with a vision tower
         self.health = health.aio.HealthServicer()
         # Set by attach(); until then the InferenceService answers UNAVAILABLE.
-        self.engine: Engine | None = None
+        self.engine: EngineProtocol | None = None
         self.scheduler: Scheduler | None = None
         self.servicer: InferenceServicer | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -689,7 +688,7 @@ class Server:
             await self._close_listeners()
             raise
 
-    async def attach(self, engine: Engine, tokenizer: Tokenizer, warmup: bool = True) -> None:
+    async def attach(self, engine: EngineProtocol, tokenizer: Tokenizer, warmup: bool = True) -> None:
         """Puts `engine` behind the listening server: warm-up (compiles), scheduler, health SERVING.
         A model with a vision tower (`engine.model.vision`) gets an ImagePipeline for both front ends."""
         if self._grpc is None:
@@ -710,7 +709,7 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def start(self, engine: Engine, tokenizer: Tokenizer, warmup: bool = True) -> None:
+    async def start(self, engine: EngineProtocol, tokenizer: Tokenizer, warmup: bool = True) -> None:
         await self.bind()
         try:
             await self.attach(engine, tokenizer, warmup)
@@ -802,7 +801,7 @@ class Server:
             self._metrics_server = None
 
     async def lose_peer(self, line: str) -> None:
-        """A process of a multi-host run is gone (`serving.multihost.PeerWatch`): the mesh cannot run a
+        """A process of a multi-host run is gone (`serving.engine.multihost.PeerWatch`): the mesh cannot run a
         program any more, so health turns NOT_SERVING, new requests are refused and those in flight
         are aborted (their streams end with ABORT as soon as the scheduler thread can say so)."""
         log.error("%s", line)
@@ -849,11 +848,11 @@ class Server:
 
 
 async def serve_async(
-    config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, ready=None, cluster=None
+    config: ServeConfig, load: Callable[[], tuple[EngineProtocol, Tokenizer]], *, ready=None, cluster=None
 ) -> int:
     """Serves until SIGTERM/SIGINT, then shuts down gracefully; returns the exit code (0).
 
-    cluster: the leader's `serving.multihost.Cluster` of a multi-host run (None: one process); once
+    cluster: the leader's `serving.engine.multihost.Cluster` of a multi-host run (None: one process); once
     serving, a `PeerWatch` turns health NOT_SERVING if another process dies (`Server.lose_peer`).
 
     `load()` builds the engine and its tokenizer (loading the model); it runs on a worker thread after
@@ -894,7 +893,7 @@ async def serve_async(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         if cluster is not None:
-            from serving.multihost import PeerWatch
+            from serving.engine.multihost import PeerWatch
 
             def lost(line: str) -> None:  # on the watch thread
                 loop.call_soon_threadsafe(lambda: loop.create_task(server.lose_peer(line)))
@@ -921,7 +920,7 @@ async def serve_async(
         signal.signal(signal.SIGINT, previous_sigint)
 
 
-def startup_line(load_s: float, warmup_s: float, engine: Engine) -> str:
+def startup_line(load_s: float, warmup_s: float, engine: EngineProtocol) -> str:
     """Where start-up went: loading the model, then warm-up, split into executables compiled and loaded
     from the persistent compilation cache (`JaxEngine.warmup_report`)."""
     line = f"ced-jax: started in {load_s + warmup_s:.1f} s: load {load_s:.1f} s, warm-up {warmup_s:.1f} s"
@@ -938,38 +937,6 @@ def startup_line(load_s: float, warmup_s: float, engine: Engine) -> str:
     return line
 
 
-def serve(config: ServeConfig, load: Callable[[], tuple[Engine, Tokenizer]], *, cluster=None) -> int:
+def serve(config: ServeConfig, load: Callable[[], tuple[EngineProtocol, Tokenizer]], *, cluster=None) -> int:
     """Blocking entry point for `ced-jax serve` (see serve_async); returns the process exit code."""
     return asyncio.run(serve_async(config, load, cluster=cluster))
-
-
-def _mock_main(argv: list[str]) -> int:
-    """`python -m serving.server --mock [--grace S]`: serve the mock engine (tests, demos)."""
-    import argparse
-
-    from serving.mock_engine import ByteTokenizer, MockEngine
-
-    p = argparse.ArgumentParser(prog="python -m serving.server")
-    p.add_argument("--mock", action="store_true", required=True)
-    p.add_argument("--grace", type=float, default=30.0)
-    p.add_argument("--step-delay", type=float, default=0.0)
-    p.add_argument("--port", type=int, default=0)
-    a = p.parse_args(argv)
-    engine = MockEngine(
-        max_slots=4,
-        page_size=4,
-        num_pages=64,
-        max_context=64,
-        prefill_buckets=(4, 8, 16),
-        step_delay_s=a.step_delay,
-    )
-    config = ServeConfig(
-        max_slots=4, page_size=4, num_pages=64, max_context=64, prefill_buckets=(4, 8, 16),
-        max_logprobs=5, max_tokens_limit=60, default_max_tokens=16, grace_period_s=a.grace, port=a.port,
-    )  # fmt: skip
-    return serve(config, lambda: (engine, ByteTokenizer()))
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    sys.exit(_mock_main(sys.argv[1:]))

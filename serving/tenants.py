@@ -4,7 +4,7 @@ Identity. Every request carries one: with API keys configured (`ced-jax serve --
 the name of the key the call presented; without keys, it is the request's `user` field (a claim, not a
 proof: it separates cooperating clients, as the hosted APIs' `user` does, but anyone may claim any
 user), or "" (anonymous). The scheduler keys request ids by (identity, request_id) and, unless the
-prefix cache is shared, scopes the prefix cache by identity (`serving/pages.py`).
+prefix cache is shared, scopes the prefix cache by identity (`serving/scheduling/pages.py`).
 
 Keys are never kept, logged or exported: `ApiKeys` holds SHA-256 digests of the keys and their names,
 and a key without a name is known by a hash prefix. A presented key is hashed and compared with every

@@ -20,7 +20,7 @@ Conventions
 - `mtp.*` (DSpark) tensors are read with `include=("text", "dspark")` (our paths `mtp.{k}...`, mapped
   like backbone layers); otherwise they and the vision tensors are recognised and skipped, each
   listed in `report.skipped` (the vision encoder reads its own group with
-  `ced_jax.vision.load_vision_params`).
+  `ced_jax.checkpoint.vision.load_vision_params`).
 """
 
 from __future__ import annotations

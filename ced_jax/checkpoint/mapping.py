@@ -30,7 +30,7 @@ Our parameter tree mirrors these names, with three differences (`our_target`):
   `dspark_n_routed_experts`, `mtp.{k}.attn.wo_a` dequantised); the loader reads them only when asked
   (`include=("text", "dspark")`; `ced_jax.load(dspark=...)` puts them under params["mtp"]). Vision
   tensors are not part of the text model's parameter tree, so the text loader skips them (the vision
-  encoder reads its own group with `ced_jax.vision.load_vision_params`). `convert_weights` writes
+  encoder reads its own group with `ced_jax.checkpoint.vision.load_vision_params`). `convert_weights` writes
   both into Orbax items of their own (`--include dspark`; vision by default when config.json has a
   vision tower), vision tensors under their released names.
 
@@ -64,7 +64,7 @@ SKIP_NOTES: dict[str, str] = {
     "dspark": "DSpark draft stages (mtp.*): read only when asked for (include 'dspark', "
     "ced_jax.load(dspark=None|True)); skipped",
     "vision": "the vision tower / aligner / image delimiters are not text-model parameters; "
-    "ced_jax.vision.load_vision_params reads them for the vision encoder; skipped here",
+    "ced_jax.checkpoint.vision.load_vision_params reads them for the vision encoder; skipped here",
 }
 
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -255,33 +255,19 @@ def _dspark(t: _Table, cfg: ModelConfig) -> None:
 
 
 def _vision(t: _Table, cfg: ModelConfig) -> None:
-    """DeepSeek-ViT + aligner + image delimiters (spec 5.2), all BF16. Init (our choice): linears
-    1/sqrt(fan_in), biases std 0.02, norms as everywhere, delimiter embeddings std 1."""
-    v = cfg.vision
-    assert v is not None
-    h, D = v.hidden_size, cfg.hidden_size
-    patch_in = 3 * v.patch_size * v.patch_size
-    merged = h * v.downsample_ratio**2
+    """DeepSeek-ViT + aligner + image delimiters (`ced_jax.vision.params`), all BF16. Init (our
+    choice): linears 1/sqrt(fan_in), biases std 0.02, norms as everywhere, delimiter embeddings std 1."""
+    from ced_jax.vision.params import vision_param_specs
 
-    def linear(name: str, out: int, inn: int, bias: bool) -> None:
-        t.bf16(f"{name}.weight", (out, inn), _inv_sqrt(inn), "vision")
-        if bias:
-            t.bf16(f"{name}.bias", (out,), 0.02, "vision")
-
-    linear("vision.patch_embed.proj", h, patch_in, True)
-    for b in range(v.num_hidden_layers):
-        p = f"vision.blocks.{b}."
-        t.norm(f"{p}norm1.weight", h, "vision")
-        t.norm(f"{p}norm2.weight", h, "vision")
-        linear(f"{p}attn.wqkv", 3 * h, h, True)
-        linear(f"{p}attn.wo", h, h, True)
-        linear(f"{p}mlp.w1", 2 * v.intermediate_size, h, False)  # gate and up, fused
-        linear(f"{p}mlp.w2", h, v.intermediate_size, False)
-    t.norm("vision.norm.weight", h, "vision")
-    linear("aligner.w1", D, merged, True)
-    linear("aligner.w2", D, D, True)
-    for name in ("image_start", "image_end", "image_newline"):
-        t.bf16(name, (D,), 1.0, "vision")
+    for name, (shape, _) in vision_param_specs(cfg).items():
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "vision.norm.weight":
+            t.norm(name, shape[0], "vision")
+        elif name.endswith(".bias"):
+            t.bf16(name, shape, 0.02, "vision")
+        elif name.endswith(".weight"):
+            t.bf16(name, shape, _inv_sqrt(shape[1]), "vision")
+        else:
+            t.bf16(name, shape, 1.0, "vision")
 
 
 def hf_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:

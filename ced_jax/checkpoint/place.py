@@ -73,7 +73,7 @@ def mesh_targets(cfg: ModelConfig, mesh, rules) -> dict[str, Any]:
 
 def dspark_to_device(cfg: ModelConfig, flat: dict[str, np.ndarray], mesh) -> dict:
     """The DSpark stages' flat `mtp.*` arrays -> the nested tree under params["mtp"], as
-    `ced_jax.dspark.load_dspark_params` gives it: storage dtypes kept (no bf16 widening: the stages
+    `ced_jax.checkpoint.dspark.load_dspark_params` gives it: storage dtypes kept (no bf16 widening: the stages
     are small and the draft code casts where it computes in f32), checked against the config's
     inventory. On a mesh every device gets the whole (small) tree: replicated."""
     if cfg.num_nextn_predict_layers <= 0:

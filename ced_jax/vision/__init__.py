@@ -1,9 +1,9 @@
-"""Native vision (spec 6.3): image pre-processing, the ViT and the 3x3 aligner, and their weights.
+"""Native vision (spec 6.3): image pre-processing, the ViT and the 3x3 aligner.
 
 - `preprocess`: bytes or a PIL image -> `PreparedImage` (8-bit patches, grids, content hash);
   `build_vl_prompt` expands image placeholders into spans with `token_types`.
 - `tower`: the ViT + aligner as pure functions and `VisionEncoder`, its jitted, patch-bucketed program.
-- `weights`: `load_vision_params` from a released HF directory or a `convert_weights` output.
+- `params`: the tower's parameter specs (loading them: `ced_jax.checkpoint.vision`).
 """
 
 from ced_jax.vision.preprocess import (
@@ -20,12 +20,9 @@ from ced_jax.vision.preprocess import (
     prepare_image,
 )
 
-# The encoder and the weight loader import JAX / the checkpoint package; load them on first use so
-# that pre-processing (the HTTP front end's image checks) stays light.
-_LAZY = {
-    "VisionEncoder": "ced_jax.vision.tower",
-    "load_vision_params": "ced_jax.vision.weights",
-}
+# The encoder imports JAX; load it on first use so that pre-processing (the HTTP front end's image
+# checks) stays light.
+_LAZY = {"VisionEncoder": "ced_jax.vision.tower"}
 
 
 def __getattr__(name: str):
@@ -38,7 +35,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "VisionEncoder",
-    "load_vision_params",
     "END",
     "IMAGE",
     "IMAGE_PLACEHOLDER",

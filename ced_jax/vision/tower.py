@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax.config import ModelConfig, VisionConfig
-from ced_jax.layers.common import HIGHEST, rope_inv_freq
+from ced_jax.model.layers.common import HIGHEST, rope_inv_freq
 from ced_jax.quant import mean_last, round_bf16, sum_small
+from ced_jax.vision.params import vision_param_specs
 from ced_jax.vision.preprocess import PreparedImage, span_length
 
 
@@ -56,13 +57,6 @@ def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
     return round_bf16(
         weight.astype(jnp.float32) * (x * (jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(VIT_NORM_EPS))))
     )
-
-
-def vision_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{released name: (shape, stored dtype)} of the vision group (all BF16)."""
-    from ced_jax.vision.weights import vision_inventory
-
-    return {name: (tuple(s.shape), s.dtype) for name, s in vision_inventory(cfg).items()}
 
 
 def _linear(x: jax.Array, params: dict, name: str) -> jax.Array:

@@ -12,7 +12,7 @@ C = pages_per_seq * S key slots per sequence, X = top_k.
 
 score[b, t, j] = bf16( sum_h bf16( relu( bf16(q_h . k_j) ) * w_h ) ) for j < n_visible, else -inf,
 the head sum taken in f32 in head order 0, 1, ..., I-1 (fixed, so kernels and reference agree to
-the bit; `ced_jax.layers.attention.index_scores` is this formula with XLA's own summation order).
+the bit; `ced_jax.model.layers.attention.index_scores` is this formula with XLA's own summation order).
 Pages of the table past a query's visible keys are never read (entries -1 / garbage allowed).
 
 `select_topk` then keeps the X best visible keys (ties: lower index first, as `lax.top_k`), sorted

@@ -10,7 +10,7 @@ hc_mixes(x, fn, scale, base, *, hc, iters, norm_eps, hc_eps) -> (pre, post, comb
   comb   f32 [T, hc, hc]  exp(c - max_k c) of c = m[2hc:] * scale[2] + base[2hc:] (rows j, columns k),
                           each row divided by its sum, + hc_eps, then divided by its column sums + hc_eps,
                           then iters - 1 times a row and a column normalisation (sum + hc_eps)
-where m = (x . fn^T) * rsqrt(mean(x^2) + norm_eps): the model's `ced_jax.layers.mhc.hc_mixes`.
+where m = (x . fn^T) * rsqrt(mean(x^2) + norm_eps): the model's `ced_jax.model.layers.mhc.hc_mixes`.
 Short sums and maxima (over hc entries) are taken left to right; quotients are correctly rounded.
 """
 

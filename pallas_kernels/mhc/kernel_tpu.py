@@ -4,7 +4,7 @@ Grid (T / rows,): one step holds `rows` tokens' whole flattened streams in VMEM 
 512 KiB at v41-flash's width), forms the projection and the sum of squares on the matrix unit at
 f32 precision, and runs the epilogue (splits, softmax, every Sinkhorn iteration) on [rows, 1]
 columns. In interpret mode all rows are one block and the sum of squares is a product with ones,
-the reference's forms (`_tiles.row_sum`), so the result equals `ced_jax.layers.mhc.hc_mixes`
+the reference's forms (`_tiles.row_sum`), so the result equals `ced_jax.model.layers.mhc.hc_mixes`
 compiled on its own bit for bit on XLA:CPU (not inside every larger program: see `__init__`).
 """
 

@@ -21,7 +21,7 @@ Per query and head: logits l_n = (q . k_n) * scale over every valid entry of eve
 m = max(max_n l_n, -1e30); p_n = exp(l_n - m); out = sum_n bf16(p_n) k_n / (exp(sink - m) + sum_n p_n),
 rounded to bf16. The sink enters the denominator only; probabilities are rounded to bf16 for P.V
 only; a query with no valid entry gets zeros (its denominator is infinite). These are exactly the
-semantics of `ced_jax.ops.sparse_attention`.
+semantics of `ced_jax.model.layers.kernels.sparse_attention`.
 
 Kernels return the unnormalised (acc [R, H, D], denom [R, H]) over flattened query rows R; the
 division happens here in XLA with a true division (XLA turns x / broadcast(y) into a reciprocal

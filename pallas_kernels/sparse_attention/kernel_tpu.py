@@ -23,7 +23,8 @@ values zeroed, so the garbage rows of invalid ids meet their zero probability as
 
 In interpret mode the sums are the reference's (`_tiles`, "the reference's order on XLA:CPU"): f32
 products, FP4 entries put back into whole rows for q.k and P.V, the denominator as a product with
-ones; the output then equals `ced_jax.ops.sparse_attention`'s bit for bit on the same segments. On
+ones; the output then equals `ced_jax.model.layers.kernels.sparse_attention`'s bit for bit on the same
+segments. On
 hardware the operands stay bf16 (exact) and the denominator a reduce.
 """
 

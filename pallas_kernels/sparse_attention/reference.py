@@ -1,7 +1,8 @@
 """Pure-jnp reference of paged sparse attention over packed FP8 / FP4 entries (contract in `common`).
 
 Entries are gathered through the page tables and unpacked with table lookups (`formats.unpack_*`),
-then the formula of `ced_jax.ops.sparse_attention` is applied with every segment laid out per query.
+then the formula of `ced_jax.model.layers.kernels.sparse_attention` is applied with every segment laid
+out per query.
 Invalid entries are zeroed before P.V, so garbage in unused pages cannot leak as 0 * NaN."""
 
 from __future__ import annotations

@@ -44,17 +44,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from serving.accounting import CostLedger
+from serving.admission import Admission, TooManyRequests
 from serving.config import ServeConfig
 from serving.files import IMAGE_PURPOSES, FileError, FilesConfig, FileStore, StoredFile
 from serving.http import stream as gen
 from serving.http import tokenize as counting
-from serving.http.accounting import CostLedger
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Converter, Prepared, parse_body
 from serving.http.errors import ApiError
-from serving.http.images import ImageInputConfig, ImageResolver
-from serving.http.limits import Admission, TooManyRequests
-from serving.http.models import ModelCatalog
-from serving.image_fetch import ImageFetchConfig, ImageFetcher
+from serving.http.images import ImageResolver
+from serving.image_fetch import ImageFetchConfig, ImageFetcher, ImageInputConfig
+from serving.model_names import ModelCatalog
 from serving.tenants import Unauthenticated
 from serving.work_pools import FairPool, PoolBusy, WorkPools
 
@@ -443,7 +443,7 @@ class HttpFrontEnd:
 
     @contextlib.asynccontextmanager
     async def _admitted(self, p: Prepared):
-        """Holds the request's admission (serving/http/limits.py) for its whole life: effort `max`
+        """Holds the request's admission (serving/admission.py) for its whole life: effort `max`
         requests go through their own tier; beyond the limits: 429 with Retry-After."""
         tier = "max" if p.thinking and p.effort is not None and p.effort >= 100 else "default"
         try:
@@ -457,7 +457,7 @@ class HttpFrontEnd:
             await admission.__aexit__(None, None, None)
 
     def _account(self, outcome: gen.Outcome) -> None:
-        """Prices a finished request on the hosted API's table (serving/http/accounting.py)."""
+        """Prices a finished request on the hosted API's table (serving/accounting.py)."""
         u = outcome.usage
         if u is None:
             return

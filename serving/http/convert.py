@@ -32,13 +32,13 @@ import deepseek_recipe as d
 from ced_jax.chat import ChatFormatError, PromptEncoder, resolve_thinking
 from serving.chat import render_conversation
 from serving.constraints import OutputConstraint
-from serving.engine_api import PREFILL_MODES, SamplingParams
+from serving.engine.protocol import PREFILL_MODES, SamplingParams
 from serving.http import structured
 from serving.http.errors import ApiError, from_conversion_error
 from serving.http.fields import CHAT, COMPLETIONS, MESSAGES, RESPONSES, check_fields
 from serving.http.images import ImageResolver, extract_images, index_of
-from serving.http.models import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
 from serving.json_limits import MAX_NESTING, nesting_depth
+from serving.model_names import SERVED_MODEL, ModelCatalog, Resolved, UnknownModel
 
 FIM_MAX_TOKENS = 4096  # the hosted FIM limit (api-surface §10)
 # Named in every context-length error: the server's limit, which an operator can raise.
@@ -56,7 +56,7 @@ class Prepared:
     """Everything the generation driver needs for one request."""
 
     api: str
-    model: Resolved  # the requested name (echoed), what it means (serving/http/models.py)
+    model: Resolved  # the requested name (echoed), what it means (serving/model_names.py)
     stream: bool
     include_usage: bool
     prompt_ids: tuple[int, ...]

@@ -39,28 +39,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from serving.files import FileError, FileLease, FileStore, sniff_image_type
 from serving.http.errors import ApiError
-from serving.image_fetch import ImageFetcher, ImageFetchRefused
+from serving.image_fetch import ImageFetcher, ImageFetchRefused, ImageInputConfig
 from serving.work_pools import FairPool, current_tenant
 
-MIB = 1024 * 1024
 CANONICAL_URL = "https://ced-image.invalid/"
 # Media types an Anthropic base64 source may declare (Anthropic's own list).
 ANTHROPIC_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _DATA_URL = re.compile(r"^data:([^,;]*)((?:;[^,;]*)*),", re.DOTALL)
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageInputConfig:
-    """Per-request image limits of the HTTP API (`ced-jax serve --max-images-per-request N
-    --max-image-bytes B`)."""
-
-    max_images_per_request: int = 16
-    max_image_bytes: int = 20 * MIB  # one image's decoded bytes
-
-    def __post_init__(self):
-        for name in ("max_images_per_request", "max_image_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ImageInputConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import deepseek_recipe as d
 
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Prepared
 from serving.http.errors import ApiError
-from serving.scheduler import (
+from serving.scheduling.scheduler import (
     AdmissionError,
     FinishReason,
     GenerationRequest,

@@ -23,7 +23,7 @@ The subprocesses run with the suite's persistent compilation cache. Only process
 (and the key differs per process), so process 0 loads its programs in seconds while process 1
 compiles for a minute; gloo gives up on a peer after 30 s (`Gloo context initialization failed`),
 so the CLI puts a barrier of all processes after every compile (`ced_cli.main._lockstep`,
-serving/multihost.py), and process 0 waits there for its peer.
+serving/engine/multihost.py), and process 0 waits there for its peer.
 """
 
 from __future__ import annotations

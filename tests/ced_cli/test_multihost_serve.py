@@ -1,11 +1,11 @@
-"""Multi-host `ced-jax serve` (serving/multihost.py): 2 processes x 4 CPU devices on localhost serve
+"""Multi-host `ced-jax serve` (serving/engine/multihost.py): 2 processes x 4 CPU devices on localhost serve
 the tiny model on one (1, 4, 2) mesh; greedy completions over gRPC, several at once, are the tokens
 of a one-process server on 8 devices with the same mesh shape; killing process 1 turns health
 NOT_SERVING within a bound, with a log line naming the process, and no hang.
 
 Both servers run with JAX's persistent compilation cache on (the suite's), which the multi-host
 logits test (test_multihost.py) had to turn off: a process that loads its programs from the cache
-used to start them while its peer still compiled, past gloo's 30 s. `serving.multihost` now puts a
+used to start them while its peer still compiled, past gloo's 30 s. `serving.engine.multihost` now puts a
 barrier after every executable built inside a step handed to all processes.
 """
 
@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving import client, multihost
+from serving import client
+from serving.engine import multihost
 from tests.conftest import REPO
 
 # Small shapes: one prefill program (4 rows of 16-token chunks), one decode program (4 rows), restore.
@@ -231,7 +232,7 @@ def _same(a, b) -> bool:
 
 def test_the_followers_make_the_leaders_calls_with_the_same_inputs():
     queue, leader_side, follower_side = _Queue(), _Recorder(), _Recorder()
-    leader = multihost.LeaderEngine(leader_side, queue)
+    leader = multihost.LeaderProxy(leader_side, queue)
     rng = np.random.default_rng(0)
     args = (np.arange(4, dtype=np.int32), rng.integers(0, 512, 4).astype(np.int32), np.zeros(4, bool),
             rng.random((4, 3)).astype(np.float32).T, np.uint32(7), 0.5, None)  # fmt: skip
@@ -250,7 +251,7 @@ def test_the_followers_make_the_leaders_calls_with_the_same_inputs():
 
 def test_a_call_that_fails_on_a_follower_stops_it():
     queue = _Queue()
-    leader = multihost.LeaderEngine(_Recorder(), queue)
+    leader = multihost.LeaderProxy(_Recorder(), queue)
     with pytest.raises(ValueError, match="slot must be"):
         leader.reset_history(-1, None)
     queue.stop_followers()

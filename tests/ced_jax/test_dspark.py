@@ -1,4 +1,4 @@
-"""Parity of the DSpark draft stages (`ced_jax.dspark`) with DeepSeek's reference on the vision/DSpark
+"""Parity of the DSpark draft stages (`ced_jax.model.dspark`) with DeepSeek's reference on the vision/DSpark
 golden fixture (`--vision-golden DIR`, default tests/golden/tiny-v; scenario 2 of its README), in both
 main-model index-key modes (`reference_*`, `intended_*`).
 
@@ -35,9 +35,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from ced_jax import dspark as ds
 from ced_jax.checkpoint.hf_loader import CheckpointError, Shard, read_index
 from ced_jax.config import ModelConfig
+from ced_jax.model import dspark as ds
 
 MODES = ("reference", "intended")
 BF16_ULP = 2.0**-7  # relative spacing bound of bf16 (8 significant bits)

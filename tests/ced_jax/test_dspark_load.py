@@ -1,6 +1,6 @@
 """`ced_jax.load(..., dspark=None|True|False)`: the DSpark draft stages under `Model.params["mtp"]`.
 
-Every source must give the same tree as `ced_jax.dspark.load_dspark_params` on the same stages
+Every source must give the same tree as `ced_jax.checkpoint.dspark.load_dspark_params` on the same stages
 (names, dtypes, bytes): a released-layout HF directory (the vision/DSpark fixture, `--vision-golden
 DIR`, whose stages have their own expert count, 6 against the backbone's 8), its `convert_weights
 --include text,dspark` output, and the tiny preset (a synthetic checkpoint written from the preset's
@@ -23,11 +23,10 @@ from safetensors.numpy import save_file
 
 import ced_jax
 from ced_jax.checkpoint.converted import MANIFEST_NAME, nest
+from ced_jax.checkpoint.dspark import load_dspark_params
 from ced_jax.checkpoint.hf_loader import INDEX_NAME, CheckpointError, load_hf_checkpoint
 from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig, preset
-from ced_jax.dspark import load_dspark_params
-from ced_jax.dspark_train import save_dspark_safetensors
 from ced_jax.sharding import make_mesh
 from ced_jax.testing.random_weights import (
     TINY_DSPARK_FILE,
@@ -36,6 +35,7 @@ from ced_jax.testing.random_weights import (
     random_params,
     tiny_dspark_params,
 )
+from ced_jax.training.dspark_train import save_dspark_safetensors
 from conversion.convert import ConvertOptions, convert
 from conversion.synthetic import FILE_DTYPES, write_synthetic_checkpoint
 from tests.conftest import GOLDEN_TINY_A

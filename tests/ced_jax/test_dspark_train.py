@@ -1,6 +1,6 @@
-"""The DSpark draft training path (`ced_jax.dspark_train`): the released-layout writer against the
+"""The DSpark draft training path (`ced_jax.training.dspark_train`): the released-layout writer against the
 loader, the straight-through fake quantisation against the exporter, the differentiable training
-forward against `ced_jax.dspark.draft_step`, a short training run on a learnable synthetic target,
+forward against `ced_jax.model.dspark.draft_step`, a short training run on a learnable synthetic target,
 and (slow: it compiles the backbone's prefill and decode) the shipped tiny draft against the
 random one on held-out greedy continuations.
 
@@ -19,13 +19,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ced_jax import dspark as ds
-from ced_jax import dspark_train as tr
 from ced_jax.checkpoint.hf_loader import CheckpointError
 from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory
 from ced_jax.config import preset
+from ced_jax.model import dspark as ds
 from ced_jax.quant import round_bf16
 from ced_jax.testing.random_weights import TINY_SEED, random_params
+from ced_jax.training import dspark_train as tr
 
 BF16_ULP = 2.0**-7
 # Measured: base logits 0 apart except where a head-input element is one ulp off (max 1.4e-3 of the

@@ -26,7 +26,7 @@ from ced_jax.engram_store import (
     table_specs,
     write_raw,
 )
-from ced_jax.layers.engram import engram
+from ced_jax.model.layers.engram import engram
 from ced_jax.testing.random_weights import random_params, tiny_params
 from tests.conftest import GOLDEN_TINY_A, REPO
 

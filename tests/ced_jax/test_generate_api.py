@@ -137,7 +137,7 @@ def test_chat_renders_as_the_server_does_and_parses_the_answer(model):
 
     from serving.config import ServeConfig
     from serving.http.convert import CHAT, Converter
-    from serving.http.models import ModelCatalog
+    from serving.model_names import ModelCatalog
 
     converter = Converter(
         tokenizers.Tokenizer.from_file(str(model.tokenizer_path)),

@@ -1,10 +1,13 @@
 """Imports flow one way (README, "Layout"): `pallas_kernels` -> `ced_jax` -> `conversion`, `serving`
--> `ced_cli`. Checked on the source of every module with `ast`, so an import inside a function (a
-lazy import, which an import-time check would miss) counts as much as one at the top."""
+-> `ced_cli`, and inside `ced_jax` by the layer table below. Checked on the source of every module
+with `ast`, so an import inside a function (a lazy import, which an import-time check would miss)
+counts as much as one at the top."""
 
 from __future__ import annotations
 
 import ast
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -54,7 +57,7 @@ def upward_imports(package: str) -> list[str]:
 def test_the_walker_sees_lazy_relative_and_dynamic_imports():
     source = """
 import numpy as np
-from ced_jax import ops
+from ced_jax import sharding
 
 def load():
     from conversion.convert import load_flat
@@ -66,6 +69,160 @@ def load():
     found = imported_modules(source, "ced_jax.sub.module")
     assert {"conversion.convert", "serving.config", "ced_jax.serving", "ced_cli.main", "conversion"} <= found
     assert {"numpy", "ced_jax"} <= found
+
+
+# Inside ced_jax: each module belongs to the group of its longest matching prefix, and imports only
+# from the groups its group lists (itself included). `engine` and `checkpoint` are siblings: neither
+# imports the other; `model` never reads a checkpoint; nothing below `api` imports `api`.
+CED_JAX_GROUPS = {
+    "core": (
+        "ced_jax.config", "ced_jax.options", "ced_jax.sharding", "ced_jax.quant", "ced_jax.sampling",
+        "ced_jax.cache", "ced_jax.engram_hash", "ced_jax.engram_store", "ced_jax.text_ids",
+        "ced_jax.compile_cache", "ced_jax.chat",
+    ),
+    "layers": ("ced_jax.model.layers",),
+    "model": ("ced_jax.model", "ced_jax.vision"),
+    "engine": ("ced_jax.engine",),
+    "checkpoint": ("ced_jax.checkpoint",),
+    "api": ("ced_jax", "ced_jax.api", "ced_jax.generation", "ced_jax.training", "ced_jax.testing"),
+}  # fmt: skip
+CED_JAX_MAY_IMPORT = {
+    "core": {"core"},
+    "layers": {"core", "layers"},
+    "model": {"core", "layers", "model"},
+    "engine": {"core", "layers", "model", "engine"},
+    "checkpoint": {"core", "layers", "model", "checkpoint"},
+    "api": set(CED_JAX_GROUPS),
+}
+
+
+def group_of(module: str, groups: dict[str, tuple[str, ...]]) -> str:
+    """The group whose longest prefix names `module` (KeyError: a module the table does not place)."""
+    best = max(
+        (
+            (len(p), g)
+            for g, prefixes in groups.items()
+            for p in prefixes
+            if module == p or module.startswith(p + ".")
+        ),
+        default=None,
+    )
+    if best is None:
+        raise KeyError(f"{module}: not in the layer table")
+    return best[1]
+
+
+def package_modules(package: str) -> dict[str, object]:
+    """dotted module name -> path of every module of `package` (a package by its own name)."""
+    out = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        if "_pb2" not in path.name:
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_within(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (`from pkg import module` counts as the module;
+    importing a package counts as its __init__)."""
+    modules = package_modules(package)
+
+    def ours(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        source = path.read_text()
+        names = imported_modules(source, module)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in modules:
+                        names.discard(node.module)  # `from ced_jax import sharding` is not ced_jax/__init__
+                        names.add(f"{node.module}.{alias.name}")
+        graph[module] = {d for d in map(ours, names) if d and d != module}
+    return graph
+
+
+def layer_violations(package: str, groups: dict, may_import: dict) -> list[str]:
+    bad = []
+    for module, deps in imports_within(package).items():
+        mine = group_of(module, groups)
+        for dep in sorted(deps):
+            theirs = group_of(dep, groups)
+            if theirs not in may_import[mine]:
+                bad.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    return bad
+
+
+def test_ced_jax_layers():
+    assert layer_violations("ced_jax", CED_JAX_GROUPS, CED_JAX_MAY_IMPORT) == []
+
+
+# Inside serving: request errors and the engine protocol at the bottom; the features (constraints,
+# text, tenants, files, ...) on them; the serve config; the scheduler and the engine implementations
+# (siblings that meet only through the protocol), the planner and the test doubles; HTTP; the server.
+SERVING_GROUPS = {
+    "base": (
+        "serving", "serving.errors", "serving.engine.protocol", "serving.json_limits", "serving.proto",
+        "serving.cli_help",
+    ),
+    "features": (
+        "serving.accounting", "serving.admission", "serving.model_names", "serving.files", "serving.tenants",
+        "serving.image_fetch", "serving.work_pools", "serving.metrics", "serving.text", "serving.vision",
+        "serving.constraints", "serving.chat",
+    ),
+    "config": ("serving.config",),
+    "engines": ("serving.engine",),
+    "scheduling": ("serving.scheduling",),
+    "planning": ("serving.planning",),
+    "doubles": ("serving.testing.mock_engine",),
+    "http": ("serving.http",),
+    "server": ("serving.server", "serving.client", "serving.testing"),
+}  # fmt: skip
+_BELOW_CONFIG = {"base", "features", "config"}
+SERVING_MAY_IMPORT = {
+    "base": {"base"},
+    "features": {"base", "features"},
+    "config": _BELOW_CONFIG,
+    "engines": _BELOW_CONFIG | {"engines"},
+    "scheduling": _BELOW_CONFIG | {"scheduling"},
+    "planning": _BELOW_CONFIG | {"planning"},
+    "doubles": _BELOW_CONFIG | {"doubles"},
+    "http": _BELOW_CONFIG | {"scheduling", "http"},
+    "server": set(SERVING_GROUPS),
+}
+
+
+def test_serving_layers():
+    assert layer_violations("serving", SERVING_GROUPS, SERVING_MAY_IMPORT) == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    import tests.ced_jax.test_import_direction as here
+
+    for name, text in {
+        "ced_jax/__init__.py": "",
+        "ced_jax/config.py": "",
+        "ced_jax/model/__init__.py": "from ced_jax import config\n",
+        "ced_jax/model/layers/__init__.py": "",
+        "ced_jax/model/layers/moe.py": "def f():\n    from ced_jax.model import forward\n",
+        "ced_jax/model/forward.py": "",
+        "ced_jax/engine/__init__.py": "from ced_jax.checkpoint import place\n",
+        "ced_jax/checkpoint/__init__.py": "",
+        "ced_jax/checkpoint/place.py": "import ced_jax.model\n",
+    }.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(here, "REPO", tmp_path)
+    assert layer_violations("ced_jax", CED_JAX_GROUPS, CED_JAX_MAY_IMPORT) == [
+        "ced_jax.engine (engine) imports ced_jax.checkpoint.place (checkpoint)",
+        "ced_jax.model.layers.moe (layers) imports ced_jax.model.forward (model)",
+    ]
+    with pytest.raises(KeyError, match="not in the layer table"):
+        group_of("ced_jax_extra.thing", CED_JAX_GROUPS)
 
 
 def test_ced_jax_imports_neither_conversion_nor_serving_nor_the_cli():
@@ -133,7 +290,8 @@ def import_cycles(package: str) -> list[list[str]]:
 
 
 def test_no_package_has_an_import_cycle():
-    """Issue 32 (the review found `serving.constraints` <-> `serving.scheduler`, through a lazy import):
+    """Issue 32 (the review found `serving.constraints` <-> `serving.scheduling.scheduler`, through a lazy
+    import):
     the request errors now live at the bottom, in `serving.errors`."""
     for package in PACKAGES:
         assert import_cycles(package) == [], package

@@ -1,4 +1,4 @@
-"""A Reindex layer scores only its candidate pool's entries (`ops.index_scores_at`) instead of the
+"""A Reindex layer scores only its candidate pool's entries (`kernels.index_scores_at`) instead of the
 whole row masked to the pool: the scores of the pool's entries and the selected top-k are the same
 bit for bit, for a decode step (one query) and a prefill page (16 queries), with ties, with fewer
 candidates than k, and with queries that see only part of the pool."""
@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax import ops
-from ced_jax.layers import attention
+from ced_jax.model.layers import attention, kernels
 from pallas_kernels import formats
 
 HEADS, DIM, PER_PAGE = 4, 128, 16
@@ -41,15 +40,15 @@ def test_pool_scores_and_selection_equal_the_masked_whole_row(queries, top_block
         rng, rows=rows, queries=queries, pages=pages, first_position=np.array([width - queries, 40, 5])
     )
     n_visible = (positions + 1) // ratio
-    whole = ops.index_scores(q, w, key_pages, table, n_visible)  # [B, T, S], impl reference
+    whole = kernels.index_scores(q, w, key_pages, table, n_visible)  # [B, T, S], impl reference
     # The pool from another layer's scores of the same row (the candidate source).
-    source = ops.index_scores(q[:, :, ::-1], w, key_pages, table, n_visible)
+    source = kernels.index_scores(q[:, :, ::-1], w, key_pages, table, n_visible)
     mask, blocks = attention.candidate_pool(source, positions, ratio, top_blocks, block)
     masked = jnp.where(mask, whole, -jnp.inf)
     want = attention.select_topk(masked, positions, ratio, top_k)
 
     entries, valid = attention.candidate_entries(blocks, positions, ratio, block)
-    got_scores = ops.index_scores_at(q, w, key_pages, table, entries, valid)
+    got_scores = kernels.index_scores_at(q, w, key_pages, table, entries, valid)
     got = attention.select_topk(got_scores, positions, ratio, top_k, entries, width)
 
     in_row = np.clip(np.asarray(entries), 0, width - 1)
@@ -65,7 +64,7 @@ def test_pool_scores_and_selection_equal_the_masked_whole_row(queries, top_block
 
 @pytest.mark.parametrize("queries", [1, 16])
 def test_whole_row_scores_are_the_same_in_blocks(queries):
-    """`ops.index_scores` (impl reference) scores a long row in blocks of pages: the same scores bit
+    """`kernels.index_scores` (impl reference) scores a long row in blocks of pages: the same scores bit
     for bit as the row in one piece, for blocks that divide the row and one that does not (the last
     block padded past the row), with rows that see all, part, or none of their slots."""
     rng = np.random.default_rng(7 + queries)
@@ -75,17 +74,17 @@ def test_whole_row_scores_are_the_same_in_blocks(queries):
         rng, rows=rows, queries=queries, pages=pages, first_position=np.array([width - queries, 37, -queries])
     )
     n_visible = jnp.maximum(positions + 1, 0)
-    whole = np.asarray(ops.index_scores(q, w, key_pages, table, n_visible, block_entries=width))
+    whole = np.asarray(kernels.index_scores(q, w, key_pages, table, n_visible, block_entries=width))
     assert np.isfinite(whole).any() and np.isneginf(whole).any()
     for block_entries in (PER_PAGE, 2 * PER_PAGE, 3 * PER_PAGE):  # 10 pages: blocks of 1, 2, 3 pages
-        got = ops.index_scores(q, w, key_pages, table, n_visible, block_entries=block_entries)
+        got = kernels.index_scores(q, w, key_pages, table, n_visible, block_entries=block_entries)
         np.testing.assert_array_equal(np.asarray(got), whole, err_msg=f"block_entries={block_entries}")
     # A call whose rows all end early: the blocks past every row are skipped, the scores the same.
     short = jnp.minimum(n_visible, 2 * PER_PAGE + 3)
-    whole = np.asarray(ops.index_scores(q, w, key_pages, table, short, block_entries=width))
+    whole = np.asarray(kernels.index_scores(q, w, key_pages, table, short, block_entries=width))
     assert np.isfinite(whole[..., : 2 * PER_PAGE + 3]).any() and np.isneginf(whole[..., 3 * PER_PAGE :]).all()
     for block_entries in (PER_PAGE, 2 * PER_PAGE, 3 * PER_PAGE):
-        got = ops.index_scores(q, w, key_pages, table, short, block_entries=block_entries)
+        got = kernels.index_scores(q, w, key_pages, table, short, block_entries=block_entries)
         np.testing.assert_array_equal(np.asarray(got), whole, err_msg=f"short, block_entries={block_entries}")
     with pytest.raises(ValueError, match="block_entries must be >= 1"):
-        ops.index_scores(q, w, key_pages, table, n_visible, block_entries=0)
+        kernels.index_scores(q, w, key_pages, table, n_visible, block_entries=0)

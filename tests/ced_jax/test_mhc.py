@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from ced_jax.layers.mhc import sinkhorn
+from ced_jax.model.layers.mhc import sinkhorn
 from pallas_kernels.formats import exact_div
 
 EPS = np.float32(1e-6)

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax import ops
-from ced_jax.layers import moe
+from ced_jax.model.layers import kernels, moe
 from ced_jax.quant import dequant_fp4_weight, fp8_fake_quant, round_bf16
 
 
@@ -32,11 +31,11 @@ def test_fp4_dequant_is_the_format_bit_for_bit():
 
 
 def _gathered_rows(rows, eids, weights, experts, limit):
-    """The per-row gather path (ops.expert_matmul with fewer rows than experts)."""
-    gate = round_bf16(ops.expert_matmul(rows, eids, experts["w1"]))
-    up = round_bf16(ops.expert_matmul(rows, eids, experts["w3"]))
+    """The per-row gather path (kernels.expert_matmul with fewer rows than experts)."""
+    gate = round_bf16(kernels.expert_matmul(rows, eids, experts["w1"]))
+    up = round_bf16(kernels.expert_matmul(rows, eids, experts["w3"]))
     hidden = round_bf16(weights[:, None] * moe.swiglu(gate, up, limit))
-    return round_bf16(ops.expert_matmul(fp8_fake_quant(hidden), eids, experts["w2"]))
+    return round_bf16(kernels.expert_matmul(fp8_fake_quant(hidden), eids, experts["w2"]))
 
 
 @pytest.mark.parametrize("tile", [1, 3, 32])
@@ -64,10 +63,10 @@ def test_expert_loop_matches_the_gather_path(tile):
     assert np.mean(got == want) > 0.95
 
 
-@pytest.mark.parametrize("entries", [5, ops.EXPERT_DECODE_GROUP, 12, 2 * ops.EXPERT_DECODE_GROUP + 1])
+@pytest.mark.parametrize("entries", [5, kernels.EXPERT_DECODE_GROUP, 12, 2 * kernels.EXPERT_DECODE_GROUP + 1])
 def test_decode_entries_in_groups_equal_each_entry_alone(entries):
     """A decode step's (row, expert) entries are dequantised a group at a time (a loop over groups
-    past ops.EXPERT_DECODE_GROUP): every entry's product is bit for bit what it is alone."""
+    past kernels.EXPERT_DECODE_GROUP): every entry's product is bit for bit what it is alone."""
     rng = np.random.default_rng(1)
     num_experts, n, k = 32, 48, 64
     w = {
@@ -76,7 +75,7 @@ def test_decode_entries_in_groups_equal_each_entry_alone(entries):
     }
     rows = fp8_fake_quant(jnp.asarray(rng.standard_normal((entries, k)), jnp.float32))
     eids = jnp.asarray(rng.integers(0, num_experts, entries).astype(np.int32))
-    matmul = jax.jit(ops.expert_matmul)
+    matmul = jax.jit(kernels.expert_matmul)
     got = np.asarray(matmul(rows, eids, w))
     assert got.shape == (entries, n) and np.abs(got).max() > 0
     for i in range(entries):

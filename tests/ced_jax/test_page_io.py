@@ -1,4 +1,5 @@
-"""ced_jax/page_io.py: whole pages device -> host blobs -> device, bit for bit, at the 890-byte layout."""
+"""ced_jax/engine/page_io.py: whole pages device -> host blobs -> device, bit for bit, at the 890-byte
+layout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from ced_jax.cache import init_paged_cache, kv_bytes_per_token
 from ced_jax.config import preset
-from ced_jax.page_io import PageLayout, read_pages, write_pages
+from ced_jax.engine.page_io import PageLayout, read_pages, write_pages
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,7 @@ take its sums in its order (`pallas_kernels._tiles`, "the reference's order on X
 same inputs every kernel call returns the reference's output bit for bit; the second test checks
 that on every call of a whole forward. The generated tokens can still differ where the paths feed
 the kernels differently: the pallas path reads a query's sliding window as two segments (ring,
-chunk), the reference as one in position order (`ced_jax.layers.attention`), so the window sums
+chunk), the reference as one in position order (`ced_jax.model.layers.attention`), so the window sums
 differ in f32 order and, at a bf16 rounding tie, by one bf16 ulp, which a discrete decision can
 amplify. This prompt meets none (measured: bit-identical logits at the last prompt position and
 every generated step), so any other difference (a wrong group, tile, mask or sum) shows as a
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax import ops
 from ced_jax.api import load
-from ced_jax.layers import moe
+from ced_jax.model.layers import kernels, moe
+from ced_jax.options import Impl
 
 PROMPT_TOKENS = 40
 NEW_TOKENS = 8
@@ -64,19 +64,25 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fres
 
         return check
 
-    sparse_attention, index_scores, expert_rows = ops.sparse_attention, ops.index_scores, moe._expert_rows
-    index_scores_at = ops.index_scores_at
+    sparse_attention, index_scores, expert_rows = (
+        kernels.sparse_attention,
+        kernels.index_scores,
+        moe._expert_rows,
+    )
+    index_scores_at = kernels.index_scores_at
 
     def attention_twice(q, segments, sink, scale, *, impl):
         ref = sparse_attention(q, segments, sink, scale, impl=impl)
         jax.debug.callback(
-            record("sparse_attention"), ref, sparse_attention(q, segments, sink, scale, impl=PALLAS)
+            record("sparse_attention"),
+            ref,
+            sparse_attention(q, segments, sink, scale, impl=Impl.parse(PALLAS)),
         )
         return ref
 
     def scores_twice(q, weights, pages, table, n_visible, *, impl):
         ref = index_scores(q, weights, pages, table, n_visible, impl=impl)
-        got = index_scores(q, weights, pages, table, n_visible, impl=PALLAS)
+        got = index_scores(q, weights, pages, table, n_visible, impl=Impl.parse(PALLAS))
         jax.debug.callback(record("index_scores"), ref, got)
         return ref
 
@@ -85,20 +91,22 @@ def test_every_kernel_call_of_the_forward_equals_the_reference(monkeypatch, fres
         # whole row, and its scores at the pool's entries must be the reference's.
         ref = index_scores_at(q, weights, pages, table, entry_ids, valid)
         width = table.shape[1] * pages.shape[1]
-        whole = index_scores(q, weights, pages, table, jnp.full(q.shape[:2], width, jnp.int32), impl=PALLAS)
+        whole = index_scores(
+            q, weights, pages, table, jnp.full(q.shape[:2], width, jnp.int32), impl=Impl.parse(PALLAS)
+        )
         at = jnp.take_along_axis(whole, jnp.clip(entry_ids, 0, width - 1), axis=-1)
         jax.debug.callback(record("index_scores"), ref, jnp.where(valid, at, -jnp.inf))
         return ref
 
     def expert_rows_twice(rows, eids, weights, experts, *, limit, impl, f_axis=None):
         ref = expert_rows(rows, eids, weights, experts, limit=limit, impl=impl, f_axis=f_axis)
-        got = expert_rows(rows, eids, weights, experts, limit=limit, impl=PALLAS, f_axis=f_axis)
+        got = expert_rows(rows, eids, weights, experts, limit=limit, impl=Impl.parse(PALLAS), f_axis=f_axis)
         jax.debug.callback(record("expert_rows"), ref, got)
         return ref
 
-    monkeypatch.setattr(ops, "sparse_attention", attention_twice)
-    monkeypatch.setattr(ops, "index_scores", scores_twice)
-    monkeypatch.setattr(ops, "index_scores_at", scores_at_twice)
+    monkeypatch.setattr(kernels, "sparse_attention", attention_twice)
+    monkeypatch.setattr(kernels, "index_scores", scores_twice)
+    monkeypatch.setattr(kernels, "index_scores_at", scores_at_twice)
     monkeypatch.setattr(moe, "_expert_rows", expert_rows_twice)
     # The stored layout: the grouped-matmul kernel reads packed experts, which the reference also reads.
     model = load("tiny", impl="reference", weight_layout="stored")

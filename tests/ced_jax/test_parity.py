@@ -212,10 +212,10 @@ def test_mode_c_free_running(model, golden, mode):
 
 def test_negative_control_sink_dropped_fails_mode_a(golden, monkeypatch, fresh_programs):
     """A deliberately broken variant (attention sink dropped) must fail the mode-A gate."""
-    import ced_jax.layers.attention as attention_module
-    from ced_jax import ops
+    import ced_jax.model.layers.attention as attention_module
+    from ced_jax.model.layers import kernels
 
-    real = ops.sparse_attention
+    real = kernels.sparse_attention
 
     def no_sink(q, segments, sink, scale, *, impl="reference"):
         return real(q, segments, sink * 0 - 1e30, scale, impl=impl)

@@ -1,6 +1,6 @@
 """The model with impl="pallas:interpret" (the Pallas kernels in the HLO interpreter, CPU).
 
-Default suite (cheap): the `ced_jax.ops` bridge (sparse attention, indexer scoring, expert
+Default suite (cheap): the `ced_jax.model.layers.kernels` bridge (sparse attention, indexer scoring, expert
 matmul) against impl="reference" on model-shaped paged inputs, and a one-layer cut of the tiny
 preset whose prefill through the kernels equals the reference path. Slow: PARITY.md mode A on
 tiny-a with impl="pallas:interpret", bars unchanged (both index_k_modes; interpret-mode compiles
@@ -12,7 +12,7 @@ the reference's order (`pallas_kernels._tiles`, "the reference's order on XLA:CP
 checks require their outputs to equal the reference's bit for bit; the GPU kernels sum in their
 own order (entry tiles), so theirs may differ by one bf16 ulp of an intermediate. The one-layer
 cut feeds the kernels its window as two segments where the reference reads one in position order
-(`ced_jax.layers.attention`): logits within 1e-4 of their scale, decisions (top-k rows, expert ids)
+(`ced_jax.model.layers.attention`): logits within 1e-4 of their scale, decisions (top-k rows, expert ids)
 equal. A spy checks that the kernels really ran, so the comparison cannot pass vacuously; pages
 no page table names are poisoned (NaN once decoded) and the tables are shuffled, so both paths
 must read the pages through the tables.
@@ -31,9 +31,9 @@ from safetensors.numpy import load_file
 import pallas_kernels.grouped_matmul as gmm_module
 import pallas_kernels.indexer as indexer_module
 import pallas_kernels.sparse_attention as attention_module
-from ced_jax import ops
 from ced_jax.api import Model, load
 from ced_jax.config import preset
+from ced_jax.model.layers import kernels
 from ced_jax.options import Impl
 from ced_jax.quant import fp4_fake_quant_e4m3, fp8_fake_quant
 from ced_jax.testing.random_weights import random_params
@@ -94,9 +94,9 @@ def _expert_case(seed, m, k, n, e):
 @pytest.mark.parametrize("m", [3, 40], ids=["decode", "prefill"])
 def test_expert_matmul_bridge_matches_reference(kernel_calls, backend, m):
     rows, ids, w = _expert_case(m, m, 256, 128, 8)
-    ref = np.asarray(jax.jit(lambda r, i, w: ops.expert_matmul(r, i, w))(rows, ids, w))
+    ref = np.asarray(jax.jit(lambda r, i, w: kernels.expert_matmul(r, i, w))(rows, ids, w))
     impl = Impl("pallas", backend, interpret=True)
-    out = np.asarray(jax.jit(lambda r, i, w: ops.expert_matmul(r, i, w, impl=impl))(rows, ids, w))
+    out = np.asarray(jax.jit(lambda r, i, w: kernels.expert_matmul(r, i, w, impl=impl))(rows, ids, w))
     assert kernel_calls["gmm"] == 1
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
     if backend == "tpu":  # the reference's summation order in interpret mode
@@ -134,7 +134,7 @@ def _attention_segments(seed, b, t, h, d, window, x):
         (chunk, np.arange(b)[:, None], np.tile(np.arange(t), (b, 1)), chunk_valid),
         (compressed, table, main_ids, main_valid),
     ]
-    segments = [ops.KeySegment(*(jnp.asarray(a) for a in seg)) for seg in segments]
+    segments = [kernels.KeySegment(*(jnp.asarray(a) for a in seg)) for seg in segments]
     sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
     return q, segments, sink
 
@@ -151,7 +151,7 @@ def test_sparse_attention_bridge_matches_reference(kernel_calls, backend, t):
     q, segments, sink = _attention_segments(t, 2, t, 4, 128, 16, 16)
 
     def run(impl):
-        fn = lambda q, segments, sink: ops.sparse_attention(
+        fn = lambda q, segments, sink: kernels.sparse_attention(
             q, segments, sink, 128**-0.5, impl=Impl.parse(impl)
         )
         return np.asarray(jax.jit(fn)(q, segments, sink))
@@ -183,7 +183,7 @@ def test_index_scores_bridge_matches_reference(kernel_calls, backend, case):
     n_visible = np.asarray(args[-1])
 
     def run(impl):
-        return np.asarray(jax.jit(lambda *a: ops.index_scores(*a, impl=Impl.parse(impl)))(*args))
+        return np.asarray(jax.jit(lambda *a: kernels.index_scores(*a, impl=Impl.parse(impl)))(*args))
 
     ref = run("reference")
     out = run(f"pallas:{backend}:interpret")

@@ -25,8 +25,8 @@ from ced_jax import cache as cache_lib
 from ced_jax.api import load
 from ced_jax.cache import StepMetadata
 from ced_jax.config import ModelConfig, preset
-from ced_jax.layers.moe import EXPERT_AXES
 from ced_jax.model import flatten_specs, forward, param_specs
+from ced_jax.model.layers.moe import EXPERT_AXES
 from tests.ced_jax.test_parity import assert_mode_a_gate, mode_a_metrics, mode_a_run
 from tests.conftest import GOLDEN_TINY_A, REPO
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import ced_jax
-from ced_jax import dspark_train as tr
 from ced_jax.config import preset
 from ced_jax.testing import random_weights as rw
+from ced_jax.training import dspark_train as tr
 
 
 def test_tiny_spec_is_tiny_but_its_embedding_and_head():

@@ -41,7 +41,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from ced_jax.checkpoint.hf_loader import CheckpointError
+from ced_jax.checkpoint.vision import load_vision_params
 from ced_jax.config import ModelConfig
+from ced_jax.vision.params import vision_param_specs
 from ced_jax.vision.preprocess import PreparedImage, prepare_image
 from ced_jax.vision.tower import (
     VisionEncoder,
@@ -49,10 +51,8 @@ from ced_jax.vision.tower import (
     default_buckets,
     max_patches,
     rope_tables,
-    vision_param_specs,
     vit_block,
 )
-from ced_jax.vision.weights import load_vision_params
 
 REQUIRED = ("patch_pixels", "grid", "aligner_output")
 

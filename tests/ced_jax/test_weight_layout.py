@@ -1,4 +1,4 @@
-"""Weight layouts (`ced_jax.weight_layout`): dequantising at load changes where the work happens,
+"""Weight layouts (`ced_jax.checkpoint.weight_layout`): dequantising at load changes where the work happens,
 never a value. Every layout gives the stored layout's linears, expert products, logits and tokens
 bit for bit (the whole model: slow; the golden parity gates run the CPU default, "f32")."""
 
@@ -9,18 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax import ops
 from ced_jax.api import load
-from ced_jax.config import preset
-from ced_jax.layers.common import fp8_linear
-from ced_jax.layers.moe import routed_experts
-from ced_jax.options import REFERENCE, Impl
-from ced_jax.weight_layout import (
+from ced_jax.checkpoint.weight_layout import (
     F32_EXPERTS_MAX_BYTES,
     apply_weight_layout,
     default_weight_layout,
     routed_expert_f32_bytes,
 )
+from ced_jax.config import preset
+from ced_jax.model.layers import kernels
+from ced_jax.model.layers.common import fp8_linear
+from ced_jax.model.layers.moe import routed_experts
+from ced_jax.options import REFERENCE, Impl
 
 PROMPT = [0, 17, 23, 99, 4, 250, 31, 8, 77, 140, 5, 61]
 
@@ -128,4 +128,4 @@ def test_pallas_grouped_matmul_refuses_dequantised_experts(models):
     experts = models["f32"].params["layers"]["0"]["ffn"]["experts"]["w1"]
     rows = jnp.zeros((4, experts["weight"].shape[-1]), jnp.float32)
     with pytest.raises(ValueError, match="reads packed experts"):
-        ops.expert_matmul(rows, jnp.zeros((4,), jnp.int32), experts, impl=Impl.parse("pallas:interpret"))
+        kernels.expert_matmul(rows, jnp.zeros((4,), jnp.int32), experts, impl=Impl.parse("pallas:interpret"))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax.layers import attention
+from ced_jax.model.layers import attention
 from pallas_kernels import formats
 from pallas_kernels.indexer import TileConfig, index_scores, index_topk, reference, select_topk
 from tests.pallas_kernels.cases import indexer_case
@@ -45,7 +45,7 @@ def _model_head_sum(q, weights, keys):
 
 
 def test_reference_scores_are_the_models_formula(case_and_ref):
-    """Against `ced_jax.layers.attention.index_scores`'s math on the unpacked keys (its projections
+    """Against `ced_jax.model.layers.attention.index_scores`'s math on the unpacked keys (its projections
     bypassed): equal wherever its head sum (XLA's order) does not straddle a bf16 rounding tie."""
     case, scores, topk = case_and_ref
     b, t, heads, dk = case.q.shape

@@ -1,4 +1,4 @@
-"""The mHC mixing kernels (interpret mode) equal the model's `ced_jax.layers.mhc.hc_mixes` bit for bit,
+"""The mHC mixing kernels (interpret mode) equal the model's `ced_jax.model.layers.mhc.hc_mixes` bit for bit,
 on tiny's own mixing weights and on random ones at other widths; the pure-jnp reference (XLA's own
 sums) agrees to f32 rounding; bad inputs and tiles raise."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ced_jax
-from ced_jax.layers.mhc import hc_mixes as model_mixes
+from ced_jax.model.layers.mhc import hc_mixes as model_mixes
 from pallas_kernels.mhc import TileConfig, hc_mixes, reference
 
 TILES = {"tpu": TileConfig(rows=8), "gpu": TileConfig(rows=16, k_chunk=128)}

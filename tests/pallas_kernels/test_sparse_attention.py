@@ -1,4 +1,4 @@
-"""Paged sparse attention: the reference equals the model's `ops.sparse_attention` on the unpacked
+"""Paged sparse attention: the reference equals the model's `kernels.sparse_attention` on the unpacked
 entries, and both Pallas kernels (interpret mode, decode and prefill) equal the reference on paged,
 packed, NaN-poisoned caches with invalid ids, unused pages and a query with no valid entry."""
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax import ops
+from ced_jax.model.layers import kernels
 from pallas_kernels.sparse_attention import (
     TileConfig,
     reference,
@@ -102,11 +102,11 @@ def test_corrupt_selected_entry_is_loud(backend, decode):
 
 @jax.jit
 def _model_formula(q, segs, sink):
-    """ops.sparse_attention (the model's reference) on the same pages, page tables and ids."""
+    """kernels.sparse_attention (the model's reference) on the same pages, page tables and ids."""
     model_segments = [
-        ops.KeySegment(pages, table, jnp.maximum(idx, 0), idx >= 0) for pages, table, idx in segs
+        kernels.KeySegment(pages, table, jnp.maximum(idx, 0), idx >= 0) for pages, table, idx in segs
     ]
-    return ops.sparse_attention(q, model_segments, sink, q.shape[-1] ** -0.5)
+    return kernels.sparse_attention(q, model_segments, sink, q.shape[-1] ** -0.5)
 
 
 def test_reference_is_the_models_formula():

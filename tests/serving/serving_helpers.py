@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from serving.config import ServeConfig
-from serving.engine_api import SamplingParams
-from serving.mock_engine import ByteTokenizer, MockEngine
-from serving.scheduler import GenerationRequest, Scheduler
+from serving.engine.protocol import SamplingParams
+from serving.scheduling.scheduler import GenerationRequest, Scheduler
 from serving.server import Server
+from serving.testing.mock_engine import ByteTokenizer, MockEngine
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -100,7 +100,7 @@ def http_converter(tokenizer_json, *, max_tokens_limit: int = 64, max_context: i
     import tokenizers
 
     from serving.http.convert import Converter
-    from serving.http.models import ModelCatalog
+    from serving.model_names import ModelCatalog
 
     return Converter(
         tokenizers.Tokenizer.from_file(str(tokenizer_json)), catalog=ModelCatalog(ServeConfig().http_models),

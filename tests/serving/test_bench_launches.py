@@ -54,7 +54,7 @@ def test_truncated_v41_flash_keeps_its_layer_kinds(launches):
 def test_the_mhc_mixing_is_counted_with_its_sinkhorn_loop(launches):
     """Two mixing sites (each its own jit, with a Sinkhorn loop) beside other work: every kernel of the
     sites, their loops' counters included, is attributed to them, and nothing else is."""
-    from ced_jax.layers.mhc import hc_mixes
+    from ced_jax.model.layers.mhc import hc_mixes
 
     def f(x, fn, scale, base):
         kw = dict(hc=4, iters=5, norm_eps=1e-20, hc_eps=1e-6)

@@ -11,7 +11,7 @@ import pytest
 from ced_cli.main import main
 from ced_jax import sharding
 from ced_jax.config import preset
-from serving.capacity import (
+from serving.planning.capacity import (
     GIB,
     Hardware,
     activation_ledger,
@@ -132,7 +132,7 @@ def test_activations_grow_with_the_buckets(flash):
     assert big["prefill"]["indexer"] == 4 * 16 * (32 * (8192 + 128) + 2 * (1 << 20)) * 4
     assert small["prefill"]["indexer"] == 4 * 16 * 32 * (8192 + 128) * 4  # one block: no join
     # The prefill makes its weights' f32 copies inside each page iteration, one sublayer's at a time as
-    # a decode step does (`ced_jax.engine._loop_params`; hoisted out of the loop they were 30.8 GiB
+    # a decode step does (`ced_jax.engine.programs._loop_params`; hoisted out of the loop they were 30.8 GiB
     # per device here): at the small shapes its peak is within 1 GiB of the decode step's.
     assert abs(small["prefill"]["peak"] - small["decode"]["peak"]) < GIB
 

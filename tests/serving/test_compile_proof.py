@@ -16,7 +16,7 @@ import pytest
 
 from ced_cli.main import main
 from ced_jax.config import preset
-from serving.compile_proof import TOLERANCE, CompileProofError, compile_in_process
+from serving.planning.compile_proof import TOLERANCE, CompileProofError, compile_in_process
 
 WORKLOAD = ["--max-seqs", "8", "--context", "256", "--prefill-bucket", "32", "--page-size", "16"]
 
@@ -78,7 +78,7 @@ def test_plan_compile_json_agrees_with_the_ledgers(model_dir, capsys):
     rows = {(r["program"], r["line"]): r for r in out["comparison"]}
     # The text programs never read gate.bias_vl (the image-span routing bias, f32 [E] per layer,
     # replicated), and jit drops unused arguments: that is all the decode's arguments differ by. The
-    # prefill passes every parameter through its page loop's barrier (`ced_jax.engine._loop_params`),
+    # prefill passes every parameter through its page loop's barrier (`ced_jax.engine.programs._loop_params`),
     # so it keeps them all.
     cfg = one_layer_config()
     unused = {"prefill": 0, "decode": cfg.num_layers * cfg.n_routed_experts * 4}
@@ -92,7 +92,7 @@ def test_plan_compile_json_agrees_with_the_ledgers(model_dir, capsys):
     # same per page step, the weight copies made inside each loop iteration; the ledger prices tiny's
     # page step coarsely and from above (measured -21 %). Were the copies hoisted out of the loop
     # again, every dense weight's f32 copy would be live at once: 5.79 MB on this model, above the
-    # ledger's 5.24 MB (measured with `ced_jax.engine._loop_params` made an identity).
+    # ledger's 5.24 MB (measured with `ced_jax.engine.programs._loop_params` made an identity).
     assert abs(rows[("decode", "temporaries")]["difference"]) <= TOLERANCE, rows[("decode", "temporaries")]
     prefill = rows[("prefill", "temporaries")]
     assert prefill["ledger_bytes"] / 2 <= prefill["compiled_bytes"] <= prefill["ledger_bytes"], prefill

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer
 from ced_jax.api import ASSETS
 from ced_jax.sampling import jitted_sample
 from serving.constraints import ConstraintError, ConstraintTokenizer, OutputConstraint, constraint_from_proto
-from serving.mock_engine import ByteTokenizer
 from serving.proto import ced_pb2
-from serving.scheduler import InvalidRequest
+from serving.scheduling.scheduler import InvalidRequest
+from serving.testing.mock_engine import ByteTokenizer
 
 TOKENIZER = ASSETS / "tiny" / "tokenizer.json"
 V, EOS, THINK_END, DSML = 512, 1, 11, 12
@@ -466,8 +466,8 @@ def test_sampler_mask_matches_llguidance_and_keeps_raw_logprobs():
 
 
 def test_mock_engine_applies_the_masks():
-    from serving.engine_api import DecodeBatch, PrefillChunk, SamplingParams
-    from serving.mock_engine import MockEngine
+    from serving.engine.protocol import DecodeBatch, PrefillChunk, SamplingParams
+    from serving.testing.mock_engine import MockEngine
 
     eng = MockEngine(max_slots=2, page_size=4, num_pages=8, max_context=16, prefill_buckets=(4,))
     eng.warmup()
@@ -533,7 +533,7 @@ class _ScriptedTokenizer:
 def _mock_scheduler(**matcher_kw):
     from serving_helpers import make_engine_and_config
 
-    from serving.scheduler import Scheduler
+    from serving.scheduling.scheduler import Scheduler
 
     engine, cfg = make_engine_and_config()
     sched = Scheduler(engine, ByteTokenizer(), cfg, constraint_tokenizer=_ScriptedTokenizer(**matcher_kw))
@@ -543,8 +543,8 @@ def _mock_scheduler(**matcher_kw):
 def test_scheduler_masks_rows_finishes_when_done_and_frees_the_row():
     from serving_helpers import request, run_until_idle
 
-    from serving.mock_engine import mock_greedy_stream
-    from serving.scheduler import FinishReason
+    from serving.scheduling.scheduler import FinishReason
+    from serving.testing.mock_engine import mock_greedy_stream
 
     script = [ByteTokenizer.OFFSET + ord(c) for c in "ok!"]
     engine, sched = _mock_scheduler(script=script)
@@ -578,7 +578,7 @@ def test_scheduler_ends_a_request_whose_grammar_fails_with_an_error():
 def test_scheduler_without_a_constraint_tokenizer_refuses_constraints():
     from serving_helpers import make_engine_and_config, request
 
-    from serving.scheduler import Scheduler
+    from serving.scheduling.scheduler import Scheduler
 
     engine, cfg = make_engine_and_config()
     sched = Scheduler(engine, ByteTokenizer(), cfg)  # the byte tokenizer has no tokenizer.json

@@ -23,10 +23,10 @@ import ced_jax
 from ced_jax.chat import parse_completion
 from serving.config import ServeConfig
 from serving.constraints import OutputConstraint
-from serving.engine_api import SamplingParams
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.protocol import SamplingParams
 from serving.proto import ced_pb2, ced_pb2_grpc
-from serving.scheduler import FinishReason, GenerationRequest, InvalidRequest, Scheduler
+from serving.scheduling.scheduler import FinishReason, GenerationRequest, InvalidRequest, Scheduler
 
 pytestmark = pytest.mark.timeout(900)
 

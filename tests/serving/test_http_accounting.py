@@ -1,4 +1,4 @@
-"""The hosted-equivalent cost ledger (serving/http/accounting.py): price periods on the Beijing clock,
+"""The hosted-equivalent cost ledger (serving/accounting.py): price periods on the Beijing clock,
 the cost of a request computed by hand from the seeds' table, and the Prometheus counters."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 from prometheus_client import CollectorRegistry
 
-from serving.http.accounting import CostLedger, PricingConfig, parse_holidays, period
+from serving.accounting import CostLedger, PricingConfig, parse_holidays, period
 
 BJ = timezone(timedelta(hours=8))
 PACIFIC = timezone(timedelta(hours=-8))

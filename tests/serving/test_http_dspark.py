@@ -31,7 +31,7 @@ import ced_jax
 from ced_jax.chat import PromptEncoder, RenderedPrompt
 from serving import client as grpc_client
 from serving.config import ServeConfig
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 
 # Two servers' warm-up (every prefill / decode / verify program of the tiny model): minutes on two
 # shared CPU cores, so outside the default run (`-m slow`).

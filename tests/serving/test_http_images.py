@@ -36,11 +36,11 @@ from serving.files import FileStore
 from serving.http.app import HttpFrontEnd
 from serving.http.convert import CHAT, MESSAGES, RESPONSES, Converter
 from serving.http.errors import ApiError
-from serving.http.images import ImageInputConfig, ImageResolver
-from serving.http.models import ModelCatalog
-from serving.image_fetch import ImageFetchConfig, ImageFetcher
-from serving.mock_engine import MockEngine
+from serving.http.images import ImageResolver
+from serving.image_fetch import ImageFetchConfig, ImageFetcher, ImageInputConfig
+from serving.model_names import ModelCatalog
 from serving.tenants import ApiKeys
+from serving.testing.mock_engine import MockEngine
 from serving.vision import ImagePipeline
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"

@@ -15,7 +15,7 @@ import pytest
 from serving_helpers import GoldenTokenizer, ServerThread
 
 from serving.config import ServeConfig
-from serving.mock_engine import MockEngine
+from serving.testing.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""Admission of HTTP requests (serving/http/limits.py): the global limit, the effort-max tier's own
+"""Admission of HTTP requests (serving/admission.py): the global limit, the effort-max tier's own
 limit and bounded FIFO queue, cancellation, timeouts, and the gauges. Each test runs its own event loop."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from serving.http.limits import Admission, AdmissionLimits, TooManyRequests
+from serving.admission import Admission, AdmissionLimits, TooManyRequests
 
 
 async def _settle(n: int = 5) -> None:

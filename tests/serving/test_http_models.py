@@ -1,4 +1,4 @@
-"""Model names of the HTTP API (serving/http/models.py): aliases, modes, headers, the unknown-name error,
+"""Model names of the HTTP API (serving/model_names.py): aliases, modes, headers, the unknown-name error,
 and the per-name counter. Expected values are written out from api-surface.md §2 and RFC 9745."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from prometheus_client import CollectorRegistry
 
-from serving.http.models import ModelAlias, ModelCatalog, ModelNames, UnknownModel, parse_alias
+from serving.model_names import ModelAlias, ModelCatalog, ModelNames, UnknownModel, parse_alias
 
 
 def _count(registry: CollectorRegistry, model: str, alias: str) -> float:

@@ -24,9 +24,9 @@ from serving_helpers import ServerThread
 import ced_jax
 from ced_jax.chat import PromptEncoder, RenderedPrompt
 from serving import client as grpc_client
+from serving.admission import AdmissionLimits
 from serving.config import ServeConfig
-from serving.http.limits import AdmissionLimits
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.tenants import ApiKeys
 from tests.conftest import REPO
 

@@ -21,7 +21,7 @@ from serving_helpers import ServerThread, wait_until
 
 import ced_jax
 from serving.config import ServeConfig
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.tenants import ApiKeys
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,4 +1,4 @@
-"""serving/kv_tiers.py: LRU and budgets of the host and disk tiers, atomic and checksummed disk
+"""serving/scheduling/kv_tiers.py: LRU and budgets of the host and disk tiers, atomic and checksummed disk
 blocks (corruption, killed writers, foreign fingerprints), warm restart, promotion and prefetch."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from serving.kv_tiers import MARKER_NAME, MARKER_TEXT, DiskTier, HostTier, TieredKV, make_meta
-from serving.pages import ROOT_KEY, PagePool, block_key, scope_tag
+from serving.scheduling.kv_tiers import MARKER_NAME, MARKER_TEXT, DiskTier, HostTier, TieredKV, make_meta
+from serving.scheduling.pages import ROOT_KEY, PagePool, block_key, scope_tag
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,8 +114,8 @@ def test_corrupt_or_truncated_files_are_rejected_and_removed(tmp_path):
 _WRITER = """
 import os, sys
 import numpy as np
-import serving.kv_tiers as kt
-from serving.pages import ROOT_KEY, block_key, scope_tag
+import serving.scheduling.kv_tiers as kt
+from serving.scheduling.pages import ROOT_KEY, block_key, scope_tag
 directory, mode = sys.argv[1], sys.argv[2]
 tag = scope_tag("")
 disk = kt.DiskTier(directory, 1 << 30, bytes(range(16)))
@@ -219,7 +219,7 @@ def test_only_the_tiers_own_names_are_deleted_and_removals_are_logged(tmp_path, 
     for name, text in strays.items():
         (fresh / name).write_text(text)
     (fresh / f"{'0' * 32}.123.4.tmp").write_bytes(b"half a block")  # a writer that died mid-write
-    with caplog.at_level(logging.INFO, logger="serving.kv_tiers"):
+    with caplog.at_level(logging.INFO, logger="serving.scheduling.kv_tiers"):
         other = DiskTier(fresh, 10 * FILE, bytes(16))  # another model: its blocks go
     assert other.refused_removed == 3 and other.stale_temp_removed == 1 and other.pages == 0
     for name, text in strays.items():
@@ -437,7 +437,7 @@ def test_tiny_pages_device_to_disk_to_device_bit_identical(tmp_path):
 
     from ced_jax.cache import init_paged_cache
     from ced_jax.config import preset
-    from ced_jax.page_io import PageLayout, read_pages, write_pages
+    from ced_jax.engine.page_io import PageLayout, read_pages, write_pages
 
     cfg, page = preset("tiny"), 16
     layout = PageLayout.for_config(cfg, page)

@@ -14,8 +14,8 @@ from serving_helpers import http_converter, make_engine_and_config, request, run
 from serving.config import ServeConfig
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from serving.http.errors import ApiError
-from serving.mock_engine import ByteTokenizer
-from serving.scheduler import InvalidRequest, Scheduler
+from serving.scheduling.scheduler import InvalidRequest, Scheduler
+from serving.testing.mock_engine import ByteTokenizer
 from tests.conftest import GOLDEN_TINY_V
 
 

@@ -21,9 +21,9 @@ from serving_helpers import run_until_idle
 
 import ced_jax
 from serving.config import ServeConfig
-from serving.engine_api import SamplingParams
-from serving.jax_engine import JaxEngine, ModelTokenizer
-from serving.scheduler import GenerationRequest, InvalidRequest, Scheduler
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.protocol import SamplingParams
+from serving.scheduling.scheduler import GenerationRequest, InvalidRequest, Scheduler
 from serving.vision import ImageInputError, ImagePipeline, RequestImage
 
 pytestmark = pytest.mark.timeout(900)

@@ -8,10 +8,10 @@ import pytest
 from serving_helpers import make_engine_and_config, request, run_until_idle
 
 from serving.config import ServeConfig
-from serving.engine_api import SamplingParams
+from serving.engine.protocol import SamplingParams
 from serving.metrics import Metrics
-from serving.mock_engine import ByteTokenizer, MockRule
-from serving.scheduler import Scheduler, collect
+from serving.scheduling.scheduler import Scheduler, collect
+from serving.testing.mock_engine import ByteTokenizer, MockRule
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -101,7 +101,7 @@ def test_scheduling_flags_reach_the_serve_config(monkeypatch):
 
 
 def test_a_busy_kv_disk_dir_fails_before_the_model_loads(tmp_path, capsys, nothing_loads):
-    from serving.kv_tiers import DiskTier
+    from serving.scheduling.kv_tiers import DiskTier
 
     held = DiskTier(tmp_path / "kv", 1 << 20, b"\0" * 16)  # another server's tier
     try:
@@ -127,10 +127,10 @@ def test_a_foreign_kv_disk_dir_exits_2_and_keeps_its_files(tmp_path, capsys, not
 
 def test_auto_context_and_output_limit_follow_the_kv_budget(monkeypatch, capsys):
     """--max-context auto (the default): on CPU the largest context whose KV pages for --max-slots
-    sequences fit serving.capacity's 4 GiB budget, at most the model's own; --num-pages bounds it;
+    sequences fit serving.planning.capacity's 4 GiB budget, at most the model's own; --num-pages bounds it;
     --max-tokens-limit auto follows it. The HTTP API is on by default (port 8000; 0 turns it off)."""
     from ced_jax.config import preset
-    from serving import capacity
+    from serving.planning import capacity
 
     seen = {}
     monkeypatch.setattr("serving.server.serve", lambda config, load: seen.update(config=config) or 0)

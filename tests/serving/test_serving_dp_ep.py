@@ -18,8 +18,8 @@ import ced_jax
 from ced_jax import sharding
 from serving import client
 from serving.config import ServeConfig
-from serving.jax_engine import JaxEngine, ModelTokenizer
-from serving.pages import OutOfPages, PagePool
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
+from serving.scheduling.pages import OutOfPages, PagePool
 
 SLOTS, PAGE, CONTEXT, CHUNK = 8, 16, 64, 32
 PROMPTS = [

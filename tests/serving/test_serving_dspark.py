@@ -1,6 +1,6 @@
 """DSpark speculative decoding in the serving stack (`ServeConfig.dspark`, `ced-jax serve --dspark K`).
 
-First over the hand-computable mock engine (`serving.mock_engine`: it writes every draft position
+First over the hand-computable mock engine (`serving.testing.mock_engine`: it writes every draft position
 through the page tables, verifies drafts by sampling each position with the real sampler, and proposes
 the greedy continuation with a wrong draft now and then): a speculative server must give exactly the
 tokens of a plain one (greedy and seeded), stop, EOS and max_tokens apply per emitted token, pages are
@@ -15,10 +15,10 @@ import pytest
 from serving_helpers import request, run_until_idle
 
 from serving.config import ServeConfig
-from serving.engine_api import EngineSpec, SamplingParams
+from serving.engine.protocol import EngineSpec, SamplingParams
 from serving.metrics import Metrics
-from serving.mock_engine import ByteTokenizer, MockEngine, MockRule, mock_greedy_stream
-from serving.scheduler import FinishReason, Scheduler, collect
+from serving.scheduling.scheduler import FinishReason, Scheduler, collect
+from serving.testing.mock_engine import ByteTokenizer, MockEngine, MockRule, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,8 +85,8 @@ def test_greedy_output_is_plain_decodings_with_several_tokens_per_step(replay):
     for i, p in enumerate(PROMPTS * 2):  # and the mock's reference (max_tokens within max_context)
         n = min(9 + 7 * i, SHAPES["max_context"] - len(p))
         assert got[f"r{i}"][0] == mock_greedy_stream(TOK.encode(p), n)
-    assert not plain_engine.spec_log  # K = 0: plain decode steps only
-    emitted = [e for _, _, _, e in engine.spec_log]
+    assert not plain_engine.draft_log  # K = 0: plain decode steps only
+    emitted = [e for _, _, _, e in engine.draft_log]
     assert max(emitted) == 5 and min(emitted) == 1  # whole blocks accepted, and rejections
     assert engine.decode_steps < plain_engine.decode_steps
     assert sum(g[2].usage.accepted_draft_tokens for g in got.values()) > 0
@@ -98,7 +98,7 @@ def test_seeded_sampling_is_plain_decodings():
     _, plain = _sched(0)
     engine, spec = _sched(3)
     _same(_run(plain, _workload(**kw)), _run(spec, _workload(**kw)))
-    assert any(e > 1 for _, _, _, e in engine.spec_log)
+    assert any(e > 1 for _, _, _, e in engine.draft_log)
     _assert_clean(engine, spec)
 
 
@@ -113,7 +113,7 @@ def test_n_drafts_never_pass_max_tokens_and_start_at_zero_after_prefill():
     # Each request's rows: the first step after prefill verifies nothing; the drafts verified never
     # reach past max_tokens (so nothing is dropped for length): emitted tokens sum to max_tokens - 1.
     by_slot_steps = {}
-    for slot, width, k, e in engine.spec_log:
+    for slot, width, k, e in engine.draft_log:
         assert k <= width and e == k + 1
         by_slot_steps.setdefault(slot, []).append(k)
     assert all(steps[0] == 0 for steps in by_slot_steps.values())
@@ -125,7 +125,7 @@ def _stream_with_multi_token_step(prompt, n):
     engine, sched = _sched(4)
     ids = _run(sched, [("x", prompt, {"max_tokens": n})])["x"][0]
     pos, mids = 1, []
-    for _, _, _, e in engine.spec_log:  # one request: the rows are its steps, in order
+    for _, _, _, e in engine.draft_log:  # one request: the rows are its steps, in order
         mids += [pos + j for j in range(e - 1)]  # every emitted token but the step's last
         pos += e
     return ids, [i for i in mids if i >= 2 and ids[i] not in ids[:i]]
@@ -163,7 +163,7 @@ def test_pages_are_reserved_ahead_and_never_leak():
     long_prompt = "x" * 50  # 50 + 14 = max_context 64
     reqs = [("long", long_prompt, {"max_tokens": 40}), ("short", "ab", {"max_tokens": 13})]
     _same(_run(plain, reqs), _run(sched, reqs))
-    widths = {w for _, w, _, _ in engine.spec_log}
+    widths = {w for _, w, _, _ in engine.draft_log}
     assert 4 in widths and len(widths) > 1  # narrowed near max_context
     _assert_clean(engine, sched)
     # Aborts mid-stream and a stream of queued requests: every page comes back.
@@ -197,16 +197,16 @@ def test_confidence_chooses_the_length_and_narrows_steps():
     # The mock's confidence is +4 for right drafts and -4 for wrong ones: with T = 0.5 a row stops
     # before its first wrong draft (at least one), so far fewer drafts are rejected.
     rejected = lambda log: sum(k - (e - 1) for _, _, k, e in log)
-    assert rejected(e_conf.spec_log) < rejected(e_fixed.spec_log) / 2
-    assert {w for _, w, _, _ in e_conf.spec_log} > {4}  # narrower programs when every row wants fewer
+    assert rejected(e_conf.draft_log) < rejected(e_fixed.draft_log) / 2
+    assert {w for _, w, _, _ in e_conf.draft_log} > {4}  # narrower programs when every row wants fewer
     # A row verifies more than one draft only while they are all right (confidence +4 each).
-    assert all(e == k + 1 for _, _, k, e in e_conf.spec_log if k > 1)
+    assert all(e == k + 1 for _, _, k, e in e_conf.draft_log if k > 1)
     _assert_clean(e_conf, conf)
 
 
 def test_confident_length_is_the_engines_rule():
-    from ced_jax.dspark import confident_prefix
-    from serving.scheduler import confident_length
+    from ced_jax.model.dspark import confident_prefix
+    from serving.scheduling.scheduler import confident_length
 
     conf = np.random.default_rng(3).normal(0.0, 3.0, (200, 4)).astype(np.float32)
     for t in (0.05, 0.3, 0.5, 0.9):
@@ -227,9 +227,9 @@ def test_metrics_move():
     proposed = _value(metrics, "ced_dspark_draft_tokens_proposed_total")
     accepted = _value(metrics, "ced_dspark_draft_tokens_accepted_total")
     assert steps == engine.decode_steps > 0
-    assert proposed == sum(k for _, _, k, _ in engine.spec_log)
-    assert 0 < accepted == sum(e - 1 for _, _, _, e in engine.spec_log) < proposed
-    rows = len(engine.spec_log)
+    assert proposed == sum(k for _, _, k, _ in engine.draft_log)
+    assert 0 < accepted == sum(e - 1 for _, _, _, e in engine.draft_log) < proposed
+    rows = len(engine.draft_log)
     assert _value(metrics, "ced_dspark_mean_accepted_length") == pytest.approx(accepted / rows)
     assert _value(metrics, "ced_dspark_accepted_length_count") == rows
     assert _value(metrics, "ced_decode_steps_per_output_token") == pytest.approx(rows / (rows + accepted))
@@ -251,7 +251,7 @@ def test_prefix_cache_hit_then_speculative_decode(replay):
     warm = _run(sched, [("cold", prompt, {"max_tokens": 20})])
     _same(want, warm)
     assert warm["cold"][2].usage.cached_prompt_tokens > 0
-    assert any(e > 1 for _, _, _, e in engine.spec_log[-5:])
+    assert any(e > 1 for _, _, _, e in engine.draft_log[-5:])
     _assert_clean(engine, sched)
 
 
@@ -297,7 +297,7 @@ def test_constraints_truncate_drafts_at_the_first_forbidden_one(byte_constraint_
     assert got["u"][0] == mock_greedy_stream(TOK.encode("unconstrained"), 30)
     # The mock drafts the unconstrained greedy continuation, which the grammar mostly forbids: the
     # constrained rows verify fewer drafts than they have, the unconstrained row all 4 of them.
-    short = [k for _, w, k, _ in engine.spec_log if 0 < k < 4]
+    short = [k for _, w, k, _ in engine.draft_log if 0 < k < 4]
     assert short
     _assert_clean(engine, sched)
 
@@ -336,7 +336,7 @@ def tiny():
 def _tiny_server(model, k):
     from serving_helpers import ServerThread
 
-    from serving.jax_engine import JaxEngine, ModelTokenizer
+    from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 
     cfg = ServeConfig(
         max_slots=TINY_SLOTS, page_size=TINY_PAGE, max_context=TINY_CONTEXT, prefill_buckets=(TINY_CHUNK,),
@@ -440,7 +440,7 @@ def test_serve_dspark_flags_reach_the_config():
 def test_jax_engine_refuses_k_beyond_the_models_draft_block(tiny):
     from types import SimpleNamespace
 
-    from serving.jax_engine import JaxEngine
+    from serving.engine.jax_engine import JaxEngine
 
     shapes = dict(max_slots=8, page_size=16, max_context=64, prefill_buckets=(32,))
     block = tiny.cfg.dspark_block_size

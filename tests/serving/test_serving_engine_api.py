@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from serving.config import ServeConfig
-from serving.engine_api import CompileCounter, DecodeBatch, Engine, EngineSpec, PrefillChunk, SamplingParams
-from serving.mock_engine import MockEngine
+from serving.engine.protocol import (
+    CompileCounter,
+    DecodeBatch,
+    EngineProtocol,
+    EngineSpec,
+    PrefillChunk,
+    SamplingParams,
+)
+from serving.testing.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,7 +100,7 @@ def test_compile_counter_counts_only_watched_calls_on_this_thread():
 
 def test_mock_engine_is_an_engine_and_counts_new_shapes():
     engine = MockEngine(max_slots=2, page_size=4, num_pages=8, max_context=16, prefill_buckets=(4, 8))
-    assert isinstance(engine, Engine)
+    assert isinstance(engine, EngineProtocol)
     engine.warmup()
     assert engine.compiles_after_warmup == 0
     # a shape warm-up did not cover (3 rows) is a compile after warm-up

@@ -1,4 +1,4 @@
-"""The real engine (`serving.jax_engine.JaxEngine`) on the embedded tiny model, over localhost gRPC.
+"""The real engine (`serving.engine.jax_engine.JaxEngine`) on the embedded tiny model, over localhost gRPC.
 
 One engine is compiled for the whole module (compiling is the expensive part on CPU); every test
 leaves it idle. Exactness is checked against an independent path: `ced_jax.api.Session`, the dense
@@ -35,8 +35,8 @@ from ced_jax.api import describe
 from ced_jax.config import preset
 from serving import client
 from serving.config import ServeConfig
-from serving.engine_api import DecodeBatch, PrefillChunk, SamplingParams
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.protocol import DecodeBatch, PrefillChunk, SamplingParams
 from serving.proto import ced_pb2_grpc
 from tests.conftest import REPO
 
@@ -408,7 +408,7 @@ def test_decode_segments_take_turns_with_the_uninterrupted_tokens(engine, model)
     the chunk-invariant forward computes as its decode steps did, and the sampler draws by (seed,
     position)."""
     from serving.metrics import Metrics
-    from serving.scheduler import GenerationRequest, Scheduler, collect
+    from serving.scheduling.scheduler import GenerationRequest, Scheduler, collect
 
     prompts = {"a": _prompt(37), "b": _prompt(21)}
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
@@ -450,7 +450,7 @@ def test_pages_copy_out_and_back_in_bit_for_bit(engine):
     """KV tiers' engine side: a prefilled slot's pages read out as one blob per page (890 B/token
     for v41-flash, 210 for tiny), written into other pages and read back, byte for byte; the source
     pages are untouched; bad page ids are field-named errors."""
-    from serving.jax_engine import weights_id
+    from serving.engine.jax_engine import weights_id
 
     spec = engine.spec
     assert spec.kv_page_bytes == 210 * PAGE and len(engine.kv_fingerprint()) == 16
@@ -475,7 +475,7 @@ def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tm
     scheduler, another process's directory) to disk, come back into fresh pages on the next request
     sharing them, which replays its last cached tokens and gives the cold run's tokens and
     log-probabilities bit for bit; nothing compiles after warm-up."""
-    from serving.scheduler import GenerationRequest, Scheduler, collect
+    from serving.scheduling.scheduler import GenerationRequest, Scheduler, collect
 
     shared = _prompt(112)  # 7 pages: a hit replays the last 64 of them (tiny: 8 layers x (8 - 1) tokens)
     tail = RNG.integers(3, 512, 9).tolist()
@@ -528,7 +528,7 @@ def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, 
     output is the modified model's cold one."""
     from ced_jax.api import Model
     from ced_jax.testing.random_weights import embedded_params
-    from serving.scheduler import GenerationRequest, Scheduler, collect
+    from serving.scheduling.scheduler import GenerationRequest, Scheduler, collect
 
     flat = embedded_params("tiny", dspark=False)
     for layer in (0, 1):

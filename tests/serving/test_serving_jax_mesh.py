@@ -21,7 +21,7 @@ import ced_jax
 from ced_jax import sharding
 from serving import client
 from serving.config import ServeConfig
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

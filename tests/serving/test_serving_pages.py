@@ -1,9 +1,9 @@
-"""serving/pages.py: allocation, reference counts, prefix matching, LRU eviction, no leaks."""
+"""serving/scheduling/pages.py: allocation, reference counts, prefix matching, LRU eviction, no leaks."""
 
 import numpy as np
 import pytest
 
-from serving.pages import ROOT_KEY, OutOfPages, PagePool, scope_tag
+from serving.scheduling.pages import ROOT_KEY, OutOfPages, PagePool, scope_tag
 
 pytestmark = pytest.mark.timeout(60)
 

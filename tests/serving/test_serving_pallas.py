@@ -13,7 +13,7 @@ in the reference's order (`pallas_kernels._tiles`, "the reference's order on XLA
 inputs their outputs equal the reference path's bit for bit (tests/ced_jax/test_parity_pallas.py).
 The forward still differs in one place: the pallas path hands the kernels a query's sliding window
 as two segments, the slot's ring and the chunk, where they are
-(`ced_jax.layers.attention.window_segments`), the reference as one segment in position order
+(`ced_jax.model.layers.attention.window_segments`), the reference as one segment in position order
 (`window_segment_by_position`), so the window's softmax sums are taken in another f32 order. Where
 such a sum sits on a bf16 rounding tie an attention output moves by one bf16 ulp, and a discrete
 decision downstream (a top-k entry, an expert) can make that a visible log-prob difference.

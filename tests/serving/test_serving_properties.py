@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from serving_helpers import ServerThread, make_engine_and_config
 
-from serving.mock_engine import ByteTokenizer, mock_greedy_stream
 from serving.proto import ced_pb2, ced_pb2_grpc
+from serving.testing.mock_engine import ByteTokenizer, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(300)
 

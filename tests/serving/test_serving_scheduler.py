@@ -1,4 +1,4 @@
-"""serving/scheduler.py driven step by step against the hand-computable mock engine."""
+"""serving/scheduling/scheduler.py driven step by step against the hand-computable mock engine."""
 
 import asyncio
 
@@ -7,10 +7,9 @@ import pytest
 from serving_helpers import GREEDY, make_engine_and_config, request, run_until_idle, wait_until
 
 from serving.config import LONG_PREFILL_CHUNK, ServeConfig
-from serving.engine_api import SamplingParams
+from serving.engine.protocol import SamplingParams
 from serving.metrics import Metrics
-from serving.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
-from serving.scheduler import (
+from serving.scheduling.scheduler import (
     AdmissionError,
     FinishReason,
     InvalidRequest,
@@ -21,6 +20,7 @@ from serving.scheduler import (
     Usage,
     collect,
 )
+from serving.testing.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class MockServerProcess:
-    """`python -m serving.server --mock ...` with its stdout lines collected on a thread."""
+    """`python -m serving.testing ...` (the mock server) with its stdout lines collected on a thread."""
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.server", "--mock", *args],
+            [sys.executable, "-m", "serving.testing", *args],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,

@@ -16,8 +16,8 @@ import tokenizers
 from serving_helpers import ServerThread, make_engine_and_config
 
 from serving.files import FilesConfig
-from serving.mock_engine import ByteTokenizer
 from serving.tenants import ApiKeys
+from serving.testing.mock_engine import ByteTokenizer
 from serving.text import HFTokenizer
 from tests.conftest import REPO
 

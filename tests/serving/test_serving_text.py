@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ced_jax.chat.encoding import PromptEncoder
-from serving.mock_engine import ByteTokenizer
+from serving.testing.mock_engine import ByteTokenizer
 from serving.text import HFTokenizer, IncrementalDetokenizer, StreamText
 
 pytestmark = pytest.mark.timeout(30)

@@ -17,7 +17,7 @@ from serving_helpers import ServerThread
 import ced_jax
 from serving import client
 from serving.config import ServeConfig
-from serving.jax_engine import JaxEngine, ModelTokenizer
+from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.proto import ced_pb2
 from serving.server import Server, warm_vision_encoder
 

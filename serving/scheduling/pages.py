@@ -14,7 +14,7 @@ blocks are cached. A block is keyed by a hash chain, `key_i = H(key_{i-1} || tag
 scope's tag, below) with a cryptographic hash (blake2b, 128 bits), so a key identifies the whole prefix,
 not just one block, and crafted prompts cannot collide into other pages; the stored tokens are compared
 on a match as well. An entry is its page and its tokens, nothing else: an engine whose state reaches
-outside the pages rebuilds it on a hit by replaying cached tokens (`serving/engine_api.py`).
+outside the pages rebuilds it on a hit by replaying cached tokens (`serving/engine/protocol.py`).
 
 Scopes. `tag` is a scope's `scope_tag`, a 128-bit hash of its name (the scheduler passes the
 request's identity, or "" for everybody when the cache is shared). The same tokens in two scopes
@@ -27,7 +27,7 @@ the chain from the root), so they are dropped from the cache too: unreferenced o
 free list, referenced ones are simply unregistered and are freed when released. Requests release their
 pages last block first, so deeper blocks are older in LRU order and are evicted before their parents.
 
-Lower tiers (`serving/kv_tiers.py`). `on_evict(entry)`, if given, is called for every entry that
+Lower tiers (`serving/scheduling/kv_tiers.py`). `on_evict(entry)`, if given, is called for every entry that
 eviction removes (the LRU block and the descendants it cuts off), while `entry.page` still holds the
 block's KV: before the page is handed out again, so the engine can copy the page's bytes down to host
 memory or disk. `register_restored` puts a block whose page was just written back from such a tier

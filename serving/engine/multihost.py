@@ -3,7 +3,7 @@
 `ced-jax serve --coordinator HOST:PORT --num-processes N --process-id i --mesh ...` starts the same
 command on N processes whose devices form one mesh. Every process loads the model onto the mesh and
 builds the same `ced_jax.engine.Engine` (the device state and the host Engram history). Process 0,
-the leader, runs the gRPC front end, the scheduler and `JaxEngine`; its engine is a `LeaderEngine`,
+the leader, runs the gRPC front end, the scheduler and `JaxEngine`; its engine is a `LeaderProxy`,
 which hands every call that runs a program or moves host state (`MIRRORED`) to the other processes
 before running it itself. The followers (`follow`) make the same calls with the same host inputs in
 the same order, so each collective program runs in lockstep on all processes, every process feeding
@@ -231,7 +231,7 @@ class lockstep:
 
 
 # ------------------------------------------------------------------------------ leader / follower
-class LeaderEngine:
+class LeaderProxy:
     """A `ced_jax.engine.Engine` on the leader: each `MIRRORED` call goes to the followers, then runs
     here; everything else is the engine's."""
 

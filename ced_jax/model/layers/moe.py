@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ced_jax import ops, sharding
-from ced_jax.layers.common import f32_linear, fp8_linear
+from ced_jax import sharding
+from ced_jax.model.layers import kernels
+from ced_jax.model.layers.common import f32_linear, fp8_linear
 from ced_jax.options import Impl
 from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16, sum_small
 
@@ -64,17 +65,17 @@ def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: Impl
     quantisation, so the quantisation blocks and the w2 contraction are the unsplit ones."""
     num_experts = experts["w1"]["weight"].shape[0]
     if f_axis is None and not impl.pallas and rows.shape[0] >= num_experts:
-        # Prefill. Decode (fewer rows than experts) keeps the per-row gather of ops.expert_matmul:
+        # Prefill. Decode (fewer rows than experts) keeps the per-row gather of kernels.expert_matmul:
         # the expert loop measured 2x slower inside the whole mid decode step (BENCHMARKS.md).
-        # At least two rows per tile: a one-row product sums in another order (`ops.expert_matmul`).
+        # At least two rows per tile: a one-row product sums in another order (`kernels.expert_matmul`).
         tile = max(2, min(EXPERT_ROW_TILE, rows.shape[0] // num_experts))
         return _expert_rows_by_expert(rows, eids, weights, experts, limit=limit, tile=tile)
-    gate = round_bf16(ops.expert_matmul(rows, eids, experts["w1"], impl=impl))
-    up = round_bf16(ops.expert_matmul(rows, eids, experts["w3"], impl=impl))
+    gate = round_bf16(kernels.expert_matmul(rows, eids, experts["w1"], impl=impl))
+    up = round_bf16(kernels.expert_matmul(rows, eids, experts["w3"], impl=impl))
     hidden = round_bf16(weights[:, None] * swiglu(gate, up, limit))
     if f_axis is not None:
         hidden = jax.lax.all_gather(hidden, f_axis, axis=1, tiled=True)
-    return round_bf16(ops.expert_matmul(fp8_fake_quant(hidden), eids, experts["w2"], impl=impl))
+    return round_bf16(kernels.expert_matmul(fp8_fake_quant(hidden), eids, experts["w2"], impl=impl))
 
 
 # Rows per step of the loop over one expert's rows in `_expert_rows_by_expert`: small enough that
@@ -151,7 +152,7 @@ def routed_experts(
     """sum over the X selected experts of w2(weight * swiglu(w1 x, w3 x)), f32 [N, D].
 
     experts: {'w1'|'w2'|'w3': {'weight': u8 packed FP4 [E, out, in/2], 'scale': u8 e8m0 [E, out, in/32]}}
-    (or {'weight': f32 [E, out, in]}, dequantised at load: `ced_jax.weight_layout`)."""
+    (or {'weight': f32 [E, out, in]}, dequantised at load: `ced_jax.checkpoint.weight_layout`)."""
     n, top_k = ids.shape
     # Ascending expert order per token reproduces the reference's summation order.
     order = jnp.argsort(ids, axis=-1)

@@ -28,7 +28,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def fp8_linear(x: jax.Array, p: dict, block: int = 32) -> jax.Array:
     """y = act_quant(x) @ dequant(W)^T, rounded to bf16. p: {'weight': FP8 [N, K], 'scale': ue8m0
-    block scales}, or {'weight': f32 [N, K]} already dequantised (`ced_jax.weight_layout`)."""
+    block scales}, or {'weight': f32 [N, K]} already dequantised (`ced_jax.checkpoint.weight_layout`)."""
     return round_bf16(matmul_rows(fp8_fake_quant(x, block), linear_weight(p, block)))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ced_jax.layers.common import fp8_linear
+from ced_jax.model.layers.common import fp8_linear
 from ced_jax.quant import e8m0_to_f32, mean_last, round_bf16, sum_last
 
 

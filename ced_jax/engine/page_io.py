@@ -18,7 +18,7 @@ device buffer stores them) then its index keys (E_src x index_key_bytes). Nothin
 page's blob is exactly its device bytes: `kv_bytes_per_token x page_size` (890 x page_size for
 v41-flash, 210 x page_size for tiny). `PageLayout.fingerprint()` hashes the config, the layout and
 the format version (plus what the caller says identifies the weights) for stores that outlive the
-process (`serving/kv_tiers.py`).
+process (`serving/scheduling/kv_tiers.py`).
 """
 
 from __future__ import annotations

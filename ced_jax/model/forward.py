@@ -5,8 +5,8 @@ Parameters mirror the released checkpoint's names ('layers.3.attn.wq_a.weight' i
 params['layers']['3']['attn']['wq_a']['weight']) in their storage formats: FP8 e4m3 weights with
 ue8m0 scale bytes (uint8), FP4 experts packed two per byte (uint8, stacked [E, ...]), f32 for the
 reference's f32 tensors, and bf16 (or f32 holding bf16 values, for CPU speed) for the rest.
-`Transformer` is the Flax NNX module that holds them with their logical sharding axes; the math is
-the pure `forward` over the plain parameter dict, which is what gets jitted.
+Their specs (shape, dtype, logical axes) are `ced_jax.model.params`; the math is the pure `forward`
+over the plain parameter dict, which is what gets jitted.
 
 Letters: B batch, T chunk tokens, D width, M hyper-connection streams, V vocab, L layers,
 X experts (or top-k entries) per token.
@@ -15,168 +15,22 @@ X experts (or top-k entries) per token.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
-from flax import nnx
 
 from ced_jax import sharding
 from ced_jax.cache import PagedCache, StepMetadata, paged_cache_axes
 from ced_jax.config import ModelConfig
-from ced_jax.layers import moe as moe_lib
-from ced_jax.layers.attention import attention, write_compressed_kv
-from ced_jax.layers.common import f32_linear, rms_norm
-from ced_jax.layers.engram import engram
-from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
+from ced_jax.model.layers import moe as moe_lib
+from ced_jax.model.layers.attention import attention, write_compressed_kv
+from ced_jax.model.layers.common import f32_linear, rms_norm
+from ced_jax.model.layers.engram import engram
+from ced_jax.model.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
+from ced_jax.model.params import param_specs
 from ced_jax.options import REFERENCE, Impl, IndexKeys
 from ced_jax.quant import round_bf16
-
-FP8 = ml_dtypes.float8_e4m3fn
-E8M0 = np.uint8  # raw ue8m0 exponent bytes
-FP4X2 = np.uint8  # two e2m1 codes per byte, low nibble first
-BF16 = ml_dtypes.bfloat16
-F32 = np.float32
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    dtype: Any
-    axes: tuple[str | None, ...]  # logical axis names (see ced_jax.sharding)
-
-
-def _fp8_linear(out_dim: int, in_dim: int, axes: tuple[str | None, str | None], block: int) -> dict:
-    cdiv = lambda a: -(-a // block)
-    return {
-        "weight": ParamSpec((out_dim, in_dim), FP8, axes),
-        "scale": ParamSpec((cdiv(out_dim), cdiv(in_dim)), E8M0, (None, None)),
-    }
-
-
-def param_specs(cfg: ModelConfig, *, engram_tables: bool = True) -> dict:
-    """The nested parameter tree (backbone only: DSpark and vision are not executed yet).
-    engram_tables=False: without the Engram tables (`layers.{i}.engram.embed`), the tree of a model
-    whose tables stay on the host (`ced_jax.engram_store`)."""
-    D, hd, ql = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
-    H, G, R = cfg.num_heads, cfg.o_groups, cfg.o_lora_rank
-    E, F, blk = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.weight_block_size
-    M, mix = cfg.hc_mult, cfg.mix_hc
-    norm = lambda n: {"weight": ParamSpec((n,), BF16, (None,))}
-    layers = {}
-    for i in range(cfg.num_layers):
-        attn = {
-            "wq_a": _fp8_linear(ql, D, (None, "embed"), blk),
-            "q_norm": norm(ql),
-            "wq_b": _fp8_linear(H * hd, ql, ("q_heads", None), blk),
-            "wkv": _fp8_linear(hd, D, (None, "embed"), blk),
-            "kv_norm": norm(hd),
-            "wo_a": {"weight": ParamSpec((G * R, H * hd // G), BF16, ("o_groups", None))},
-            "wo_b": _fp8_linear(D, G * R, ("embed", "o_groups"), blk),
-            "attn_sink": ParamSpec((H,), F32, ("q_heads",)),
-        }
-        ratio = cfg.compress_ratios[i]
-        if i in cfg.kv_source_layer_ids:
-            comp = {"wkv": {"weight": ParamSpec((hd, D), BF16, (None, "embed"))}, "norm": norm(hd)}
-            if ratio > 1:
-                comp["wgate"] = {"weight": ParamSpec((hd, D), BF16, (None, "embed"))}
-            attn["compressor"] = comp
-        if i in cfg.index_source_layer_ids:
-            ih, idim = cfg.index_n_heads, cfg.index_head_dim
-            idx = {
-                "wq_b": _fp8_linear(ih * idim, ql, ("index_heads", None), blk),
-                "weights_proj": {"weight": ParamSpec((ih, D), BF16, ("index_heads", "embed"))},
-            }
-            if i in cfg.kv_source_layer_ids:
-                idx["wk"] = {"weight": ParamSpec((idim, hd), BF16, (None, None))}
-                idx["k_norm"] = norm(idim)
-            attn["indexer"] = idx
-        expert = lambda out_dim, in_dim: {
-            "weight": ParamSpec((E, out_dim, in_dim // 2), FP4X2, moe_lib.EXPERT_AXES),
-            "scale": ParamSpec((E, out_dim, in_dim // 32), E8M0, moe_lib.EXPERT_AXES),
-        }
-        ffn = {
-            "gate": {
-                "weight": ParamSpec((E, D), BF16, (None, "embed")),
-                "bias": ParamSpec((E,), F32, (None,)),
-                "bias_vl": ParamSpec((E,), F32, (None,)),
-            },
-            "experts": {"w1": expert(F, D), "w3": expert(F, D), "w2": expert(D, F)},
-            "shared_experts": {
-                "w1": _fp8_linear(F, D, ("mlp", "embed"), blk),
-                "w3": _fp8_linear(F, D, ("mlp", "embed"), blk),
-                "w2": _fp8_linear(D, F, ("embed", "mlp"), blk),
-            },
-        }
-        layer = {"attn": attn, "ffn": ffn, "attn_norm": norm(D), "ffn_norm": norm(D)}
-        for site in ("attn", "ffn"):
-            layer[f"hc_{site}_fn"] = ParamSpec((mix, M * D), F32, (None, None))
-            layer[f"hc_{site}_base"] = ParamSpec((mix,), F32, (None,))
-            layer[f"hc_{site}_scale"] = ParamSpec((3,), F32, (None,))
-        if i in cfg.engram_layer_ids:
-            k = cfg.engram_layer_ids.index(i)
-            rows, ehd = cfg.engram_num_embeddings[k], cfg.engram_head_dim
-            layer["engram"] = {
-                **(
-                    {
-                        "embed": {
-                            "weight": ParamSpec((rows, ehd), FP8, ("engram_rows", None)),
-                            "scale": ParamSpec((rows, ehd // 32), E8M0, ("engram_rows", None)),
-                        }
-                    }
-                    if engram_tables
-                    else {}
-                ),
-                "wkv": _fp8_linear(D * (M + 1), cfg.engram_hash_cols * ehd, (None, None), blk),
-                "q_weight": ParamSpec((M, D), BF16, (None, "embed")),
-                "k_weight": ParamSpec((M, D), BF16, (None, "embed")),
-            }
-        layers[str(i)] = layer
-    return {
-        "embed": {"weight": ParamSpec((cfg.vocab_size, D), BF16, ("vocab", "embed"))},
-        "layers": layers,
-        "norm": norm(D),
-        "head": {"weight": ParamSpec((cfg.vocab_size, D), BF16, ("vocab", "embed"))},
-    }
-
-
-def flatten_specs(tree: dict, prefix: str = "") -> dict[str, ParamSpec]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten_specs(v, name + "."))
-        else:
-            out[name] = v
-    return out
-
-
-class ParamTree(nnx.Module):
-    """NNX container mirroring the nested spec dict; each leaf an nnx.Param tagged with its logical
-    axes (`sharding_axes` metadata, read by ced_jax.sharding)."""
-
-    def __init__(self, spec: dict, values: dict | None = None):
-        for key, sub in spec.items():
-            given = None if values is None else values.get(key)
-            if isinstance(sub, dict):
-                setattr(self, key, ParamTree(sub, given))
-            else:
-                value = given if given is not None else jnp.zeros(sub.shape, sub.dtype)
-                setattr(self, key, nnx.Param(value, sharding_axes=sub.axes))
-
-
-class Transformer(nnx.Module):
-    """The model's parameters (see `param_specs`). Use `params_dict` for the pure `forward`."""
-
-    def __init__(self, cfg: ModelConfig, values: dict | None = None):
-        self.cfg = cfg
-        self.params = ParamTree(param_specs(cfg), values)
-
-    def params_dict(self) -> dict:
-        return nnx.to_pure_dict(nnx.state(self.params))
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -279,7 +133,8 @@ def forward(
     Returns (logits f32 [B, T, V], new state, aux) with aux = {'topk': {layer: own top-k},
     'experts': own expert ids [L, B, T, X], 'block_output' (if capture_blocks): [L, B, T, M, D],
     what each block produced, after the next layer's Engram}, plus with capture_main_hidden
-    'main_hidden' [B, T, n_targets * D] (the DSpark input, `ced_jax.dspark.main_hidden`: per position the
+    'main_hidden' [B, T, n_targets * D] (the DSpark input,
+    `ced_jax.model.dspark.main_hidden`: per position the
     concatenation over dspark_target_layer_ids of each target layer's input averaged over the streams,
     bf16 values) and with capture_chunk_state 'chunk_state' (what the chunk wrote into the per-slot
     buffers, for `PagedCache.keep_accepted`). layout: the mesh and rules the
@@ -287,7 +142,7 @@ def forward(
     lay out their own work (the MoE's expert-parallel dispatch).
 
     stop_at_layer: run only the blocks below this layer, then of this layer only its compressed-KV
-    projection (`ced_jax.layers.attention.write_compressed_kv`, if it is a KV source): the state is
+    projection (`ced_jax.model.layers.attention.write_compressed_kv`, if it is a KV source): the state is
     what later tokens need from the chunk when the layers from stop_at_layer on are not run for it
     (CED prefill's encoder pass, `cfg.ced_boundary`); logits are then None and aux holds the
     decisions of the blocks that ran. None: every layer and the head.
@@ -409,7 +264,7 @@ def _block_index(ids: jax.Array, first: jax.Array, size: int) -> jax.Array:
 def _forward_per_device(params, cfg, tokens, state, meta, engram_rows, forced, *, layout, **options):
     """`forward` with attention data-parallel: a shard_map over every mesh axis in which each device
     runs its block of rows against its block of slots and pages (page tables and slots translated to
-    the block), the MoE exchanging tokens by all-to-all (`ced_jax.layers.moe`). Parameters enter as
+    the block), the MoE exchanging tokens by all-to-all (`ced_jax.model.layers.moe`). Parameters enter as
     the rules lay them out (the routed experts split over `expert`, the rest replicated)."""
     axes, shards = layout.attention_axes, layout.attention_shards
     # Image-span inputs are per-row arguments of the shard_map; the other options pass through.

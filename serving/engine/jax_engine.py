@@ -1,4 +1,4 @@
-"""The serving engine: `JaxEngine` implements `serving.engine_api.Engine` over `ced_jax.engine`.
+"""The serving engine: `JaxEngine` implements `serving.engine.protocol.EngineProtocol` over `ced_jax.engine`.
 
 The device work is a `ced_jax.engine.Engine` (the one state, the model's `Programs`, the Engram history
 per slot), the same engine the notebook API runs; this module adds what the scheduler's protocol needs
@@ -61,7 +61,7 @@ result bit-identical to a cold run.
 On a device mesh (`ced_jax.load(..., mesh=...)`, `ced-jax serve --mesh`), see `ced_jax.engine`: the
 state is laid out by the model's rules and every program pins that layout. On a mesh over several
 processes (multi-host), this engine runs on process 0 and hands every program call to the others
-(`serving.multihost`).
+(`serving.engine.multihost`).
 
 A fresh slot needs no reset: at position 0 the ring is masked by position and the partial group is
 not read, and pages past a sequence are never read unmasked (see `ced_jax.cache`).
@@ -81,10 +81,10 @@ import numpy as np
 
 from ced_jax import cache as cache_lib
 from ced_jax.engine import Engine, StateShapes, ced_boundary, replay_tokens
-from ced_jax.page_io import PageLayout
+from ced_jax.engine.page_io import PageLayout
 from serving.config import ServeConfig
 from serving.constraints import ConstraintTokenizer
-from serving.engine_api import (
+from serving.engine.protocol import (
     CompileCounter,
     DecodeBatch,
     DecodeResult,
@@ -338,13 +338,13 @@ class ModelTokenizer:
 
 
 class JaxEngine:
-    """`serving.engine_api.Engine` over a `ced_jax.api.Model` (see the module docstring)."""
+    """`serving.engine.protocol.EngineProtocol` over a `ced_jax.api.Model` (see the module docstring)."""
 
     def __init__(self, model, config: ServeConfig, *, cluster=None):
         """Built with `config`'s shapes (max_slots, page_size, num_pages, max_context, its one prefill
         bucket: the chunk length) and max_logprobs; the rest of `config` is the server's.
-        cluster: the leader's `serving.multihost.Cluster` of a multi-host run: every engine call
-        that runs a program is handed to the other processes first (`multihost.LeaderEngine`)."""
+        cluster: the leader's `serving.engine.multihost.Cluster` of a multi-host run: every engine call
+        that runs a program is handed to the other processes first (`multihost.LeaderProxy`)."""
         if len(config.prefill_buckets) != 1:
             raise ValueError(
                 "prefill_buckets: JaxEngine runs one prefill chunk length, got "
@@ -391,9 +391,9 @@ class JaxEngine:
                     f"of the {self.kv_blocks} devices (each runs an equal block of rows)"
                 )
         if cluster is not None:
-            from serving.multihost import LeaderEngine
+            from serving.engine.multihost import LeaderProxy
 
-            self.engine = LeaderEngine(self.engine, cluster)
+            self.engine = LeaderProxy(self.engine, cluster)
         kv_bytes = cache_lib.kv_bytes_per_token(self.engine.state)
         # KV tiers: whole pages in and out of the state (not across processes: a multi-host leader
         # would have to hand the calls to the others).
@@ -439,7 +439,7 @@ class JaxEngine:
         self._warm = False
         self.warmup_report: list[WarmupEntry] = []  # what warmup() built, one entry per program call
 
-    # ---- Engine protocol ----------------------------------------------------------------------
+    # ---- EngineProtocol -------------------------------------------------------------------------
 
     @property
     def spec(self) -> EngineSpec:
@@ -589,7 +589,7 @@ class JaxEngine:
         return self._kv_fingerprint
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
-        """One blob of `page_layout.page_bytes` per page (`ced_jax.page_io`), read in the compiled
+        """One blob of `page_layout.page_bytes` per page (`ced_jax.engine.page_io`), read in the compiled
         page-count buckets (padded with repeats)."""
         ids = self._page_ids(pages)
         blobs = []

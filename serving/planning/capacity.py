@@ -15,8 +15,8 @@ Four ledgers per device, each from the real layout rather than a bytes-per-param
   the prefill (`prefill_rows` chunks, a page of each per loop iteration) and one decode batch, from
   the shapes the model materialises, the f32 copies the reference makes of its dense weights
   included, one sublayer's at a time in both programs (the prefill's page loop ties the parameters
-  to its counter, `ced_jax.engine._loop_params`, so XLA cannot hoist every copy out of it; see
-  `activation_ledger` for the terms). `ced-jax plan --compile` (`serving.compile_proof`)
+  to its counter, `ced_jax.engine.programs._loop_params`, so XLA cannot hoist every copy out of it; see
+  `activation_ledger` for the terms). `ced-jax plan --compile` (`serving.planning.compile_proof`)
   compiles both programs and sets XLA's memory analysis beside the ledgers;
 - KV: the serving engine's device state itself, `jax.eval_shape` of `ced_jax.cache.init_paged_cache`
   at the server's shapes (nothing allocated): the page buffers in the deployment formats (890 bytes
@@ -58,10 +58,11 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import ops, sharding
+from ced_jax import sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, hf_inventory, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.model import flatten_specs, param_specs
+from ced_jax.model.layers import kernels
 from serving.config import ServeConfig, default_long_prefill_chunk
 
 SERVE = ServeConfig()  # the shapes a server starts with: the default workload
@@ -186,7 +187,7 @@ def _local(size: int, axis: str, rules: sharding.Rules, mesh: dict[str, int], wh
 
 def _dequantised_weights(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) -> dict:
     """The f32 copies of the dense weights one device makes (the reference path dequantises every
-    FP8 weight and widens every BF16 one before its f32 matmul: `ced_jax.layers.common`), per device:
+    FP8 weight and widens every BF16 one before its f32 matmul: `ced_jax.model.layers.common`), per device:
     the largest single copy of each sublayer
     ("attention" with its indexer and compressor, "engram" its wkv, "moe" the shared expert and gate,
     "head"). Routed experts are dequantised one expert at a time inside the MoE (see `_step_activations`);
@@ -226,9 +227,9 @@ def _step_activations(
     The sublayers run one after another, so the peak is the residual streams plus the largest of
     attention, indexer, Engram, MoE and head, each with the f32 copy of its largest dense weight
     (`_dequantised_weights`). In the server's prefill the forward repeats in a loop (a page per
-    iteration) whose parameters are tied to the loop counter (`ced_jax.engine._loop_params`): without
+    iteration) whose parameters are tied to the loop counter (`ced_jax.engine.programs._loop_params`): without
     that, XLA hoisted every weight's f32 copy out of the loop and all of them were live through it
-    (30.8 GiB per device for v41-flash at expert=8, measured by `serving.compile_proof`)."""
+    (30.8 GiB per device for v41-flash at expert=8, measured by `serving.planning.compile_proof`)."""
     D, M, hd, W = cfg.hidden_size, cfg.hc_mult, cfg.head_dim, cfg.sliding_window
     heads = _local(cfg.num_heads, "q_heads", rules, mesh, "attention heads")
     index_heads = _local(cfg.index_n_heads, "index_heads", rules, mesh, "indexer heads")
@@ -238,11 +239,12 @@ def _step_activations(
     # q and o; logits over window ring + chunk keys and over the selected compressed entries.
     attention = n * (2 * heads * hd + heads * (W + chunk + cfg.index_topk) + cfg.index_topk * hd) * F32
     # Per-head indexer scores before the head reduction, over every compressed entry so far; a longer
-    # row is scored a block at a time (`ced_jax.ops.index_scores`), so the per-head scores are one
+    # row is scored a block at a time (`ced_jax.model.layers.kernels.index_scores`), so the per-head
+    # scores are one
     # block's, beside the row's scores and their copy as the blocks are joined.
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids] or [1]
     entries = -(-context // min(ratios))
-    block = min(entries, ops.INDEX_SCORE_BLOCK)
+    block = min(entries, kernels.INDEX_SCORE_BLOCK)
     joined = 2 * entries if entries > block else 0
     indexer = n * (index_heads * (block + cfg.index_head_dim) + joined) * F32
     # Engram: the step's rows dequantised (C per token), then key and value for every stream.
@@ -284,7 +286,7 @@ def _step_activations(
 
 def _moe_split(cfg: ModelConfig, mesh: dict[str, int], rules: sharding.Rules) -> dict:
     """How the routed experts split on `mesh` (the same derivation as ced_jax.sharding.moe_layout)."""
-    from ced_jax.layers.moe import EXPERT_AXES
+    from ced_jax.model.layers.moe import EXPERT_AXES
 
     E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     w1 = sharding.logical_to_spec(EXPERT_AXES, rules, (E, F, D // 2), mesh, name="routed experts w1")
@@ -321,7 +323,7 @@ def activation_ledger(
 ) -> dict:
     """Per-device activation peak of the server's prefill programs and of a decode step.
 
-    Prefill (`ced_jax.engine.prefill_batch`): `prefill_rows(max_seqs)` rows of `prefill_bucket`-token
+    Prefill (`ced_jax.engine.programs.prefill_batch`): `prefill_rows(max_seqs)` rows of `prefill_bucket`-token
     chunks, run a page of every row per loop iteration (rows x page_size tokens per forward, chunk
     page_size; the chunk length does not change the peak; its outputs beside the state are only the
     samples). The long-prompt prefill (`ServeConfig.long_prefill_chunk`): one row per device block,
@@ -689,7 +691,7 @@ def plan(
 
 
 def _check_dspark(cfg: ModelConfig, k: int) -> None:
-    """The K a server accepts (`serving.jax_engine` refuses the same): 0, or up to the draft block
+    """The K a server accepts (`serving.engine.jax_engine` refuses the same): 0, or up to the draft block
     (and sliding_window - 1) of a model with DSpark stages."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"--dspark must be an integer >= 0, got {k!r}")

@@ -32,7 +32,7 @@ the real sampler (key of its position, its mask row) and accepting a draft iff t
 which is exact for greedy and sampled rows alike, so a stream's tokens are those of plain decoding.
 The next drafts are the greedy continuation after the emitted tokens, except that draft j is wrong
 when `(position of the draft + 3 * j) % draft_miss_every == 0` (`mock_drafts`), with confidence
-+4 for right drafts and -4 for wrong ones; `spec_log` records each speculative row step as
++4 for right drafts and -4 for wrong ones; `draft_log` records each speculative row step as
 (slot, width, n_drafts, emitted).
 """
 
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.engine_api import (
+from serving.engine.protocol import (
     CompileCounter,
     DecodeBatch,
     DecodeResult,
@@ -139,7 +139,7 @@ def mock_greedy_stream(prompt: Sequence[int], n: int, rule: MockRule = MockRule(
 
 
 class MockEngine:
-    """Implements `serving.engine_api.Engine` on numpy (see the module docstring)."""
+    """Implements `serving.engine.protocol.EngineProtocol` on numpy (see the module docstring)."""
 
     def __init__(
         self,
@@ -198,14 +198,14 @@ class MockEngine:
         self.calls: list[str] = []  # "prefill" / "decode", in the order they were dispatched
         self.decode_steps = 0
         self.draft_miss_every = draft_miss_every
-        self.spec_log: list[tuple[int, int, int, int]] = []  # (slot, width, n_drafts, emitted)
+        self.draft_log: list[tuple[int, int, int, int]] = []  # (slot, width, n_drafts, emitted)
         self.max_active_seen = 0  # largest number of rows decoded together
         self.pages_read = 0  # read_pages / write_pages (KV tiers)
         self.pages_written = 0
         self._compiles = CompileCounter()
         self._warm = False
 
-    # ---- Engine protocol ----------------------------------------------------------------------
+    # ---- EngineProtocol -------------------------------------------------------------------------
 
     @property
     def spec(self) -> EngineSpec:
@@ -384,7 +384,7 @@ class MockEngine:
             context = list(self._read(batch.page_tables[s], pos + e)) + [int(out_tok[s, e - 1])]
             d, c = mock_drafts(context, kmax, self.rule, self.draft_miss_every)
             next_drafts[s], next_conf[s] = d, c
-            self.spec_log.append((int(s), w, k, e))
+            self.draft_log.append((int(s), w, k, e))
         self.decode_steps += 1
         self.max_active_seen = max(self.max_active_seen, int(np.sum(batch.active)))
         return DecodeResult(

@@ -2,8 +2,9 @@
 
 An engine owns the device side: weights, a static-shape paged KV buffer, per-slot state, and one
 compiled program per shape (a prefill program per bucket length and one decode program). The scheduler
-(`serving/scheduler.py`) owns everything else: which request sits in which slot, which pages it holds,
-the prefix cache, stop conditions and text. The engine never allocates pages or sees a request id.
+(`serving/scheduling/scheduler.py`) owns everything else: which request sits in which slot, which
+pages it holds, the prefix cache, stop conditions and text. The engine never allocates pages or sees
+a request id.
 
 Shapes are static, so nothing compiles after `warmup()`:
 - `max_slots` decode slots; `decode` is handed a `[max_slots]` batch, inactive rows masked (an
@@ -31,7 +32,7 @@ Lifecycle of a slot, as seen by the engine:
    length; freed pages are not zeroed).
 
 Prefix cache. The scheduler shares pages of full prompt blocks between requests (hash chain over
-page-aligned token blocks, `serving/pages.py`). Resuming a sequence at a page boundary `b` may need
+page-aligned token blocks, `serving/scheduling/pages.py`). Resuming a sequence at a page boundary `b` may need
 more than the pages before `b`; for DeepSeek-V4.1 it needs the SWA rings of every layer (and the
 Engram n-gram history, token ids the scheduler has). Nothing but the pages is kept: the engine
 rebuilds the rest by replaying cached tokens (spec 4.2, "encoder SWA bounded replay").
@@ -44,10 +45,10 @@ rebuilds the rest by replaying cached tokens (spec 4.2, "encoder SWA bounded rep
   [s, b) only to rebuild its per-slot state; the scheduler counts those tokens as prefill work.
 Either way a hit must give exactly the logits of a cold run.
 
-KV tiers (`serving/kv_tiers.py`, `ServeConfig.kv_host_bytes` / `kv_disk_dir`). An engine whose
+KV tiers (`serving/scheduling/kv_tiers.py`, `ServeConfig.kv_host_bytes` / `kv_disk_dir`). An engine whose
 `EngineSpec.kv_page_bytes` is > 0 can copy whole pages out of and into its state:
 `read_pages(pages)` returns one blob of `kv_page_bytes` per page (what persists of a cached block:
-its compressed KV and index keys, `ced_jax.page_io.PageLayout`), `write_pages(pages, blobs)` puts
+its compressed KV and index keys, `ced_jax.engine.page_io.PageLayout`), `write_pages(pages, blobs)` puts
 them back. The scheduler reads the pages of the blocks the prefix cache evicts right after the
 allocation that evicted them, before any engine call that writes them, and writes restored blocks
 into freshly allocated pages before the prefill that continues them. A block restored into pages must
@@ -374,7 +375,7 @@ class Ready:
 
 
 @runtime_checkable
-class Engine(Protocol):
+class EngineProtocol(Protocol):
     """What the scheduler needs from a device engine. All calls come from the scheduler's one thread."""
 
     @property

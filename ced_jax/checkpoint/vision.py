@@ -8,13 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ced_jax.checkpoint import converted
+from ced_jax.checkpoint.converted import is_converted_checkpoint
 from ced_jax.checkpoint.hf_loader import CheckpointError, Shard, read_index
 from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig
 
 
 def vision_inventory(cfg: ModelConfig) -> dict:
-    """Released name -> TensorSpec of every vision-group tensor of `cfg` (empty without a tower)."""
+    """Released name -> TensorSpec (with its random init) of every vision-group tensor of `cfg` (empty
+    without a tower; the shapes are `ced_jax.vision.params.vision_param_specs`)."""
     return {n: s for n, s in hf_inventory(cfg).items() if s.group == "vision"}
 
 
@@ -30,8 +33,6 @@ def load_vision_params(
         return None
     directory = Path(directory)
     specs = vision_inventory(cfg)
-    from ced_jax.checkpoint.converted import is_converted_checkpoint
-
     if is_converted_checkpoint(directory):
         return _from_converted(directory, cfg, specs, required)
     weight_map = read_index(directory)
@@ -62,8 +63,6 @@ def load_vision_params(
 def _from_converted(
     directory: Path, cfg: ModelConfig, specs: dict, required: bool
 ) -> dict[str, np.ndarray] | None:
-    from ced_jax.checkpoint import converted
-
     manifest = converted.read_manifest(directory)
     if "vision" not in manifest["options"].get("include", []):
         if not required:

@@ -1,4 +1,5 @@
-"""DSpark draft stages of DeepSeek-V4.1 (spec 7.3): loading the `mtp.*` tensors and the pure forward pass.
+"""DSpark draft stages of DeepSeek-V4.1 (spec 7.3): the pure forward pass (loading the `mtp.*` tensors:
+`ced_jax.checkpoint.dspark`).
 
 What the reference's draft forward computes (tests/golden/tiny-v/README.md, scenario 2):
 - `main_x = main_norm(main_proj(main_hidden))`, main_hidden [.., n_targets * D] being the per-position
@@ -25,89 +26,21 @@ W window (ring slots), H heads, Dh head dim, V vocab, R Markov rank.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax import ops
-from ced_jax.checkpoint.hf_loader import CheckpointError, Shard, read_index
-from ced_jax.checkpoint.mapping import hf_inventory, our_target
 from ced_jax.config import ModelConfig
-from ced_jax.layers import moe as moe_lib
-from ced_jax.layers.attention import ring_positions
-from ced_jax.layers.common import apply_rope, f32_linear, fp8_linear, rms_norm, rope_inv_freq
-from ced_jax.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
+from ced_jax.model.layers import kernels
+from ced_jax.model.layers import moe as moe_lib
+from ced_jax.model.layers.attention import ring_positions
+from ced_jax.model.layers.common import apply_rope, f32_linear, fp8_linear, rms_norm, rope_inv_freq
+from ced_jax.model.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
 from ced_jax.options import REFERENCE
 from ced_jax.quant import fp8_fake_quant, round_bf16
-from pallas_kernels.formats import np_dequant_fp8_weight
-
-
-# ------------------------------------------------------------------------------------ loading
-def _nest(flat: dict[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for name, arr in flat.items():
-        node = tree
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = arr
-    return tree
-
-
-def load_dspark_params(directory: str | Path, cfg: ModelConfig) -> dict:
-    """Read only the `mtp.*` tensors of a released-layout HF checkpoint directory.
-
-    Returns the nested tree {'mtp': {'0': {...block..., 'main_proj', 'main_norm'}, ..., 'S-1': {...,
-    'norm', 'markov_head', 'confidence_head'}}} as jax arrays in our storage dtypes (FP8 weights with
-    their ue8m0 scale bytes, FP4 experts packed and stacked [E, ...], `attn.wo_a` dequantised to bf16). Dtypes
-    and shapes are checked against `mapping.hf_inventory(cfg)`; a missing or wrong tensor raises
-    `CheckpointError` naming it."""
-    if cfg.num_nextn_predict_layers <= 0:
-        raise ValueError("config: num_nextn_predict_layers is 0, the checkpoint has no DSpark stages")
-    directory = Path(directory)
-    weight_map = read_index(directory)
-    wanted = {n: s for n, s in hf_inventory(cfg).items() if s.group == "dspark"}
-    missing = sorted(n for n in wanted if n not in weight_map)
-    if missing:
-        raise CheckpointError(f"{directory}: missing DSpark tensor(s): {missing[:10]}")
-    n_experts = cfg.dspark_n_routed_experts
-    flat: dict[str, np.ndarray] = {}
-    wo_a: dict[str, dict[str, np.ndarray]] = {}
-    by_file: dict[str, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(weight_map[name], []).append(name)
-    for file, names in sorted(by_file.items()):
-        with Shard(directory, file) as shard:
-            for name in names:
-                spec = wanted[name]
-                dtype, shape = shard.dtype_shape(name)
-                if (dtype, shape) != (spec.dtype, spec.shape):
-                    raise CheckpointError(
-                        f"{shard.path}: tensor '{name}': expected {spec.dtype} {list(spec.shape)}, "
-                        f"got {dtype} {list(shape)}"
-                    )
-                arr = shard.read(name, spec.dtype, spec.shape)
-                target = our_target(name)
-                if target.kind == "copy":
-                    flat[target.path] = arr
-                elif target.kind == "stack":
-                    buf = flat.get(target.path)
-                    if buf is None:
-                        buf = flat[target.path] = np.empty((n_experts, *arr.shape), arr.dtype)
-                    buf[target.expert] = arr
-                else:
-                    pending = wo_a.setdefault(target.path, {})
-                    pending["weight" if target.kind == "wo_a" else "scale"] = arr
-    for path, pair in wo_a.items():
-        # As convert.py does for the backbone's wo_a: exact (4 significant bits times a power of two).
-        w = np_dequant_fp8_weight(pair["weight"], pair["scale"], cfg.weight_block_size)
-        flat[path] = w.astype(ml_dtypes.bfloat16)
-    return jax.tree.map(jnp.asarray, _nest(flat))
 
 
 def stage_params(params: dict, stage: int) -> dict:
@@ -192,20 +125,20 @@ def _stage_attention(
     ring_pos = ring_positions(position + 1, period)  # [N, W]: -ve = never written
     own_page = jnp.arange(n, dtype=jnp.int32)[:, None]
     segments = [
-        ops.KeySegment(
+        kernels.KeySegment(
             ring,
             own_page,
             jnp.broadcast_to(jnp.arange(period, dtype=jnp.int32), (n, period)),
             jnp.broadcast_to((ring_pos >= 0)[:, None, :], (n, b, period)),
         ),
-        ops.KeySegment(
+        kernels.KeySegment(
             cache_lib.pack_fp8_ue8m0(block_kv),
             own_page,
             jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32), (n, b)),
             jnp.ones((n, b, b), bool),
         ),
     ]
-    o = ops.sparse_attention(q, segments, a["attn_sink"], Dh**-0.5)
+    o = kernels.sparse_attention(q, segments, a["attn_sink"], Dh**-0.5)
     o = apply_rope(o, positions[..., None], inv_freq, inverse=True)
     groups = cfg.o_groups
     o = o.reshape(n, b, groups, H * Dh // groups)

@@ -3,7 +3,7 @@
 Random draft weights accept nothing, so a small checkpoint whose draft agrees with its target is made
 here: the backbone is frozen, its own greedy continuations of varied prompts are the data, and every
 `mtp.*` tensor is trained so that the draft step at position p predicts the backbone's greedy tokens
-x_{p+2} .. x_{p+B+1} (`ced_jax.dspark`, module docstring: the block [x_{p+1}, noise * (B-1)] at
+x_{p+2} .. x_{p+B+1} (`ced_jax.model.dspark`, module docstring: the block [x_{p+1}, noise * (B-1)] at
 positions p+1 .. p+B over rings holding main_x of positions <= p).
 
 - Data (`greedy_continuations`): the prompt is prefilled with the blocks' outputs captured, then each
@@ -15,9 +15,9 @@ positions p+1 .. p+B over rings holding main_x of positions <= p).
   their storage formats (FP8 e4m3 32x32 blocks with ue8m0 scales, FP4 e2m1 1x32 groups, bf16), whose
   values equal exactly what `export_params` stores with the repository's quantisers
   (`ced_jax.testing.random_weights.quantize_fp8 / quantize_fp4`), so the trained draft evaluated
-  through `ced_jax.dspark` on the exported tensors is the draft that was trained.
+  through `ced_jax.model.dspark` on the exported tensors is the draft that was trained.
 - The training forward (`draft_logits`) recomputes the draft for every position of a sequence at
-  once: the same arithmetic and bf16 / FP8 rounding points as `ced_jax.dspark` (rounding with an
+  once: the same arithmetic and bf16 / FP8 rounding points as `ced_jax.model.dspark` (rounding with an
   identity gradient), dense attention with a band mask standing in for each position's ring, dense
   experts masked by the routing weights (the reference's sum over the selected experts in ascending
   order, plus exact zeros). `dspark.py` itself is not differentiable (its rounding is integer bit
@@ -39,7 +39,7 @@ next token after a given token is the same only 21% of the time in training data
 within 240 tokens), so 200 steps on 96 continuations (~4k draft positions) overfit: held-out
 first-position agreement 0.1-0.6% (random) -> 0.9-2.4% (trained), noise level.
 
-Letters as in `ced_jax.dspark`: N sequences, T positions, P draft positions, B block, M hc streams,
+Letters as in `ced_jax.model.dspark`: N sequences, T positions, P draft positions, B block, M hc streams,
 D width, H heads, Dh head dim, V vocab, R Markov rank, E experts.
 """
 
@@ -55,15 +55,14 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import optax
 
-from ced_jax import dspark
 from ced_jax.checkpoint.hf_loader import INDEX_NAME
 from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory, our_target
 from ced_jax.config import ModelConfig
-from ced_jax.layers.common import f32_linear, rope_inv_freq
-from ced_jax.layers.mhc import hc_mixes
-from ced_jax.layers.moe import router_scores, swiglu
+from ced_jax.model import dspark
+from ced_jax.model.layers.common import f32_linear, rope_inv_freq
+from ced_jax.model.layers.mhc import hc_mixes
+from ced_jax.model.layers.moe import router_scores, swiglu
 from ced_jax.quant import (
     dequant_fp4_weight,
     dequant_fp8_weight,
@@ -91,6 +90,15 @@ FILE_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F32": np.dtype(np.float32),
 }
+
+
+def _optax():
+    """optax, an optional dependency (the `train` extra): only draft training needs it."""
+    try:
+        import optax
+    except ImportError:
+        raise RuntimeError("DSpark draft training needs optax: pip install 'ced-jax[train]'") from None
+    return optax
 
 
 # ------------------------------------------------------------------------ tensor kinds
@@ -636,7 +644,7 @@ def loss_terms(
     teacher = jax.nn.softmax(backbone_logits[:, tpos - 1], axis=-1)
     kl = jnp.mean(jnp.sum(teacher * (jnp.log(teacher + 1e-30) - logp), axis=-1))
     correct = (jnp.argmax(out["logits"], axis=-1) == targets).astype(jnp.float32)
-    bce = jnp.mean(optax.sigmoid_binary_cross_entropy(out["confidence"], jax.lax.stop_gradient(correct)))
+    bce = jnp.mean(_optax().sigmoid_binary_cross_entropy(out["confidence"], jax.lax.stop_gradient(correct)))
     loss = ce + kl_weight * kl + confidence_weight * bce
     metrics = {"loss": loss, "ce": ce, "kl": kl, "bce": bce, "first_agree_tf": jnp.mean(correct[..., 0]),
                "agree_tf": jnp.mean(correct)}  # fmt: skip
@@ -812,6 +820,7 @@ def distill(
             f"mean accepted {before['mean_accepted']:.3f}")  # fmt: skip
 
     master = master_from_storage(init_storage, cfg)
+    optax = _optax()
     schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.05)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
     opt_state = opt.init(master)

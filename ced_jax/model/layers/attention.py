@@ -12,7 +12,8 @@ state is the immutable `ced_jax.cache.PagedCache`; the layer returns a new one:
   j standing for tokens [j R, (j+1) R), rotated at position j R and FP4-fake-quantised;
 - compressor partial groups [R, Dh] per slot (kv and score, f32) of each ratio>1 source.
 The attention kernels read the window rings and the compressed pages where they live, through the
-slots and page tables (`ced_jax.ops.KeySegment`); nothing is unpacked and repacked on the way.
+slots and page tables (`ced_jax.model.layers.kernels.KeySegment`); nothing is unpacked and repacked
+on the way.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from ced_jax import cache as cache_lib
-from ced_jax import ops
 from ced_jax.cache import PagedCache, StepMetadata, ring_update
 from ced_jax.config import ModelConfig
-from ced_jax.layers.common import (
+from ced_jax.model.layers import kernels
+from ced_jax.model.layers.common import (
     apply_rope,
     bf16_linear,
     f32_linear,
@@ -74,7 +75,7 @@ def window_segments(
     meta: StepMetadata,
     positions: jax.Array,
     window: int,
-) -> list[ops.KeySegment]:
+) -> list[kernels.KeySegment]:
     """Keys each query sees in its causal window, positions (p - W, p]: the slot's ring as it was
     before this call, then the chunk's own keys (packed like the ring, one transient page per row)."""
     ring = cache.ring(layer)  # [max_slots, W, bytes]: one page of W entries per slot
@@ -95,8 +96,8 @@ def window_segments(
     chunk_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     own_page = jnp.arange(b, dtype=jnp.int32)[:, None]
     return [
-        ops.KeySegment(ring, meta.slots[:, None], ring_ids, ring_valid),
-        ops.KeySegment(packed_chunk, own_page, chunk_ids, chunk_valid),
+        kernels.KeySegment(ring, meta.slots[:, None], ring_ids, ring_valid),
+        kernels.KeySegment(packed_chunk, own_page, chunk_ids, chunk_valid),
     ]
 
 
@@ -107,7 +108,7 @@ def window_segment_by_position(
     meta: StepMetadata,
     positions: jax.Array,
     window: int,
-) -> list[ops.KeySegment]:
+) -> list[kernels.KeySegment]:
     """The keys of `window_segments` as one segment of `window` entries per query in position order:
     entry j of the query at position p is position p - W + 1 + j, read from the chunk when this call
     brings it and from the slot's ring otherwise (one transient page per row: the row's ring, then
@@ -127,7 +128,7 @@ def window_segment_by_position(
     held = jnp.where(in_chunk, key_pos - start < meta.lens[:, None, None], key_pos >= start - period)
     own_page = jnp.arange(b, dtype=jnp.int32)[:, None]
     return [
-        ops.KeySegment(pages, own_page, ids, (key_pos >= window_floor(meta, layer)[:, None, None]) & held)
+        kernels.KeySegment(pages, own_page, ids, (key_pos >= window_floor(meta, layer)[:, None, None]) & held)
     ]
 
 
@@ -198,19 +199,19 @@ def index_scores(
 
     Where the keys come from is chosen by key_source, explicitly (not by their shape):
     - "intended": keys = (key_pages u8 [P, E, Dk/2 + Dk/32], page_tables i32 [B, n]), the KV source's
-      packed index keys where they live; `ops.index_scores` reads them through the page tables under
+      packed index keys where they live; `kernels.index_scores` reads them through the page tables under
       `impl` (impl="pallas..." runs the indexer kernel on the pages, nothing unpacked beforehand).
     - "reference": keys = f32 [B, S, Dk], what the released code's global index-K pointer names
       (`shared["index_k_ptr"]`: unpacked entries of whichever source published last, not a page
-      buffer), scored by the XLA formula (`ops.index_scores_unpacked`) for every impl.
+      buffer), scored by the XLA formula (`kernels.index_scores_unpacked`) for every impl.
 
     -> scores [B, T, S] (f32 holding bf16 values)."""
     q, w = index_queries(x, qr, p, positions, inv_freq, cfg)
     n_visible = ((positions + 1) // ratio).astype(jnp.int32)
     if key_source is IndexKeys.REFERENCE:
-        return ops.index_scores_unpacked(q, w, keys, n_visible)
+        return kernels.index_scores_unpacked(q, w, keys, n_visible)
     key_pages, page_tables = keys
-    return ops.index_scores(q, w, key_pages, page_tables, n_visible, impl=impl)
+    return kernels.index_scores(q, w, key_pages, page_tables, n_visible, impl=impl)
 
 
 def index_queries(x, qr, p: dict, positions, inv_freq, cfg: ModelConfig):
@@ -419,7 +420,7 @@ def attention(
                 # (a fixed count) instead of the whole row (the context), with the same result.
                 entries, valid = pool_entries
                 index_q, index_w = index_queries(x, qr, p["indexer"], positions, inv_freq, cfg)
-                scores = ops.index_scores_at(index_q, index_w, *keys, entries, valid)
+                scores = kernels.index_scores_at(index_q, index_w, *keys, entries, valid)
                 width = keys[1].shape[1] * keys[0].shape[1]
                 own_topk = select_topk(scores, positions, ratio, cfg.index_topk, entries, width)
             else:
@@ -436,9 +437,11 @@ def attention(
                 own_topk = select_topk(scores, positions, ratio, cfg.index_topk)
             shared["topk"] = own_topk if forced_topk is None else forced_topk
         topk = shared["topk"]
-        segments.append(ops.KeySegment(cache.kv[str(src)], meta.page_tables, jnp.maximum(topk, 0), topk >= 0))
+        segments.append(
+            kernels.KeySegment(cache.kv[str(src)], meta.page_tables, jnp.maximum(topk, 0), topk >= 0)
+        )
 
-    o = ops.sparse_attention(q, segments, p["attn_sink"], head_dim**-0.5, impl=impl)
+    o = kernels.sparse_attention(q, segments, p["attn_sink"], head_dim**-0.5, impl=impl)
     o = apply_rope(o, positions[..., None], inv_freq, inverse=True)
     groups = cfg.o_groups
     o = o.reshape(*x.shape[:-1], groups, n_heads * head_dim // groups)

@@ -67,7 +67,7 @@ Events go to a per-request sink; `submit_async` makes one that hands events to a
 Tenants: a request's `identity` (`serving/tenants.py`) namespaces its id: in-flight requests are keyed
 by (identity, request_id), so two tenants may use the same id, a duplicate is one within a tenant, and
 `abort` only finds the caller's own requests. The prefix cache is scoped by identity too
-(`serving/pages.py`), unless `ServeConfig.share_prefix_cache`.
+(`serving/scheduling/pages.py`), unless `ServeConfig.share_prefix_cache`.
 
 Constrained decoding (`serving/constraints.py`): a request with a `constraint` gets a grammar matcher
 when it is submitted (a constraint that cannot be compiled is an InvalidRequest naming the field).
@@ -81,7 +81,7 @@ finishes with STOP (EOS is only allowed where the grammar may end); a grammar th
 token (which the mask prevents; a resource limit could still cause it) ends the request with an
 error event.
 
-Speculative decoding (DSpark, `ServeConfig.dspark` K > 0; see `serving/engine_api.py`): every
+Speculative decoding (DSpark, `ServeConfig.dspark` K > 0; see `serving/engine/protocol.py`): every
 decode step sends each row's drafts from the previous step (none right after its prefill) and how
 many to verify: n_drafts = min(K, the drafts it has, max_tokens left - 1), with
 `dspark_confidence` T the longest prefix whose running product of sigmoid(confidence) stays >= T
@@ -100,18 +100,18 @@ the emitted tokens are then consumed as usual. The pipelining of step 4 is uncha
 drafts and token are the previous step's results, so the next decode is dispatched only once they
 are on the host (it could not be dispatched earlier even without the Engram hashing).
 
-KV tiers (`ServeConfig.kv_host_bytes`, `kv_disk_dir`; `serving/kv_tiers.py`), step 6 of a request's
+KV tiers (`ServeConfig.kv_host_bytes`, `kv_disk_dir`; `serving/scheduling/kv_tiers.py`), step 6 of a request's
 life in the prefix cache: the device cache evicts unreferenced blocks (LRU) only inside the
 allocation of an admission; the scheduler then reads their pages out of the engine
-(`Engine.read_pages`, before this step's prefill rewrites them) and demotes them to host memory,
-which pushes its own LRU blocks to disk. Admission matches the prompt against the device cache and
-continues the chain into the lower tiers (`TieredKV.chain`): those blocks are written into the
-request's freshly allocated pages (`Engine.write_pages`), registered in the device cache again and
-count as cached prompt tokens, so the prefill starts after them exactly as after a device hit. A
+(`EngineProtocol.read_pages`, before this step's prefill rewrites them) and demotes them to host
+memory, which pushes its own LRU blocks to disk. Admission matches the prompt against the device
+cache and continues the chain into the lower tiers (`TieredKV.chain`): those blocks are written into
+the request's freshly allocated pages (`EngineProtocol.write_pages`), registered in the device cache
+again and count as cached prompt tokens, so the prefill starts after them exactly as after a device hit. A
 request's disk blocks are prefetched into host memory when it enters the queue. On shutdown every
 block of the device cache is demoted and the host tier is written to disk, so a restart with the same
 directory finds the whole cache there (blocks of another model or config are refused by their
-fingerprint, `Engine.kv_fingerprint()`).
+fingerprint, `EngineProtocol.kv_fingerprint()`).
 
 Token accounting: a sampled stop token (EOS or `stop_token_ids`) is counted in `completion_tokens` but
 never sent; a stop string is cut from the text (see `serving/text.py`).
@@ -132,19 +132,19 @@ import numpy as np
 
 from serving.config import ServeConfig
 from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
-from serving.engine_api import (
+from serving.engine.protocol import (
     PREFILL_MODES,
     DecodeBatch,
-    Engine,
+    EngineProtocol,
     PrefillChunk,
     SampledToken,
     SamplingParams,
     mask_words,
 )
 from serving.errors import AdmissionError, InvalidRequest
-from serving.kv_tiers import DiskTier, HostTier, TieredKV
 from serving.metrics import Metrics
-from serving.pages import ROOT_KEY, CacheEntry, PagePool, scope_tag
+from serving.scheduling.kv_tiers import DiskTier, HostTier, TieredKV
+from serving.scheduling.pages import ROOT_KEY, CacheEntry, PagePool, scope_tag
 from serving.text import Released, StreamText, Tokenizer
 from serving.vision import RequestImage
 
@@ -267,7 +267,7 @@ class _Seq:
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineProtocol,
         tokenizer: Tokenizer,
         config: ServeConfig,
         metrics: Metrics | None = None,
@@ -276,7 +276,7 @@ class Scheduler:
     ):
         """constraint_tokenizer: llguidance's view of the model's tokenizer, for requests with a
         `constraint`; by default the tokenizer's own `constraint_tokenizer()` if it has one
-        (`serving.jax_engine.ModelTokenizer`). Without one, constrained requests are refused."""
+        (`serving.engine.jax_engine.ModelTokenizer`). Without one, constrained requests are refused."""
         spec = engine.spec
         config.check_engine(spec)
         self.engine = engine
@@ -1315,7 +1315,7 @@ _DISK_EVENTS = {
 def confident_length(confidence: np.ndarray, threshold: float) -> int:
     """How many drafts a row verifies under `dspark_confidence`: the longest prefix of its drafts
     whose running product of sigmoid(confidence) stays >= threshold, at least 1 (the verify program
-    has a draft position anyway). The rule of `ced_jax.dspark.confident_prefix`, here without JAX."""
+    has a draft position anyway). The rule of `ced_jax.model.dspark.confident_prefix`, here without JAX."""
     odds = 1.0 / (1.0 + np.exp(-np.asarray(confidence, np.float64)))
     return max(1, int(np.sum(np.cumprod(odds) >= threshold)))  # the product only falls
 

@@ -1,7 +1,7 @@
 """Host-memory and disk tiers below the device KV pages (issue 13, points 3 and 4).
 
-A page that the prefix cache (`serving/pages.py`) evicts from the device is not dropped: its bytes
-(one blob per page, `ced_jax.page_io.PageLayout`: exactly the device bytes, 890 B/token for
+A page that the prefix cache (`serving/scheduling/pages.py`) evicts from the device is not dropped: its bytes
+(one blob per page, `ced_jax.engine.page_io.PageLayout`: exactly the device bytes, 890 B/token for
 v41-flash) are demoted to host memory and, under host pressure, to disk; a later request whose prompt
 continues the device-cached chain into those blocks gets them back without recomputing them. Blocks
 are keyed by the prefix cache's own hash-chain key (`pages.block_key`), and every stored block keeps
@@ -30,7 +30,7 @@ fingerprint 16 | key 16 | parent 16 | scope tag 16 | n_tokens u32 | extra_len u3
 tokens i32[n_tokens] | extra | payload. The key must equal `block_key(parent, scope, tokens, extra)`
 and the file's name (`<key hex>.kvb`).
 
-How the server uses it (`serving/scheduler.py`, module docstring "KV tiers"; the engine side is
+How the server uses it (`serving/scheduling/scheduler.py`, module docstring "KV tiers"; the engine side is
 `Engine.read_pages` / `write_pages`, `EngineSpec.kv_page_bytes` and `Engine.kv_fingerprint()`):
 1. Start-up: `TieredKV(HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fingerprint))`,
    the fingerprint from `PageLayout.fingerprint(weights_id)` (weights_id names the checkpoint: tiny
@@ -69,7 +69,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from serving.pages import block_key, scope_tag
+from serving.scheduling.pages import block_key, scope_tag
 
 MAGIC = b"CEDKVBLK"
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """Compiled proof of a memory plan: lower and compile the serving programs from abstract inputs.
 
 `ced-jax plan ... --compile` asks XLA what the planner's ledgers estimate. The real prefill and
-decode programs of the engine (`ced_jax.engine.Programs.prefill_batch` and `.decode`, as a server
+decode programs of the engine (`ced_jax.engine.programs.Programs.prefill_batch` and `.decode`, as a server
 compiles them: `--max-seqs` decode rows, `prefill_rows` x `--prefill-bucket` prefill rows, the
 server's page size and max_logprobs) are lowered with `jax.ShapeDtypeStruct` arguments that carry
 their `NamedSharding`s, the parameters in their storage dtypes (FP4 experts packed, FP8 + ue8m0, BF16
@@ -29,11 +29,11 @@ reference path holds, measured here on v41-flash: both programs one sublayer's f
 time (the largest is the head's) beside a small step;
 the prefill kept an f32 copy of every dense FP8 / BF16 weight until its page loop tied the
 parameters to the loop counter (XLA had hoisted the dequantisation out of the loop:
-`ced_jax.engine._loop_params`); BENCHMARKS.md has the numbers.
+`ced_jax.engine.programs._loop_params`); BENCHMARKS.md has the numbers.
 
 Fake devices: `--xla_force_host_platform_device_count` (here `jax_num_cpu_devices`) must be set
 before JAX initialises its backends, so `run_compile` runs this module in fresh processes
-(`python -m serving.compile_proof ...`), one per process of the mesh (several: jax.distributed on
+(`python -m serving.planning.compile_proof ...`), one per process of the mesh (several: jax.distributed on
 localhost, every process compiling the same SPMD program); `compile_in_process` is for a process
 that already has enough devices (it refuses a mesh its devices cannot hold).
 """
@@ -147,7 +147,7 @@ def _engram_inputs(cfg: ModelConfig, rows: int, tokens: int, engram_on_host: boo
 
 
 def _sampling_inputs(cfg: ModelConfig, rows: int, whole):
-    from ced_jax.batch import SamplingBatch
+    from ced_jax.engine.batch import SamplingBatch
     from ced_jax.sampling import mask_words
 
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
@@ -209,9 +209,9 @@ def compile_in_process(
     devices; XLA's per-device memory analysis of each, and the per-device bytes of the abstract
     arguments by kind (parameters, state, step inputs). programs: None = `server_programs(context)`.
     on_compiled(name, compiled) sees each compiled program (bench/launches.py reads its HLO)."""
-    from ced_jax.batch import StepBatch
     from ced_jax.cache import StepMetadata
     from ced_jax.engine import Programs, StateShapes
+    from ced_jax.engine.batch import StepBatch
     from ced_jax.options import RunOptions
 
     need = math.prod(mesh_sizes.values())
@@ -490,7 +490,7 @@ def run_compile(
     timeout_s: float = 7200,
     **kw,
 ) -> dict:
-    """`compile_in_process` in `processes` fresh processes (python -m serving.compile_proof) of
+    """`compile_in_process` in `processes` fresh processes (python -m serving.planning.compile_proof) of
     devices/processes fake CPU devices each, joined by jax.distributed on localhost when more than
     one; process 0's result (every process compiles the same SPMD program; their analyses are
     checked equal). kw: compile_in_process's keywords. model: a preset name or a checkpoint dir."""
@@ -507,7 +507,7 @@ def run_compile(
     results = []
     try:
         for pid in range(processes):
-            cmd = [sys.executable, "-m", "serving.compile_proof", "--spec", json.dumps(spec)]
+            cmd = [sys.executable, "-m", "serving.planning.compile_proof", "--spec", json.dumps(spec)]
             cmd += ["--local-devices", str(devices // processes)]
             if processes > 1:
                 cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
@@ -623,7 +623,9 @@ def _config(model: str) -> ModelConfig:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.compile_proof", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m serving.planning.compile_proof", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--spec", required=True, help="JSON: model, mesh and compile_in_process keywords")
     p.add_argument("--local-devices", type=int, required=True, help="fake CPU devices of this process")
     p.add_argument("--coordinator")

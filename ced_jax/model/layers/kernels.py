@@ -38,7 +38,7 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: Impl
     """rows [M, K] (FP8-dequantised activations) times each row's expert weight^T -> f32 [M, N].
 
     w: {'weight': u8 packed FP4 [E, N, K/2], 'scale': u8 e8m0 [E, N, K/32]}, or {'weight': f32
-    [E, N, K]} in the dequantised layout (`ced_jax.weight_layout`; not for the Pallas kernel).
+    [E, N, K]} in the dequantised layout (`ced_jax.checkpoint.weight_layout`; not for the Pallas kernel).
     Few rows (decode) gather only the touched experts; many rows sort by expert and use
     `lax.ragged_dot` over the dequantised expert stack. Both compute the same products in f32.
     impl="pallas..." sorts the rows by expert and runs the FP4 grouped-matmul kernel, which
@@ -279,7 +279,7 @@ def index_scores_unpacked(
 ) -> jax.Array:
     """`index_scores` on keys already unpacked, f32 [B, C, Dk] -> f32 [B, T, C], always in XLA: for
     keys that do not live in pages (the reference index-K mode's pointer, see
-    `ced_jax.layers.attention.index_scores`) and as `index_scores`' reference path."""
+    `ced_jax.model.layers.attention.index_scores`) and as `index_scores`' reference path."""
     s = round_bf16(jnp.einsum("bthd,bsd->bths", q, keys, precision=jax.lax.Precision.HIGHEST))
     s = round_bf16(jax.nn.relu(s) * weights[..., None])
     s = round_bf16(sum_small(s, 2))  # heads 0..I-1 in order, whatever the number of rows

@@ -17,7 +17,7 @@ decode step spent about 8.7 of 16 ms in 62 FP8 dequantisations and 40 FP4 expert
 (BENCHMARKS.md), so `default_weight_layout` picks "f32" there when it fits. On accelerators the
 stored bytes are what a decode step reads, so it keeps them.
 
-The Engram tables (row-gathered) and the DSpark stages (`ced_jax.dspark_train` starts from their
+The Engram tables (row-gathered) and the DSpark stages (`ced_jax.training.dspark_train` starts from their
 stored pairs) stay stored in every layout. The layers read weights through
 `ced_jax.quant.linear_weight` / `expert_weight`, which dequantise a stored pair and pass an f32 one
 through: the same f32 values either way.

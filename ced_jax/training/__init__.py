@@ -1,0 +1,1 @@
+"""Training what the released checkpoint lacks: the DSpark draft stages (`dspark_train`)."""

@@ -1,0 +1,2 @@
+"""Scheduling: the scheduler (`scheduler`), page accounting (`pages`) and the host / disk KV tiers
+(`kv_tiers`)."""

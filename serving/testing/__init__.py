@@ -1,0 +1,1 @@
+"""Test doubles of the serving stack: the mock engine (`mock_engine`)."""
