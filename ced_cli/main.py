@@ -591,9 +591,11 @@ def cmd_generate(args) -> int:
 
 
 def _add_prefill_mode_option(p, default: str, *, per_request: bool = False) -> None:
+    from ced_jax.options import PREFILL_MODES
+
     p.add_argument(
         "--prefill-mode",
-        choices=("exact", "ced"),
+        choices=PREFILL_MODES,
         default=default,
         help="exact: every layer over every prompt token (the reference's numbers); ced: the causal "
         "encoder-decoder prefill (spec 4.2), the encoder layers over the whole prompt and the decoder "

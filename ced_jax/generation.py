@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from ced_jax.config import ModelConfig
+from ced_jax.options import PREFILL_MODES
 from ced_jax.sampling import jitted_sample
 
 
@@ -272,7 +273,6 @@ class _Rows:
         return out
 
 
-PREFILL_MODES = ("exact", "ced")
 
 
 def check_prefill_mode(mode: str) -> None:

@@ -9,6 +9,9 @@ import enum
 from typing import NamedTuple
 
 PALLAS_BACKENDS = ("tpu", "gpu")
+# How a prompt is prefilled: "exact" runs every layer over every prompt token; "ced" (spec 4.2, the
+# causal encoder-decoder prefill) runs the decoder layers only over the prompt's last sliding window.
+PREFILL_MODES = ("exact", "ced")
 
 
 class Impl(NamedTuple):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from ced_jax.options import PREFILL_MODES
 from serving.cli_help import DefaultsHelp
 from serving.proto import ced_pb2, ced_pb2_grpc
 
@@ -249,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image uploaded to the server's Files API (repeatable; after the --image files)",
     )
     p.add_argument(
-        "--prefill-mode", choices=("exact", "ced"), help="how the prompt is prefilled (default: the server's)"
+        "--prefill-mode", choices=PREFILL_MODES, help="how the prompt is prefilled (default: the server's)"
     )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", help="constrain the output to JSON matching this JSON Schema (JSON text)")

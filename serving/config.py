@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ced_jax.options import PREFILL_MODES
 from serving.accounting import PricingConfig
 from serving.admission import AdmissionLimits
-from serving.engine.protocol import PREFILL_MODES, EngineSpec, check_shapes
+from serving.engine.protocol import EngineSpec, check_shapes
 from serving.files import MIB, FilesConfig
 from serving.image_fetch import ImageFetchConfig, ImageInputConfig
 from serving.model_names import ModelNames

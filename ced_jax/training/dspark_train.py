@@ -60,7 +60,7 @@ from ced_jax.checkpoint.hf_loader import INDEX_NAME
 from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory, our_target
 from ced_jax.config import ModelConfig
 from ced_jax.model import dspark
-from ced_jax.model.layers.common import f32_linear, rope_inv_freq
+from ced_jax.model.layers.common import apply_rope, f32_linear, rope_inv_freq
 from ced_jax.model.layers.mhc import hc_mixes
 from ced_jax.model.layers.moe import router_scores, swiglu
 from ced_jax.quant import (
@@ -366,19 +366,6 @@ def _linear8(x, w):
     return _rb(jnp.einsum("...k,nk->...n", _fq8_act(x), w, precision=HIGHEST))
 
 
-def _rope(x, positions, inv_freq, inverse=False):
-    rd = 2 * inv_freq.shape[0]
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if inverse:
-        sin = -sin
-    head, tail = x[..., :-rd], x[..., -rd:]
-    pairs = tail.reshape(*tail.shape[:-1], rd // 2, 2)
-    re, im = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(tail.shape)
-    return jnp.concatenate([head, _rb(rotated)], axis=-1)
-
-
 def _collapse(x, pre):
     return _rb(jnp.sum(pre[..., None] * x, axis=-2))
 
@@ -395,7 +382,7 @@ def _inv_freq(cfg: ModelConfig):
 def _window_kv(p, cfg, x, positions):
     a = p["attn"]
     kv = _rms_norm(_linear8(x, a["wkv"]["weight"]), a["kv_norm"]["weight"], cfg.rms_norm_eps)
-    return _fq8_act(_rope(kv, positions, _inv_freq(cfg)))
+    return _fq8_act(apply_rope(kv, positions, _inv_freq(cfg), rounding=_rb))
 
 
 def _attention(p, cfg, x, ctx_kv, draft_pos):
@@ -409,7 +396,7 @@ def _attention(p, cfg, x, ctx_kv, draft_pos):
     a = p["attn"]
     qr = _rms_norm(_linear8(x, a["wq_a"]["weight"]), a["q_norm"]["weight"], eps)
     q = _linear8(qr, a["wq_b"]["weight"]).reshape(n, P, b, H, Dh)
-    q = _rope(q, jnp.broadcast_to(positions, (n, P, b))[..., None], inv_freq)
+    q = apply_rope(q, jnp.broadcast_to(positions, (n, P, b))[..., None], inv_freq, rounding=_rb)
     block_kv = _window_kv(p, cfg, x, jnp.broadcast_to(positions, (n, P, b)))  # [N, P, B, Dh]
     t = jnp.arange(ctx_kv.shape[1])
     ring_mask = (t[None, :] <= draft_pos[:, None]) & (t[None, :] > draft_pos[:, None] - W)  # [P, T]
@@ -425,7 +412,7 @@ def _attention(p, cfg, x, ctx_kv, draft_pos):
     out = jnp.einsum("npbht,ntd->npbhd", _rb(p_ctx), ctx_kv, precision=HIGHEST)
     out = out + jnp.einsum("npbhk,npkd->npbhd", _rb(p_blk), block_kv, precision=HIGHEST)
     o = _rb(exact_div(out, denom[..., None]))
-    o = _rope(o, jnp.broadcast_to(positions, (n, P, b))[..., None], inv_freq, inverse=True)
+    o = apply_rope(o, jnp.broadcast_to(positions, (n, P, b))[..., None], inv_freq, inverse=True, rounding=_rb)
     groups = cfg.o_groups
     o = o.reshape(n, P, b, groups, H * Dh // groups)
     wo_a = a["wo_a"]["weight"].reshape(groups, cfg.o_lora_rank, -1)

@@ -239,12 +239,6 @@ class EngineSpec:
         raise ValueError(f"chunk of {length} tokens exceeds the largest prefill bucket {self.max_chunk}")
 
 
-# How a prompt is prefilled (ServeConfig.prefill_mode, GenerationRequest.prefill_mode): "exact" runs
-# every layer over every prompt token; "ced" (spec 4.2) runs the decoder layers only over the prompt's
-# last `EngineSpec.ced_window` tokens (`PrefillChunk.decoder_from`).
-PREFILL_MODES = ("exact", "ced")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefillChunk:
     """One prefill call: `token_ids` at positions [start_pos, start_pos + len) of `slot`."""

@@ -130,10 +130,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ced_jax.options import PREFILL_MODES
 from serving.config import ServeConfig
 from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
 from serving.engine.protocol import (
-    PREFILL_MODES,
     DecodeBatch,
     EngineProtocol,
     PrefillChunk,
@@ -173,7 +173,7 @@ class GenerationRequest:
     # Image spans of the prompt (serving.vision.RequestImage, ascending, disjoint): the prompt holds
     # the image token id at every span position; the spans' rows go to the model with the tokens.
     images: tuple[RequestImage, ...] = ()
-    # How the prompt is prefilled ("exact" or "ced", engine_api.PREFILL_MODES); None = the server's
+    # How the prompt is prefilled ("exact" or "ced", ced_jax.options.PREFILL_MODES); None = the server's
     # ServeConfig.prefill_mode.
     prefill_mode: str | None = None
 

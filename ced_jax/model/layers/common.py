@@ -82,8 +82,11 @@ def rope_inv_freq(dim: int, base: float, yarn: tuple[float, float, float, int] |
     return freqs.astype(f32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False) -> jax.Array:
-    """Interleaved RoPE on the last `2*len(inv_freq)` dims of x; output rounded to bf16.
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False, rounding=round_bf16
+) -> jax.Array:
+    """Interleaved RoPE on the last `2*len(inv_freq)` dims of x; output rounded to bf16 by `rounding`
+    (draft training passes a straight-through rounding, whose gradient is the identity).
 
     x: [..., Dh] with positions broadcastable to x.shape[:-1] (heads axes included by the caller).
     Adjacent pairs (2i, 2i+1) are one complex number; the no-RoPE part comes first."""
@@ -96,4 +99,4 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse
     pairs = tail.reshape(*tail.shape[:-1], rd // 2, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(tail.shape)
-    return jnp.concatenate([head, round_bf16(rotated)], axis=-1)
+    return jnp.concatenate([head, rounding(rotated)], axis=-1)
