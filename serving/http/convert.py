@@ -30,9 +30,10 @@ from typing import Any
 import deepseek_recipe as d
 
 from ced_jax.chat import ChatFormatError, PromptEncoder, resolve_thinking
+from ced_jax.options import PREFILL_MODES
 from serving.chat import render_conversation
 from serving.constraints import OutputConstraint
-from serving.engine.protocol import PREFILL_MODES, SamplingParams
+from serving.engine.protocol import SamplingParams
 from serving.http import structured
 from serving.http.errors import ApiError, from_conversion_error
 from serving.http.fields import CHAT, COMPLETIONS, MESSAGES, RESPONSES, check_fields
