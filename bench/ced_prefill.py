@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 import jax  # noqa: E402
 
 from ced_jax.api import load, prefill_split  # noqa: E402
-from ced_jax.engine import Engine, StateShapes  # noqa: E402
+from ced_jax.engine import Engine, SamplingBatch, StateShapes  # noqa: E402
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -101,8 +101,8 @@ def speed(model, length: int, repeats: int, seed: int, page: int) -> dict:
         t0 = time.perf_counter()
         out = engine.prefill_batch(
             one(0, np.int32), ids, one(n, np.int32), one(0, np.int32), table,
-            one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32),
-            max_logprobs=0, decoder_from=one(prefill_split(cfg, n, mode), np.int32),
+            SamplingBatch.broadcast(1), max_logprobs=0,
+            decoder_from=one(prefill_split(cfg, n, mode), np.int32),
         )  # fmt: skip
         jax.block_until_ready(out)
         return time.perf_counter() - t0

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from ced_jax import cache as cache_lib  # noqa: E402
 from ced_jax.api import load, session_page_size  # noqa: E402
-from ced_jax.engine import Engine, StateShapes  # noqa: E402
+from ced_jax.engine import Engine, SamplingBatch, StateShapes  # noqa: E402
 from ced_jax.model.dspark import confident_prefix  # noqa: E402
 
 
@@ -57,15 +57,6 @@ def _prefill(engine, tables, prompts: np.ndarray) -> np.ndarray:
     return np.asarray(logits)[:, -1].argmax(-1).astype(np.int32)
 
 
-def _sampling(b: int):
-    return (
-        np.zeros(b, np.float32),
-        np.ones(b, np.float32),
-        np.zeros(b, np.int32),
-        np.zeros(b, np.uint32),
-    )
-
-
 def run_plain(model, prompts: np.ndarray, steps: int):
     b, n = prompts.shape
     engine, tables = _engine(model, b, n + steps + 8, dspark=False)
@@ -76,7 +67,13 @@ def run_plain(model, prompts: np.ndarray, steps: int):
     for i in range(steps):
         t0 = time.perf_counter()
         tok, *_ = engine.decode(
-            slots, out[-1], np.full(b, n + i, np.int32), active, tables, *_sampling(b), max_logprobs=0
+            slots,
+            out[-1],
+            np.full(b, n + i, np.int32),
+            active,
+            tables,
+            SamplingBatch.broadcast(b),
+            max_logprobs=0,
         )
         if i > 0:  # the first call compiles
             times.append(time.perf_counter() - t0)
@@ -100,7 +97,15 @@ def run_dspark(model, prompts: np.ndarray, steps: int, k: int, confidence: float
         width = max(1, int(n_drafts.max()))
         t0 = time.perf_counter()
         step = engine.speculative_decode(
-            slots, last, drafts[:, :width], n_drafts, positions, active, tables, *_sampling(b), max_logprobs=0
+            slots,
+            last,
+            drafts[:, :width],
+            n_drafts,
+            positions,
+            active,
+            tables,
+            SamplingBatch.broadcast(b),
+            max_logprobs=0,
         )
         elapsed = time.perf_counter() - t0
         if i > 0:  # the first call compiles and has no drafts

@@ -49,7 +49,7 @@ import jax  # noqa: E402
 from ced_jax import cache as cache_lib  # noqa: E402
 from ced_jax.api import load  # noqa: E402
 from ced_jax.config import preset  # noqa: E402
-from ced_jax.engine import Engine, StateShapes  # noqa: E402
+from ced_jax.engine import Engine, SamplingBatch, StateShapes  # noqa: E402
 from serving.config import default_context_buckets  # noqa: E402
 from serving.planning.capacity import engine_state, kv_bytes_per_token  # noqa: E402
 
@@ -59,7 +59,13 @@ def one(v, dtype) -> np.ndarray:
 
 
 def measure(
-    model, length: int, chunk: int, page: int, steps: int, seed: int, table_context: int | None,
+    model,
+    length: int,
+    chunk: int,
+    page: int,
+    steps: int,
+    seed: int,
+    table_context: int | None,
     decode_only: bool = False,
 ) -> dict:
     cfg = model.cfg
@@ -73,13 +79,13 @@ def measure(
     whole = np.arange(context // page, dtype=np.int32)[None]
     width = next(w for w in default_context_buckets(context, page) if w >= need) // page
     table = whole[:, :width]  # what the server's programs read (== whole without --table-context)
-    sampling = (one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32))
+    sampling = SamplingBatch.broadcast(1)
 
     def prefill(start: int, n: int):
         padded = np.full((1, chunk), cfg.pad_token_id, np.int32)
         padded[0, :n] = ids[start : start + n]
         out = engine.prefill_batch(
-            one(0, np.int32), padded, one(n, np.int32), one(start, np.int32), table, *sampling, max_logprobs=0
+            one(0, np.int32), padded, one(n, np.int32), one(start, np.int32), table, sampling, max_logprobs=0
         )
         return out
 
@@ -103,7 +109,7 @@ def measure(
         t0 = time.perf_counter()
         res = engine.decode(
             one(0, np.int32), one(token, np.int32), one(length + i, np.int32), one(1, np.int32),
-            tables[name], *sampling, max_logprobs=0,
+            tables[name], sampling, max_logprobs=0,
         )  # fmt: skip
         times[name].append(time.perf_counter() - t0)
         token = int(res[0][0])
@@ -217,7 +223,13 @@ def main(argv=None) -> int:
             print(json.dumps(entry), file=sys.stderr, flush=True)
             continue
         entry = measure(
-            model, length, args.chunk, args.page_size, args.steps, args.seed, args.table_context,
+            model,
+            length,
+            args.chunk,
+            args.page_size,
+            args.steps,
+            args.seed,
+            args.table_context,
             args.decode_only,
         )
         entry.update(indexer_only(model.cfg, length, args.page_size))

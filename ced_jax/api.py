@@ -60,7 +60,7 @@ from ced_jax.checkpoint.mapping import hf_inventory, parameter_counts
 from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
 from ced_jax.checkpoint.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
 from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
-from ced_jax.engine import Engine, LoadedModel, StateShapes
+from ced_jax.engine import Engine, LoadedModel, SamplingBatch, StateShapes
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw
 from ced_jax.generation import bucket, check_ids, check_prefill_mode, pieces, prefill_split
@@ -562,14 +562,14 @@ class Session:
         decode program, the server's: int32 [B]. The parameters are numbers or one per row."""
         tokens, lens = self._check(tokens, None)
         b = self.batch
-        params = [
-            self._pad(np.broadcast_to(np.asarray(v, dtype), (b,)), value=fill)
-            for v, dtype, fill in ((temperature, np.float32, 0), (top_p, np.float32, 1), (top_k, np.int32, 0),
-                                   (seed, np.uint32, 0))
-        ]  # fmt: skip
+        rows = SamplingBatch.broadcast(b, temperature, top_p, top_k, seed)
+        sampling = SamplingBatch(
+            *(self._pad(getattr(rows, name), value=fill) for name, fill in
+              (("temperature", 0), ("top_p", 1), ("top_k", 0), ("seed", 0)))
+        )  # fmt: skip
         tok, *_ = self.engine.decode(
             self.slots, tokens[:, 0], self.positions, self._pad(np.ones(self.batch, bool)), self.page_tables,
-            *params, max_logprobs=0,
+            sampling, max_logprobs=0,
         )  # fmt: skip
         self.positions = self.positions + lens
         return np.asarray(tok)[: self.batch]
@@ -589,8 +589,9 @@ class Session:
         out = self.engine.speculative_decode(
             self.slots, self._pad(np.array([token], np.int32)), self._pad(drafts),
             self._pad(np.array([n_drafts], np.int32)), self.positions, live, self.page_tables,
-            *(np.full(r, np.asarray(v).flat[0], dtype) for v, dtype in (
-                (temperature, np.float32), (top_p, np.float32), (top_k, np.int32), (seed, np.uint32))),
+            SamplingBatch.broadcast(
+                r, *(np.asarray(v).flat[0] for v in (temperature, top_p, top_k, seed))
+            ),
             max_logprobs=0,
         )  # fmt: skip
         out = type(out)(*(np.asarray(a)[:1] for a in out))

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from ced_jax.cache import StepMetadata
 
@@ -22,7 +23,19 @@ class SamplingBatch:
     top_p: Any
     top_k: Any
     seed: Any
-    token_bitmask: Any
+    token_bitmask: Any = None
+
+    @classmethod
+    def broadcast(
+        cls, rows: int, temperature=0.0, top_p=1.0, top_k=0, seed=0, token_bitmask=None
+    ) -> SamplingBatch:
+        """Host sampling inputs of `rows` rows, each parameter a number or one value per row (the
+        engine's host calls fill a None token_bitmask with ones)."""
+        row = lambda v, dtype: np.broadcast_to(np.asarray(v, dtype), (rows,)).copy()  # noqa: E731
+        return cls(
+            row(temperature, np.float32), row(top_p, np.float32), row(top_k, np.int32), row(seed, np.uint32),
+            token_bitmask,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -214,16 +214,22 @@ class Engine:
         self.cfg.ced_boundary  # noqa: B018 (raises for a model without the CED layout)
         return floor_per_layer(self.cfg, np.zeros(rows, np.int32), decoder_from)
 
-    def sampling(self, temperature, top_p, top_k, seed, token_bitmask) -> SamplingBatch:
-        """The sampling inputs of a call, on the device (`put`)."""
+    def put_sampling(self, sampling: SamplingBatch, mask_shape: tuple[int, ...]) -> SamplingBatch:
+        """A call's sampling inputs (host arrays, one row per call row; token_bitmask None = no
+        constraint: all ones of `mask_shape`, so a program always gets the same shape and dtype, one
+        executable either way) on the device (`put`)."""
         put = self.put
-        return SamplingBatch(
-            temperature=put(np.asarray(temperature, np.float32)),
-            top_p=put(np.asarray(top_p, np.float32)),
-            top_k=put(np.asarray(top_k, np.int32)),
-            seed=put(np.asarray(seed, np.uint32)),
-            token_bitmask=put(token_bitmask),
-        )
+        rows = mask_shape[0]
+        mask = sampling.token_bitmask
+        mask = np.full(mask_shape, -1, np.int32) if mask is None else np.asarray(mask, np.int32)
+        if mask.shape != mask_shape:
+            raise ValueError(f"token_bitmask: expected shape {list(mask_shape)}, got {list(mask.shape)}")
+        fields = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "seed": np.uint32}
+        values = {name: np.asarray(getattr(sampling, name), dtype) for name, dtype in fields.items()}
+        for name, value in values.items():
+            if value.shape != (rows,):
+                raise ValueError(f"{name}: expected {rows} values, got shape {list(value.shape)}")
+        return SamplingBatch(**{k: put(v) for k, v in values.items()}, token_bitmask=put(mask))
 
     def images(self, types, spans) -> ImageInputs | None:
         """`image_inputs`' checked arrays on the device, None for a text chunk."""
@@ -278,13 +284,6 @@ class Engine:
             )
         return logits, aux
 
-    def token_bitmask(self, rows: int, token_bitmask=None) -> np.ndarray:
-        """The i32 [rows, W] token mask of a call: `token_bitmask`, or all ones (no constraint), so a
-        program always gets the same shape and dtype (one executable either way)."""
-        if token_bitmask is None:
-            return np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32)
-        return np.asarray(token_bitmask, np.int32)
-
     def decode(
         self,
         slots,
@@ -292,22 +291,17 @@ class Engine:
         positions,
         active,
         page_tables,
-        temperature,
-        top_p,
-        top_k,
-        seed,
+        sampling: SamplingBatch,
         *,
         max_logprobs,
-        token_bitmask=None,
     ):
         """One token for each row (row i is slot slots[i]; inactive rows idle): the sampler's outputs
         on the host (token, logprob, top ids, top logprobs), one row each."""
         return jax.device_get(
             self.dispatch_decode(
-                slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
-                max_logprobs=max_logprobs, token_bitmask=token_bitmask,
+                slots, tokens, positions, active, page_tables, sampling, max_logprobs=max_logprobs
             )
-        )  # fmt: skip
+        )
 
     def dispatch_decode(
         self,
@@ -316,18 +310,15 @@ class Engine:
         positions,
         active,
         page_tables,
-        temperature,
-        top_p,
-        top_k,
-        seed,
+        sampling: SamplingBatch,
         *,
         max_logprobs,
-        token_bitmask=None,
     ):
         """`decode` without waiting: the sampler's outputs stay on the device (JAX dispatch is
         asynchronous), so the host can prepare other work while the step runs; `jax.device_get`
-        them when needed. The history moves at once (it needs only the fed tokens). token_bitmask:
-        i32 [B, W] (`ced_jax.sampling.apply_token_bitmask`), None = unconstrained."""
+        them when needed. The history moves at once (it needs only the fed tokens).
+        sampling.token_bitmask: i32 [B, W] (`ced_jax.sampling.apply_token_bitmask`), None =
+        unconstrained."""
         tokens = np.asarray(tokens, np.int32)
         lens = np.asarray(active, np.int32)
         rows = self.engram_rows(np.asarray(slots), tokens[:, None], lens)
@@ -335,9 +326,7 @@ class Engine:
             tokens=self.put(tokens),
             meta=self.metadata(positions, lens, slots, page_tables),
             engram=self.put_rows(rows),
-            sampling=self.sampling(
-                temperature, top_p, top_k, seed, self.token_bitmask(len(tokens), token_bitmask)
-            ),
+            sampling=self.put_sampling(sampling, (len(tokens), mask_words(self.cfg.vocab_size))),
         )
         options = RunOptions(impl=self.impl, max_logprobs=max_logprobs)
         with self._mesh_context():
@@ -351,13 +340,9 @@ class Engine:
         n,
         start,
         page_tables,
-        temperature,
-        top_p,
-        top_k,
-        seed,
+        sampling: SamplingBatch,
         *,
         max_logprobs,
-        token_bitmask=None,
         token_types=None,
         span_embeds=None,
         decoder_from=None,
@@ -369,7 +354,7 @@ class Engine:
         (`prefill_batch` program):
         padded_tokens [R, C], n [R] valid (0: an idle row, whose history does not move). Returns the
         sample outputs on device [R]; nothing is waited for. Each row's history moves past its n
-        tokens. token_bitmask: i32 [R, W] for the samples, None = unconstrained. token_types i32
+        tokens. sampling: a row per chunk (token_bitmask i32 [R, W], None: unconstrained). token_types i32
         [R, C] (-1 everywhere in text rows and padding) and span_embeds f32 [R, C, D] (rows of
         image-span positions, others ignored): image spans, whose Engram history slots are DEAD;
         None for both = the text program. A text chunk gives the same logits and state through
@@ -402,9 +387,7 @@ class Engine:
             tokens=put(tokens),
             meta=meta,
             engram=self.put_rows(rows),
-            sampling=self.sampling(
-                temperature, top_p, top_k, seed, self.token_bitmask(len(slots), token_bitmask)
-            ),
+            sampling=self.put_sampling(sampling, (len(slots), mask_words(self.cfg.vocab_size))),
             images=self.images(types, spans),
         )
         options = RunOptions(impl=self.impl, max_logprobs=max_logprobs, step_tokens=step_tokens)
@@ -423,19 +406,15 @@ class Engine:
         positions,
         active,
         page_tables,
-        temperature,
-        top_p,
-        top_k,
-        seed,
+        sampling: SamplingBatch,
         *,
         max_logprobs,
-        token_bitmask=None,
     ) -> SpeculativeOutput:
         """One speculative step for each row (row i is slot slots[i]; inactive rows idle): verify the
         first n_drafts[i] of drafts[i] (i32 [B, K], the previous step's next_drafts; 0 right after a
         prefill) after tokens[i] (the row's last emitted token, at positions[i]), as the program
         `speculative_decode` describes. Page tables must cover positions up to positions + K.
-        token_bitmask: i32 [B, K+1, W] (mask j for the token after j accepted drafts), None =
+        sampling.token_bitmask: i32 [B, K+1, W] (mask j for the token after j accepted drafts), None =
         unconstrained. The Engram history moves past the fed tokens that were kept. Returns the
         host `SpeculativeOutput`."""
         if not self.dspark:
@@ -458,15 +437,11 @@ class Engine:
         if self.hasher is not None:
             history = self.history[slots]
             rows = self.engram_inputs(self.hasher.hash_ids(history, chunk, None))
-        if token_bitmask is None:
-            mask = np.full((b, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32)
-        else:
-            mask = np.asarray(token_bitmask, np.int32)
         batch = StepBatch(
             tokens=self.put(chunk),
             meta=self.metadata(positions, lens, slots, page_tables),
             engram=self.put_rows(rows),
-            sampling=self.sampling(temperature, top_p, top_k, seed, mask),
+            sampling=self.put_sampling(sampling, (b, width + 1, mask_words(self.cfg.vocab_size))),
         )
         options = RunOptions(impl=self.impl, max_logprobs=max_logprobs)
         with self._mesh_context():

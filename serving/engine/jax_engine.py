@@ -80,7 +80,7 @@ import jax
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax.engine import Engine, StateShapes, ced_boundary, replay_tokens
+from ced_jax.engine import Engine, SamplingBatch, StateShapes, ced_boundary, replay_tokens
 from ced_jax.engine.page_io import PageLayout
 from serving.config import ServeConfig
 from serving.constraints import ConstraintTokenizer
@@ -110,6 +110,16 @@ class WarmupEntry(NamedTuple):
     seconds: float
 
 
+def _rows_of(sampling: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
+    """The sampling inputs of a step's rows (slots `rows`; a None mask stays None: all ones)."""
+    mask = sampling.token_bitmask
+    return SamplingBatch(
+        np.asarray(sampling.temperature, np.float32)[rows], np.asarray(sampling.top_p, np.float32)[rows],
+        np.asarray(sampling.top_k, np.int32)[rows], np.asarray(sampling.seed, np.uint32)[rows],
+        None if mask is None else np.asarray(mask, np.int32)[rows],
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class _PrefillRows:
     """The host inputs of one `prefill_batch` program call: the chunks' rows, then idle rows."""
@@ -119,11 +129,7 @@ class _PrefillRows:
     n: np.ndarray  # i32 [R]; 0 on idle rows
     start: np.ndarray  # i32 [R]
     page_tables: np.ndarray  # i32 [R, pages_per_slot]
-    temperature: np.ndarray  # f32 [R]
-    top_p: np.ndarray  # f32 [R]
-    top_k: np.ndarray  # i32 [R]
-    seed: np.ndarray  # u32 [R]
-    token_bitmask: np.ndarray  # i32 [R, W]; all ones = unconstrained
+    sampling: SamplingBatch  # [R] each; token_bitmask i32 [R, W], all ones = unconstrained
     decoder_from: np.ndarray  # i32 [R]; CED prefill's decoder start, 0 = exact
     window_floor: np.ndarray  # i32 [R]; a prefix hit's replay start, else 0
     write_from: np.ndarray  # i32 [R]; the end of the shared cached pages, else 0
@@ -158,11 +164,9 @@ class _PrefillRows:
             n=np.zeros(size, np.int32),
             start=np.zeros(size, np.int32),
             page_tables=np.zeros((size, pages or engine.spec.pages_per_slot), np.int32),
-            temperature=np.zeros(size, np.float32),
-            top_p=np.ones(size, np.float32),
-            top_k=np.zeros(size, np.int32),
-            seed=np.zeros(size, np.uint32),
-            token_bitmask=np.full((size, mask_words(engine.cfg.vocab_size)), -1, np.int32),
+            sampling=SamplingBatch.broadcast(
+                size, token_bitmask=np.full((size, mask_words(engine.cfg.vocab_size)), -1, np.int32)
+            ),
             decoder_from=np.zeros(size, np.int32),
             window_floor=np.zeros(size, np.int32),
             write_from=np.zeros(size, np.int32),
@@ -198,11 +202,11 @@ class _PrefillRows:
             rows.decoder_from[r] = c.decoder_from
             rows.window_floor[r], rows.write_from[r] = c.window_floor, c.write_from
             rows.page_tables[r] = c.page_table
-            sp = c.sampling
-            rows.temperature[r], rows.top_p[r] = sp.temperature, sp.top_p
-            rows.top_k[r], rows.seed[r] = sp.top_k, sp.seed
+            sp, sampling = c.sampling, rows.sampling
+            sampling.temperature[r], sampling.top_p[r] = sp.temperature, sp.top_p
+            sampling.top_k[r], sampling.seed[r] = sp.top_k, sp.seed
             if c.token_bitmask is not None:
-                rows.token_bitmask[r] = c.token_bitmask
+                sampling.token_bitmask[r] = c.token_bitmask
             if c.token_types is not None:
                 rows.token_types[r, : len(c.token_ids)] = c.token_types
                 rows.span_embeds[r, : len(c.token_ids)] = c.span_embeds
@@ -510,8 +514,7 @@ class JaxEngine:
                 DecodeBatch(
                     token_ids=tokens, positions=positions, active=active,
                     page_tables=np.zeros((S, spec.pages_per_slot), np.int32),
-                    temperature=np.zeros(S, np.float32), top_p=np.ones(S, np.float32),
-                    top_k=np.zeros(S, np.int32), seed=np.zeros(S, np.uint32),
+                    sampling=SamplingBatch.broadcast(S),
                 )
             )  # fmt: skip
         self.release(0)
@@ -549,8 +552,7 @@ class JaxEngine:
         tokens = np.full(size, self.cfg.pad_token_id, np.int32)
         self._decode_rows(
             slots, tokens, np.zeros(size, np.int32), np.zeros(size, bool),
-            np.zeros((size, pages), np.int32), np.zeros(size, np.float32),
-            np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
+            np.zeros((size, pages), np.int32), SamplingBatch.broadcast(size),
         )  # fmt: skip
         for s in slots:  # idle rows moved no history, but the slots are free: leave them fresh
             self.engine.reset_history(int(s))
@@ -563,22 +565,20 @@ class JaxEngine:
         self._speculative_rows(
             slots, np.full(size, self.cfg.pad_token_id, np.int32), np.zeros((size, width), np.int32),
             np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, bool),
-            np.zeros((size, pages), np.int32), np.zeros(size, np.float32),
-            np.ones(size, np.float32), np.zeros(size, np.int32), np.zeros(size, np.uint32),
-            np.full((size, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32),
+            np.zeros((size, pages), np.int32),
+            SamplingBatch.broadcast(
+                size, token_bitmask=np.full((size, width + 1, mask_words(self.cfg.vocab_size)), -1, np.int32)
+            ),
         )  # fmt: skip
         for s in slots:
             self.engine.reset_history(int(s))
 
-    def _speculative_rows(
-        self, slots, tokens, drafts, n_drafts, positions, active, page_tables, temperature, top_p, top_k,
-        seed, token_bitmask,
-    ):  # fmt: skip
+    def _speculative_rows(self, slots, tokens, drafts, n_drafts, positions, active, page_tables, sampling):
         """The speculative program of drafts' width over the rows `slots` (host results)."""
         with self._counter.watch():
             return self.engine.speculative_decode(
-                slots, tokens, drafts, n_drafts, positions, active, page_tables, temperature, top_p,
-                top_k, seed, max_logprobs=self.max_logprobs, token_bitmask=token_bitmask,
+                slots, tokens, drafts, n_drafts, positions, active, page_tables, sampling,
+                max_logprobs=self.max_logprobs,
             )  # fmt: skip
 
     def kv_fingerprint(self) -> bytes:
@@ -746,9 +746,8 @@ class JaxEngine:
         long-prompt one, `long_prefill_step` tokens per forward instead of a page)."""
         with self._counter.watch():
             return self.engine.prefill_batch(
-                rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.temperature,
-                rows.top_p, rows.top_k, rows.seed, max_logprobs=self.max_logprobs,
-                token_bitmask=rows.token_bitmask, token_types=rows.token_types, span_embeds=rows.span_embeds,
+                rows.slots, rows.tokens, rows.n, rows.start, rows.page_tables, rows.sampling,
+                max_logprobs=self.max_logprobs, token_types=rows.token_types, span_embeds=rows.span_embeds,
                 decoder_from=rows.decoder_from, window_floor=rows.window_floor, write_from=rows.write_from,
                 step_tokens=self.long_prefill_step if long else None,
             )  # fmt: skip
@@ -772,9 +771,9 @@ class JaxEngine:
         if np.shape(batch.page_tables) != tables:
             raise ValueError(f"page_tables shape {np.shape(batch.page_tables)}, expected {tables}")
         w = mask_words(self.cfg.vocab_size)
-        if batch.token_bitmask is not None and np.shape(batch.token_bitmask) != (len(active), w):
-            shape = np.shape(batch.token_bitmask)
-            raise ValueError(f"token_bitmask shape {shape}, expected {(len(active), w)}")
+        mask = batch.sampling.token_bitmask
+        if mask is not None and np.shape(mask) != (len(active), w):
+            raise ValueError(f"token_bitmask shape {np.shape(mask)}, expected {(len(active), w)}")
         # Inactive rows run with length 0 (nothing is written); their inputs only need to be valid.
         positions = np.where(active, positions, 0).astype(np.int32)
         tokens = np.where(active, tokens, self.cfg.pad_token_id).astype(np.int32)
@@ -788,10 +787,7 @@ class JaxEngine:
         self.decode_widths_used[pages] += 1
         out = self._decode_rows(
             slots, tokens[slots], positions[slots], active[slots],
-            take(batch.page_tables, np.int32)[:, :pages],
-            take(batch.temperature, np.float32),
-            take(batch.top_p, np.float32), take(batch.top_k, np.int32), take(batch.seed, np.uint32),
-            None if batch.token_bitmask is None else take(batch.token_bitmask, np.int32),
+            take(batch.page_tables, np.int32)[:, :pages], _rows_of(batch.sampling, slots),
         )  # fmt: skip
         self._pos[active] += 1
         return _PendingDecode(out, slots, len(active))
@@ -816,10 +812,8 @@ class JaxEngine:
         if np.shape(batch.page_tables) != (S, spec.pages_per_slot):
             shape = np.shape(batch.page_tables)
             raise ValueError(f"page_tables shape {shape}, expected {(S, spec.pages_per_slot)}")
-        mask = batch.token_bitmask
-        if mask is None:
-            mask = np.full((S, width + 1, W), -1, np.int32)
-        elif np.shape(mask) != (S, width + 1, W):
+        mask = batch.sampling.token_bitmask
+        if mask is not None and np.shape(mask) != (S, width + 1, W):
             raise ValueError(f"token_bitmask shape {np.shape(mask)}, expected {(S, width + 1, W)}")
         positions = np.where(active, positions, 0).astype(np.int32)
         tokens = np.where(active, np.asarray(batch.token_ids, np.int32), self.cfg.pad_token_id)
@@ -831,9 +825,7 @@ class JaxEngine:
         out = self._speculative_rows(
             slots, tokens[slots].astype(np.int32), take(batch.drafts, np.int32),
             n_drafts[slots].astype(np.int32), positions[slots], active[slots],
-            take(batch.page_tables, np.int32)[:, :pages],
-            take(batch.temperature, np.float32), take(batch.top_p, np.float32), take(batch.top_k, np.int32),
-            take(batch.seed, np.uint32), take(mask, np.int32),
+            take(batch.page_tables, np.int32)[:, :pages], _rows_of(batch.sampling, slots),
         )  # fmt: skip
         full = []
         for a in out:
@@ -869,18 +861,14 @@ class JaxEngine:
         compiled width that holds it (module docstring)."""
         return _bucket(last_position // self.page_size + 1, self.context_pages)
 
-    def _decode_rows(
-        self, slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
-        token_bitmask=None,
-    ):  # fmt: skip
+    def _decode_rows(self, slots, tokens, positions, active, page_tables, sampling: SamplingBatch):
         """The decode program over the rows `slots` (one compiled program per batch size), dispatched
         (outputs on the device); idle rows (active False) write nothing and keep their history. A
         None token_bitmask is all ones (the same program)."""
         with self._counter.watch():
             return self.engine.dispatch_decode(
-                slots, tokens, positions, active, page_tables, temperature, top_p, top_k, seed,
-                max_logprobs=self.max_logprobs, token_bitmask=token_bitmask,
-            )  # fmt: skip
+                slots, tokens, positions, active, page_tables, sampling, max_logprobs=self.max_logprobs
+            )
 
     def release(self, slot: int) -> None:
         self._pos[slot] = -1

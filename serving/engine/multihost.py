@@ -30,6 +30,7 @@ distributed runtime reports a dead peer to us instead of terminating the survivi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -38,6 +39,8 @@ from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
+
+from ced_jax.engine.batch import ImageInputs, SamplingBatch
 
 log = logging.getLogger("ced_jax.multihost")
 
@@ -51,9 +54,14 @@ _STOP = "__stop__"
 
 
 # ------------------------------------------------------------------------------------------ encoding
+# The typed inputs of the engine's calls (`ced_jax.engine.batch`), sent field by field.
+BATCH_TYPES = {cls.__name__: cls for cls in (SamplingBatch, ImageInputs)}
+
+
 def encode(obj) -> bytes:
     """A call's arguments (None, bool, int, float, str, lists, tuples, dicts with str keys, numpy
-    arrays and scalars) as bytes: a JSON header, then the arrays' raw bytes."""
+    arrays and scalars, and the engine's batch types holding those) as bytes: a JSON header, then the
+    arrays' raw bytes."""
     blobs: list[bytes] = []
 
     def walk(x):
@@ -76,6 +84,9 @@ def encode(obj) -> bytes:
             if not all(isinstance(k, str) for k in x):
                 raise TypeError("multihost.encode: dict keys must be str")
             return {"d": {k: walk(v) for k, v in x.items()}}
+        if type(x).__name__ in BATCH_TYPES and isinstance(x, BATCH_TYPES[type(x).__name__]):
+            fields = {f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            return {"b": type(x).__name__, "f": fields}
         raise TypeError(f"multihost.encode: cannot send a {type(x).__name__}")
 
     header = json.dumps(walk(obj)).encode()
@@ -110,6 +121,8 @@ def decode(data: bytes):
             return [build(v) for v in x["l"]]
         if "t" in x:
             return tuple(build(v) for v in x["t"])
+        if "b" in x:
+            return BATCH_TYPES[x["b"]](**{k: build(v) for k, v in x["f"].items()})
         return {k: build(v) for k, v in x["d"].items()}
 
     return build(tree)

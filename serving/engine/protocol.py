@@ -101,6 +101,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ced_jax.engine.batch import SamplingBatch
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -289,11 +291,9 @@ class DecodeBatch:
     token_ids: np.ndarray  # i32[S], the last token of each sequence
     positions: np.ndarray  # i32[S], absolute position of token_ids; the new token lands at +1
     page_tables: np.ndarray  # i32[S, pages_per_slot]
-    temperature: np.ndarray  # f32[S]
-    top_p: np.ndarray  # f32[S]
-    top_k: np.ndarray  # i32[S]
-    seed: np.ndarray  # u32[S]
-    token_bitmask: np.ndarray | None = None  # i32[S, W] (with drafts [S, w + 1, W]); None = all ones
+    # Each row's temperature, top_p, top_k, seed [S] and token_bitmask i32[S, W] (with drafts
+    # [S, w + 1, W]; None = all ones), numpy: what the engine's programs take, as they take it.
+    sampling: SamplingBatch
     # Speculative decoding (module docstring): both or neither; None = a plain decode step.
     drafts: np.ndarray | None = None  # i32[S, w], w in EngineSpec.dspark_widths
     n_drafts: np.ndarray | None = None  # i32[S], 0..w: how many of a row's drafts to verify

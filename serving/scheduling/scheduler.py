@@ -130,6 +130,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ced_jax.engine.batch import SamplingBatch
 from ced_jax.options import PREFILL_MODES
 from serving.config import ServeConfig
 from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
@@ -320,11 +321,12 @@ class Scheduler:
         self._free_slots = list(range(S))
         self._tokens = np.zeros(S, np.int32)
         self._positions = np.zeros(S, np.int32)
-        self._temperature = np.zeros(S, np.float32)
-        self._top_p = np.ones(S, np.float32)
-        self._top_k = np.zeros(S, np.int32)
-        self._seed = np.zeros(S, np.uint32)
-        self._bitmask = np.full((S, mask_words(spec.vocab_size)), -1, np.int32)  # all ones = unconstrained
+        # Each slot's sampling parameters and next token's mask (all ones = unconstrained): the rows of
+        # every decode step's `SamplingBatch`.
+        self._sampling = SamplingBatch.broadcast(
+            S, token_bitmask=np.full((S, mask_words(spec.vocab_size)), -1, np.int32)
+        )
+        self._bitmask = self._sampling.token_bitmask
         self._masks_due: list[_Seq] = []  # constrained requests whose row needs their next token's mask
         # DSpark: the draft widths usable at K = config.dspark, and each slot's drafts for its next
         # step (the previous step's next_drafts; `_draft_count` 0 = none yet, right after prefill).
@@ -751,11 +753,9 @@ class Scheduler:
             seq.segment_from = seq.generated
             seq.admissions += 1
             seq.parent_key = restored[-1] if restored else entries[-1].key if entries else ROOT_KEY
-            sp = seq.req.sampling
-            self._temperature[slot] = sp.temperature
-            self._top_p[slot] = sp.top_p
-            self._top_k[slot] = sp.top_k
-            self._seed[slot] = sp.seed
+            sp, rows = seq.req.sampling, self._sampling
+            rows.temperature[slot], rows.top_p[slot] = sp.temperature, sp.top_p
+            rows.top_k[slot], rows.seed[slot] = sp.top_k, sp.seed
             self._fill_mask(seq)  # the first token's
             self._prefilling.append(seq)
             if seq.admissions > 1:  # a yielded request back for its next segment
@@ -1021,13 +1021,16 @@ class Scheduler:
             token_ids=self._tokens.copy(),
             positions=self._positions.copy(),
             page_tables=self.page_tables.copy(),
-            temperature=self._temperature.copy(),
-            top_p=self._top_p.copy(),
-            top_k=self._top_k.copy(),
-            seed=self._seed.copy(),
-            token_bitmask=self._bitmask.copy(),
+            sampling=self._sampling_rows(self._bitmask.copy()),
         )
         return active, self._dispatched(self.engine.decode_async(batch)), None
+
+    def _sampling_rows(self, token_bitmask: np.ndarray | None) -> SamplingBatch:
+        """A copy of every slot's sampling parameters, with this step's token masks."""
+        rows = self._sampling
+        return SamplingBatch(
+            rows.temperature.copy(), rows.top_p.copy(), rows.top_k.copy(), rows.seed.copy(), token_bitmask
+        )
 
     def _plan_drafts(self, active: np.ndarray) -> tuple[int, np.ndarray]:
         """(width, n_drafts [S]) of a speculative step: each active row's drafts to verify (module
@@ -1072,11 +1075,7 @@ class Scheduler:
             token_ids=self._tokens.copy(),
             positions=self._positions.copy(),
             page_tables=self.page_tables.copy(),
-            temperature=self._temperature.copy(),
-            top_p=self._top_p.copy(),
-            top_k=self._top_k.copy(),
-            seed=self._seed.copy(),
-            token_bitmask=bitmask,
+            sampling=self._sampling_rows(bitmask),
             drafts=drafts,
             n_drafts=np.where(active, n_drafts, 0).astype(np.int32),
         )

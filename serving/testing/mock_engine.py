@@ -332,10 +332,9 @@ class MockEngine:
         self.max_active_seen = max(self.max_active_seen, int(np.sum(batch.active)))
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        mask = self._all_ones(S) if batch.token_bitmask is None else np.asarray(batch.token_bitmask, np.int32)
-        return self._sample(
-            logits, batch.positions + 1, batch.temperature, batch.top_p, batch.top_k, batch.seed, mask
-        )
+        sp = batch.sampling
+        mask = self._all_ones(S) if sp.token_bitmask is None else np.asarray(sp.token_bitmask, np.int32)
+        return self._sample(logits, batch.positions + 1, sp.temperature, sp.top_p, sp.top_k, sp.seed, mask)
 
     def _speculative(self, batch: DecodeBatch) -> DecodeResult:
         spec = self._spec
@@ -344,7 +343,8 @@ class MockEngine:
             raise ValueError(f"draft width {w} is not one of the engine's {spec.dspark_widths}")
         drafts, n_drafts = np.asarray(batch.drafts, np.int32), np.asarray(batch.n_drafts, np.int32)
         W = mask_words(spec.vocab_size)
-        masks = batch.token_bitmask
+        sp = batch.sampling
+        masks = sp.token_bitmask
         if masks is not None and np.shape(masks) != (S, w + 1, W):
             raise ValueError(f"token_bitmask shape {np.shape(masks)}, expected {(S, w + 1, W)}")
         out_tok = np.zeros((S, w + 1), np.int32)
@@ -371,8 +371,8 @@ class MockEngine:
                 logits = self._logits_for(s, batch.page_tables[s], pos + j + 1)[None]
                 mask = self._all_ones(1) if masks is None else np.asarray(masks[s, j], np.int32)[None]
                 r = self._sample(
-                    logits, np.array([pos + j + 1]), batch.temperature[s : s + 1], batch.top_p[s : s + 1],
-                    batch.top_k[s : s + 1], batch.seed[s : s + 1], mask,
+                    logits, np.array([pos + j + 1]), sp.temperature[s : s + 1], sp.top_p[s : s + 1],
+                    sp.top_k[s : s + 1], sp.seed[s : s + 1], mask,
                 )  # fmt: skip
                 out_tok[s, j], out_lp[s, j] = r.token_ids[0], r.logprobs[0]
                 out_ids[s, j], out_tlp[s, j] = r.top_ids[0], r.top_logprobs[0]

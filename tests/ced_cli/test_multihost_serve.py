@@ -11,6 +11,7 @@ barrier after every executable built inside a step handed to all processes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ced_jax.engine import SamplingBatch
 from serving import client
 from serving.engine import multihost
 from tests.conftest import REPO
@@ -221,6 +223,8 @@ class _Recorder:
 
 
 def _same(a, b) -> bool:
+    if dataclasses.is_dataclass(a) or dataclasses.is_dataclass(b):
+        return type(a) is type(b) and _same(dataclasses.astuple(a), dataclasses.astuple(b))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, (list, tuple)):
@@ -234,9 +238,10 @@ def test_the_followers_make_the_leaders_calls_with_the_same_inputs():
     queue, leader_side, follower_side = _Queue(), _Recorder(), _Recorder()
     leader = multihost.LeaderProxy(leader_side, queue)
     rng = np.random.default_rng(0)
+    sampling = SamplingBatch.broadcast(4, temperature=rng.random(4), seed=7, token_bitmask=None)
     args = (np.arange(4, dtype=np.int32), rng.integers(0, 512, 4).astype(np.int32), np.zeros(4, bool),
-            rng.random((4, 3)).astype(np.float32).T, np.uint32(7), 0.5, None)  # fmt: skip
-    assert leader.dispatch_decode(*args, max_logprobs=5, token_bitmask=None) == "device outputs"
+            rng.random((4, 3)).astype(np.float32).T, np.uint32(7), 0.5, None, sampling)  # fmt: skip
+    assert leader.dispatch_decode(*args, max_logprobs=5) == "device outputs"
     leader.reset_history(2, np.arange(3, dtype=np.int64))
     forced = {"swa": rng.random((2, 8)).astype(np.float16), "groups": [np.int64(3), (1, 2.0)]}
     leader.step(np.arange(3, dtype=np.int32), forced=forced)

@@ -23,7 +23,7 @@ import pytest
 
 import ced_jax
 from ced_jax.api import prefill_split
-from ced_jax.engine import Engine, StateShapes
+from ced_jax.engine import Engine, SamplingBatch, StateShapes
 
 
 def _log_softmax(x):
@@ -95,8 +95,7 @@ def _engine_prefill(model, ids, decoder_from):
     tables = np.arange(2 * context // page, dtype=np.int32).reshape(2, -1)
     out = engine.prefill_batch(
         np.array([0, 1], np.int32), tokens, one(len(ids), np.int32), one(0, np.int32), tables,
-        one(0.0, np.float32), one(1.0, np.float32), one(0, np.int32), one(0, np.uint32),
-        max_logprobs=5, decoder_from=one(decoder_from, np.int32),
+        SamplingBatch.broadcast(2), max_logprobs=5, decoder_from=one(decoder_from, np.int32),
     )  # fmt: skip
     return engine, out
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ced_jax
-from ced_jax.engine import Engine, StateShapes, replay_tokens
+from ced_jax.engine import Engine, SamplingBatch, StateShapes, replay_tokens
 
 PAGE = 16
 WIDTH = 160  # every prefill call is padded to this (one program for all of them)
@@ -40,8 +40,7 @@ def _prefill(engine, slot, tokens, start, n, table, **kw):
     per_row = {k: row(v, np.int32) for k, v in kw.items()}
     out = engine.prefill_batch(
         np.array([slot, other], np.int32), padded, row(n, np.int32), row(start, np.int32), tables,
-        row(0.0, np.float32), row(1.0, np.float32), row(0, np.int32), row(0, np.uint32),
-        max_logprobs=5, **per_row,
+        SamplingBatch.broadcast(2), max_logprobs=5, **per_row,
     )  # fmt: skip
     return [np.asarray(a)[0] for a in out]
 
@@ -52,8 +51,7 @@ def _decode(engine, slot, token, table):
     for i in range(DECODE):
         out = engine.decode(
             np.array([slot], np.int32), np.array([token], np.int32), np.array([PROMPT + i], np.int32),
-            np.array([True]), table[None], np.zeros(1, np.float32), np.ones(1, np.float32),
-            np.zeros(1, np.int32), np.zeros(1, np.uint32), max_logprobs=5,
+            np.array([True]), table[None], SamplingBatch.broadcast(1), max_logprobs=5,
         )  # fmt: skip
         steps.append([np.asarray(a)[0] for a in out])
         token = int(steps[-1][0])

@@ -20,7 +20,7 @@ import pytest
 
 import ced_jax
 from ced_jax import cache as cache_lib
-from ced_jax.engine import Engine, StateShapes
+from ced_jax.engine import Engine, SamplingBatch, StateShapes
 from ced_jax.sampling import draft_token, filter_logits, speculative_sample
 
 
@@ -234,7 +234,7 @@ def test_engine_refuses_without_stages(model):
     with pytest.raises(ValueError, match="dspark=True"):
         engine.speculative_decode(
             [0], [1], np.zeros((1, 2), np.int32), [0], [0], [True], np.zeros((1, 8), np.int32),
-            [0.0], [1.0], [0], [0], max_logprobs=0,
+            SamplingBatch.broadcast(1), max_logprobs=0,
         )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from ced_jax import cache as cache_lib
 from ced_jax.api import load
-from ced_jax.engine import Engine, StateShapes
+from ced_jax.engine import Engine, SamplingBatch, StateShapes
 
 PAGE = 16
 ROWS = 2
@@ -62,8 +62,7 @@ def _prefill(engine: Engine, tokens, n, *, types=None, spans=None, max_logprobs=
     page_tables = cache_lib.contiguous_page_tables(ROWS, engine.shapes.pages_per_slot)
     out = engine.prefill_batch(
         np.arange(ROWS), tokens, n, np.zeros(ROWS, np.int32), page_tables,
-        np.zeros(ROWS, np.float32), np.ones(ROWS, np.float32), np.zeros(ROWS, np.int32),
-        np.zeros(ROWS, np.uint32), max_logprobs=max_logprobs, token_types=types, span_embeds=spans,
+        SamplingBatch.broadcast(ROWS), max_logprobs=max_logprobs, token_types=types, span_embeds=spans,
     )  # fmt: skip
     return jax.device_get(out)
 

@@ -17,6 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from ced_jax.api import ASSETS
+from ced_jax.engine import SamplingBatch
 from ced_jax.sampling import jitted_sample
 from serving.constraints import ConstraintError, ConstraintTokenizer, OutputConstraint, constraint_from_proto
 from serving.proto import ced_pb2
@@ -488,8 +489,7 @@ def test_mock_engine_applies_the_masks():
             active=np.ones(2, bool), token_ids=np.array([free, 200], np.int32),
             positions=np.array([3, 3], np.int32),
             page_tables=np.stack([np.arange(4), np.arange(4, 8)]).astype(np.int32),
-            temperature=np.zeros(2, np.float32), top_p=np.ones(2, np.float32), top_k=np.zeros(2, np.int32),
-            seed=np.zeros(2, np.uint32), token_bitmask=mask,
+            sampling=SamplingBatch.broadcast(2, token_bitmask=mask),
         )
     )  # fmt: skip
     assert out.token_ids[1] == 200 and out.token_ids[0] != 200

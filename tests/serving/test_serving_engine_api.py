@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from ced_jax.engine import SamplingBatch
 from serving.config import ServeConfig
 from serving.engine.protocol import (
     CompileCounter,
@@ -135,8 +136,7 @@ def test_mock_engine_enforces_the_contract():
         engine.prefill(chunk(4, 4))
     batch = DecodeBatch(
         active=np.array([True, False]), token_ids=np.zeros(2, np.int32), positions=np.array([8, 0], np.int32),
-        page_tables=np.stack([pt, pt]), temperature=np.zeros(2, np.float32), top_p=np.ones(2, np.float32),
-        top_k=np.zeros(2, np.int32), seed=np.zeros(2, np.uint32),
+        page_tables=np.stack([pt, pt]), sampling=SamplingBatch.broadcast(2),
     )  # fmt: skip
     with pytest.raises(ValueError, match="has not finished prefill"):
         engine.decode(batch)

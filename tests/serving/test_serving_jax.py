@@ -33,6 +33,7 @@ import ced_jax
 from ced_jax import cache as cache_lib
 from ced_jax.api import describe
 from ced_jax.config import preset
+from ced_jax.engine import SamplingBatch
 from serving import client
 from serving.config import ServeConfig
 from serving.engine.jax_engine import JaxEngine, ModelTokenizer
@@ -190,8 +191,7 @@ def test_engine_prefill_and_decode_match_the_dense_model(engine, model):
             pos[slot] = len(prompt) + step
             res = engine.decode(DecodeBatch(
                 active=active, token_ids=ids, positions=pos, page_tables=tables,
-                temperature=np.zeros(SLOTS, np.float32), top_p=np.ones(SLOTS, np.float32),
-                top_k=np.zeros(SLOTS, np.int32), seed=np.zeros(SLOTS, np.uint32),
+                sampling=SamplingBatch.broadcast(SLOTS),
             ))  # fmt: skip
             toks.append(res.row(slot))
     finally:
@@ -237,8 +237,7 @@ def _decode_steps(engine, streams: dict[int, tuple[int, list]], steps: int, page
             active[s], ids[s], pos[s] = True, toks[-1].token_id, n + len(toks) - 1
         res = engine.decode(DecodeBatch(
             active=active, token_ids=ids, positions=pos, page_tables=tables,
-            temperature=np.zeros(SLOTS, np.float32), top_p=np.ones(SLOTS, np.float32),
-            top_k=np.zeros(SLOTS, np.int32), seed=np.zeros(SLOTS, np.uint32),
+            sampling=SamplingBatch.broadcast(SLOTS),
         ))  # fmt: skip
         for s, (_, toks) in streams.items():
             toks.append(res.row(s))
@@ -617,8 +616,7 @@ def test_compile_counter_sees_a_call_that_needs_a_new_program(model, engine):
     def idle_batch(pages: int) -> DecodeBatch:
         return DecodeBatch(
             active=np.zeros(S, bool), token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
-            page_tables=np.zeros((S, pages), np.int32), temperature=np.zeros(S, np.float32),
-            top_p=np.ones(S, np.float32), top_k=np.zeros(S, np.int32), seed=np.zeros(S, np.uint32),
+            page_tables=np.zeros((S, pages), np.int32), sampling=SamplingBatch.broadcast(S),
         )  # fmt: skip
 
     small.decode(idle_batch(P))  # the warmed-up shapes: no compile
