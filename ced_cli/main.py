@@ -388,7 +388,7 @@ def _check_serve_options(args) -> None:
         ("--max-running", args.max_running, 1),
         ("--max-queued", args.max_queued, 0),
         ("--max-tokens-limit", args.max_tokens_limit, 1),
-        ("--grace-period", args.grace_period, 0.0),
+        ("--grace-period", args.grace_period_s, 0.0),
     )
     for flag, value, minimum in at_least:
         _check_at_least(flag, value, minimum)
@@ -700,7 +700,7 @@ def _http_limits(args):
         _check_at_least("--http-max-body-bytes", args.http_max_body_bytes, 1)
     _check_at_least("--max-effort-concurrent", args.max_effort_concurrent, 1)
     _check_at_least("--max-effort-queue", args.max_effort_queue, 0)
-    _check_at_least("--http-keepalive", args.http_keepalive, 0.0)
+    _check_at_least("--http-keepalive", args.http_keepalive_s, 0.0)
     return AdmissionLimits(
         max_concurrent=args.http_max_concurrent,
         max_tier_concurrent=args.max_effort_concurrent,
@@ -755,25 +755,13 @@ def _image_options(args) -> dict:
         max_bytes_per_identity=args.files_max_bytes_per_identity,
         ttl_s=args.files_ttl,
     )
-    return dict(
-        feature_cache_bytes=args.feature_cache_bytes,
-        max_images_per_request=args.max_images_per_request,
-        max_image_bytes=args.max_image_bytes,
-        http_files=files,
-        http_image_fetch=fetch,
-    )
+    return dict(http_files=files, http_image_fetch=fetch)
 
 
 def _check_port_option(option: str, port: int, off: int | None = None) -> None:
     if port != off and not 0 <= port <= 65535:
         also = "" if off is None else f", or {off} (off)"
         raise ValueError(f"{option} must be in 0..65535 (0: any free port){also}, got {port}")
-
-
-def _dspark_options(args) -> dict:
-    """ServeConfig's speculative decoding fields from `serve`'s --dspark / --dspark-confidence
-    (ServeConfig checks them, naming the flags; JaxEngine checks K against the model)."""
-    return {"dspark": args.dspark, "dspark_confidence": args.dspark_confidence}
 
 
 def _serve_config(args):
@@ -807,47 +795,22 @@ def _serve_config(args):
         _check_at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     chunk = args.prefill_chunk
     config = ServeConfig(
-        max_slots=args.max_slots,
-        page_size=args.page_size,
-        num_pages=args.num_pages,  # None: ServeConfig's default for these shapes
+        **_config_values(args),
         max_context=args.max_context,
         prefill_buckets=(chunk,),
         prefill_rows=_prefill_rows(args),  # None: ServeConfig's default for these shapes
-        batch_invariant=args.batch_invariant,
-        overlap_schedule=args.overlap_schedule,
         decode_context_buckets=_context_buckets(args),  # likewise
-        prefill_token_budget=args.prefill_token_budget,
-        long_prefill_chunk=args.long_prefill_chunk,  # None: ServeConfig's default for this context
-        long_prefill_step=args.long_prefill_step,
-        max_running=args.max_running,
-        max_queued=args.max_queued,
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(_serve_defaults().default_max_tokens, args.max_tokens_limit),
-        max_prompt_bytes=args.max_prompt_bytes,
-        max_tokenize_bytes=args.max_tokenize_bytes,
-        prepare_workers=args.prepare_workers,
-        image_fetch_workers=args.image_fetch_workers,
-        tokenize_workers=args.tokenize_workers,
         enable_prefix_cache=not args.no_prefix_cache,
-        kv_host_bytes=args.kv_host_bytes,
-        kv_disk_dir=args.kv_disk_dir,
-        kv_disk_bytes=args.kv_disk_bytes,
         prefill_mode=args.prefill_mode,
-        decode_segment_tokens=args.decode_segment_tokens,
-        **_dspark_options(args),
         api_keys=api_keys,
-        share_prefix_cache=args.shared_prefix_cache,
-        host=args.host,
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.host,
         http_port=None if args.http_port <= 0 else args.http_port,
-        http_host=args.http_host,
         http_models=_http_models(args),
         http_limits=_http_limits(args),
-        http_max_body_bytes=args.http_max_body_bytes,
-        http_keepalive_s=args.http_keepalive,
-        grace_period_s=args.grace_period,
         **_image_options(args),
     )  # validates the shapes before anything is loaded
     # Before the model loads: a busy, unwritable or foreign directory fails at once.
@@ -1207,17 +1170,42 @@ def _add_train_draft_parser(sub) -> None:
     p.set_defaults(func=cmd_train_draft)
 
 
+def _add_config_flags(groups: dict) -> None:
+    """One flag per `ServeConfig` field that declares one (`serving.config.Flag`): its name, help,
+    section and metavar from the declaration, its type and default from the field; the value lands
+    under the field's name (`_config_values`)."""
+    from serving.config import serve_flags
+
+    for field, flag in serve_flags():
+        kind = field.type.replace(" | None", "")
+        kw = {"dest": field.name, "default": field.default, "help": flag.help}
+        if flag.metavar:
+            kw["metavar"] = flag.metavar
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+        else:
+            kw["type"] = {"int": int, "float": float, "str": str}[kind]
+        groups[flag.group].add_argument(flag.name, **kw)
+
+
+def _config_values(args) -> dict:
+    """The `ServeConfig` fields the serve flags set directly (`_add_config_flags`)."""
+    from serving.config import serve_flags
+
+    return {field.name: getattr(args, field.name) for field, _ in serve_flags()}
+
+
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
     """The flags of `serve`, shared by `compile` (the same flags build the same programs)."""
     p.add_argument("model", help="preset name (tiny) or checkpoint directory")
-    from serving.config import LONG_PREFILL_CHUNK
+    from serving.config import ADMISSION, FLAG_GROUPS, IMAGES, SCHEDULING, SERVER, SHAPES, TENANTS
 
     serve = _serve_defaults()  # every default below is ServeConfig's (serving/config.py)
-    g = p.add_argument_group("shapes (static: compiled at start-up)")
-    g.add_argument(
-        "--max-slots", type=int, default=serve.max_slots, help="concurrent sequences in the decode batch"
-    )
-    g.add_argument("--page-size", type=int, default=serve.page_size, help="tokens per KV page")
+    groups = {name: p.add_argument_group(name) for name in FLAG_GROUPS}
+    _add_config_flags(groups)
+    # The flags that set a field in a form of their own ("auto", a list, another unit) or several
+    # fields together.
+    g = groups[SHAPES]
     g.add_argument(
         "--max-context",
         type=_int_or_auto("--max-context"),
@@ -1225,9 +1213,6 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="prompt + generated tokens per request; auto: the largest the KV pool holds for --max-slots "
         "sequences (an accelerator's memory to 90 %% after weights and activations, on CPU 256 MiB of KV, "
         "or --num-pages), at most the model's own context",
-    )
-    g.add_argument(
-        "--num-pages", type=int, help="KV pages in the buffer (default: max-slots x max-context / page-size)"
     )
     g.add_argument(
         "--prefill-chunk", type=int, default=max(serve.prefill_buckets), help="prompt tokens per prefill call"
@@ -1240,23 +1225,6 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         "--no-batch-invariant) trade that for less padding",
     )
     g.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=serve.batch_invariant,
-        help="guarantee that a request's tokens and log-probabilities are bit-identical whatever else "
-        "is batched with it: decode runs at least 8 rows and prefill at one row count, padded (default: "
-        "on). --no-batch-invariant runs decode and prefill at the batch in use (a lone stream at 1 row: "
-        "faster, its output may change in the last bits with its neighbours)",
-    )
-    g.add_argument(
-        "--overlap-schedule",
-        action=argparse.BooleanOptionalAction,
-        default=serve.overlap_schedule,
-        help="dispatch the next decode step as soon as a step's tokens are on the host, and handle "
-        "them (text, stop strings, events) and admit new requests while the device runs it (default: "
-        "on). A request ended by a stop string costs its row one dropped step",
-    )
-    g.add_argument(
         "--decode-context-buckets",
         metavar="TOKENS",
         help="page-table widths of the compiled prefill and decode programs, in tokens, ascending "
@@ -1265,67 +1233,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         "not --max-context (same tokens at every width). Default: 8192 and x8 from there below "
         "--max-context; each width is another set of compiled programs",
     )
-    g = p.add_argument_group("scheduling")
+    g = groups[SCHEDULING]
     _add_prefill_mode_option(g, serve.prefill_mode, per_request=True)
-    g.add_argument(
-        "--prefill-token-budget",
-        type=int,
-        help="prompt tokens prefilled per step beside the running decodes, summed over requests "
-        "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up streams. "
-        "With no stream decoding a step takes a full --prefill-chunk for every row",
-    )
-    g.add_argument(
-        "--long-prefill-chunk",
-        type=int,
-        metavar="TOKENS",
-        help="with no stream decoding, a prompt with more than --prefill-chunk tokens left goes in alone, "
-        "this many tokens per step, through a one-row program of --long-prefill-step tokens per forward "
-        f"(same tokens, several times the speed); 0: off (default: {LONG_PREFILL_CHUNK} when --max-context "
-        f"is at least {4 * LONG_PREFILL_CHUNK}, else 0; one more compiled program per context width)",
-    )
-    g.add_argument(
-        "--long-prefill-step",
-        type=int,
-        default=serve.long_prefill_step,
-        metavar="TOKENS",
-        help="tokens per forward of the long-prompt program, a multiple of --page-size "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--decode-segment-tokens",
-        type=int,
-        default=serve.decode_segment_tokens,
-        metavar="N",
-        help="a request that has generated N tokens since it got its slot yields the slot when others "
-        "wait, and queues again to go on where it stopped (same tokens; its context comes back from "
-        "the prefix cache); 0: off (default: %(default)s)",
-    )
-    g.add_argument(
-        "--dspark",
-        type=int,
-        default=serve.dspark,
-        metavar="K",
-        help="DSpark speculative decoding: draft tokens verified per decode step, at most the model's "
-        "dspark_block_size (0: off; needs a checkpoint with DSpark draft stages); greedy output is "
-        "unchanged, only the number of decode steps falls",
-    )
-    g.add_argument(
-        "--dspark-confidence",
-        type=float,
-        default=serve.dspark_confidence,
-        metavar="T",
-        help="with --dspark: each row verifies the longest prefix of its drafts whose product of "
-        "estimated acceptance (sigmoid of the confidence head) stays >= T, at least one; every width "
-        "1..K is compiled and a step runs the narrowest that holds its rows (default: off, K drafts)",
-    )
-    g = p.add_argument_group("admission")
-    g.add_argument("--max-running", type=int, help="requests holding a slot (default: --max-slots)")
-    g.add_argument(
-        "--max-queued",
-        type=int,
-        default=serve.max_queued,
-        help="waiting requests; beyond: RESOURCE_EXHAUSTED",
-    )
+    g = groups[ADMISSION]
     g.add_argument(
         "--max-tokens-limit",
         type=_int_or_auto("--max-tokens-limit"),
@@ -1333,51 +1243,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="largest accepted max_tokens; auto: --max-context",
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
-    g.add_argument(
-        "--kv-host-bytes",
-        type=int,
-        default=serve.kv_host_bytes,
-        metavar="BYTES",
-        help="host memory for prefix-cache blocks evicted from the device (LRU; they come back on a hit "
-        "instead of being recomputed; 0: off)",
-    )
-    g.add_argument(
-        "--kv-disk-dir",
-        default=serve.kv_disk_dir,
-        metavar="DIR",
-        help="a directory for blocks pushed off the host tier (atomic checksummed files, kept across "
-        "restarts; blocks of another model or config are deleted); needs --kv-disk-bytes",
-    )
-    g.add_argument(
-        "--kv-disk-bytes", type=int, default=serve.kv_disk_bytes, metavar="BYTES",
-        help="the disk tier's budget (LRU)",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-prompt-bytes",
-        type=int,
-        default=serve.max_prompt_bytes,
-        help="largest text prompt (UTF-8 bytes) of Generate",
-    )
-    g.add_argument(
-        "--max-tokenize-bytes",
-        type=int,
-        default=serve.max_tokenize_bytes,
-        help="largest text (UTF-8 bytes) of Tokenize",
-    )
-    for flag, field, what in (
-        (
-            "--prepare-workers",
-            "prepare_workers",
-            "prepare requests (HTTP parsing, rendering, tokenizing; gRPC prompts)",
-        ),
-        ("--image-fetch-workers", "image_fetch_workers", "download image URLs"),
-        ("--tokenize-workers", "tokenize_workers", "run Tokenize calls"),
-    ):
-        g.add_argument(
-            flag, type=int, default=getattr(serve, field), metavar="N",
-            help=f"threads that {what}; one tenant (API key, else client address) runs at most half of them",
-        )  # fmt: skip
-    g = p.add_argument_group("tenants")
+    g = groups[TENANTS]
     g.add_argument(
         "--api-key",
         help="require this API key on every call (gRPC metadata or HTTP header: authorization: Bearer KEY, "
@@ -1388,14 +1254,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="require an API key on every call (authorization: Bearer KEY, or x-api-key: KEY); "
         "the file has one key per line, optionally followed by a name (the tenant's identity)",
     )
-    g.add_argument(
-        "--shared-prefix-cache",
-        action="store_true",
-        help="one prefix cache for all identities (default: one per identity); a tenant can then tell "
-        "from cached_prompt_tokens and latency whether another tenant sent a prefix",
-    )
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=serve.host)
+    g = groups[SERVER]
     # The command listens on the well-known ports; ServeConfig's own default (0, any free port) suits
     # servers started in-process (tests, benchmarks), which must not collide.
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
@@ -1409,30 +1268,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="HTTP API port: OpenAI Chat Completions / Completions / Responses and Anthropic Messages, as "
         "DeepSeek's hosted API (0 or -1: off)",
     )
-    g.add_argument("--http-host", help="address the HTTP API listens on (default: --host)")
     limits = serve.http_limits
     g.add_argument(
         "--http-max-concurrent",
         type=int,
         default=limits.max_concurrent,
         help="HTTP requests in flight; beyond: 429 with Retry-After (the hosted API's limit by default)",
-    )
-    g.add_argument(
-        "--http-max-body-bytes",
-        type=int,
-        default=None,
-        help="HTTP request body bytes, checked as they arrive, before parsing; beyond: 413 (default: "
-        "4 x --max-prompt-bytes + 1 MiB, plus --max-images-per-request x --max-image-bytes in base64 on "
-        "a model that takes images)",
-    )
-    g.add_argument(
-        "--http-keepalive",
-        type=float,
-        default=serve.http_keepalive_s,
-        metavar="S",
-        help="a non-streaming answer not ready within S seconds gets its 200 and then an empty line every "
-        "S seconds until its JSON, as DeepSeek's API does (clients' read timeouts measure silence, not "
-        "work; a later error comes as the error body under that 200); 0: off (default: %(default)s)",
     )
     g.add_argument(
         "--max-effort-concurrent",
@@ -1452,26 +1293,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         help="accept another model name on the HTTP API: NAME, or NAME=thinking / NAME=non-thinking to "
         "force the mode (repeatable; deepseek-v4-flash, deepseek-chat, deepseek-reasoner, ... by default)",
     )
-    g.add_argument(
-        "--grace-period",
-        type=float,
-        default=serve.grace_period_s,
-        help="seconds in-flight streams get on SIGTERM",
-    )
-    g = p.add_argument_group("images (a model with a vision tower; gRPC and HTTP alike)")
-    g.add_argument(
-        "--feature-cache-bytes",
-        type=int,
-        default=serve.feature_cache_bytes,
-        help="bytes of image span rows kept (LRU, keyed by the pixels' SHA-256) so a repeated image skips "
-        "the ViT (0: no cache)",
-    )
-    g.add_argument(
-        "--max-images-per-request", type=int, default=serve.max_images_per_request, help="beyond: refused"
-    )
-    g.add_argument(
-        "--max-image-bytes", type=int, default=serve.max_image_bytes, help="one image's encoded bytes"
-    )
+    g = groups[IMAGES]
     fetch, files = serve.http_image_fetch, serve.http_files
     g.add_argument(
         "--allow-image-urls",

@@ -37,6 +37,38 @@ INVARIANT_DECODE_ROWS = 8
 LONG_PREFILL_CHUNK = 2048
 
 
+# The sections of `ced-jax serve --help`, in order.
+SHAPES = "shapes (static: compiled at start-up)"
+SCHEDULING = "scheduling"
+ADMISSION = "admission"
+TENANTS = "tenants"
+SERVER = "server"
+IMAGES = "images (a model with a vision tower; gRPC and HTTP alike)"
+FLAG_GROUPS = (SHAPES, SCHEDULING, ADMISSION, TENANTS, SERVER, IMAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A `ServeConfig` field's `ced-jax serve` flag: the CLI's parser and the config it builds are
+    generated from these (`ced_cli`), so a flag is declared once, beside its field. The flag's type
+    and default are the field's; a bool field with default True also gets its --no- form."""
+
+    name: str
+    help: str
+    group: str
+    metavar: str | None = None
+
+
+def flag(default, name: str, help: str, *, group: str, metavar: str | None = None):
+    """A field with its `Flag` (see above)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(name, help, group, metavar)})
+
+
+def serve_flags() -> list[tuple[dataclasses.Field, Flag]]:
+    """(field, flag) of every `ServeConfig` field that the serve command sets directly, in order."""
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(ServeConfig) if "flag" in f.metadata]
+
+
 def default_long_prefill_chunk(max_context: int) -> int:
     """`ServeConfig.long_prefill_chunk`'s default: LONG_PREFILL_CHUNK from 4x that context on, below
     it 0 (a whole prompt is a few steps of the page program; the extra compile does not pay)."""
@@ -66,11 +98,21 @@ def default_context_buckets(max_context: int, page_size: int) -> tuple[int, ...]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     # Shapes (static; every program is compiled for them at start-up).
-    max_slots: int = 32  # decode batch
-    page_size: int = 16  # tokens per KV page
+    max_slots: int = flag(
+        32,
+        "--max-slots",
+        "concurrent sequences in the decode batch",
+        group=SHAPES,
+    )
+    page_size: int = flag(16, "--page-size", "tokens per KV page", group=SHAPES)
     # KV pages in the buffer; None: enough for every slot at max_context (max_slots * max_context /
     # page_size), filled in at construction, so `num_pages` of a ServeConfig is always a number.
-    num_pages: int | None = None
+    num_pages: int | None = flag(
+        None,
+        "--num-pages",
+        "KV pages in the buffer (default: max-slots x max-context / page-size)",
+        group=SHAPES,
+    )
     max_context: int = 2048  # prompt + generated tokens of one request; a multiple of page_size
     prefill_buckets: tuple[int, ...] = (128,)  # chunk lengths; largest % page_size == 0
     # Batch invariance, a guarantee: a request's tokens and log-probabilities are bit-identical
@@ -79,14 +121,29 @@ class ServeConfig:
     # one row count (below), so a lone stream pays for 8 rows. Off, decode and prefill run at the
     # batch in use (decode buckets from 1, prefill rows (1, n)), and a request's output may change
     # in the last bits with its neighbours. Explicit buckets that break it are refused while it is on.
-    batch_invariant: bool = True
+    batch_invariant: bool = flag(
+        True,
+        "--batch-invariant",
+        "guarantee that a request's tokens and log-probabilities are bit-identical whatever else is"
+        " batched with it: decode runs at least 8 rows and prefill at one row count, padded "
+        "(default: on). --no-batch-invariant runs decode and prefill at the batch in use (a lone "
+        "stream at 1 row: faster, its output may change in the last bits with its neighbours)",
+        group=SHAPES,
+    )
     # Overlap scheduling: once a plain decode step's tokens are on the host, the next step is
     # dispatched before they are handled (text, stop strings, events, metrics) and before the next
     # round of admission, so that host work runs while the device computes. A request that a stop
     # string ends costs its row one extra step, whose result is dropped. Off: every step's tokens are
     # handled before the next dispatch (the device idles meanwhile). Speculative (DSpark) steps need
     # their predecessor's drafts and are never overlapped.
-    overlap_schedule: bool = True
+    overlap_schedule: bool = flag(
+        True,
+        "--overlap-schedule",
+        "dispatch the next decode step as soon as a step's tokens are on the host, and handle them "
+        "(text, stop strings, events) and admit new requests while the device runs it (default: "
+        "on). A request ended by a stop string costs its row one dropped step",
+        group=SHAPES,
+    )
     # Decode batch sizes compiled at start-up; a step runs the smallest that holds its active rows.
     # None: powers of two up to max_slots, from min(INVARIANT_DECODE_ROWS, max_slots) (batch
     # invariant) or 1.
@@ -110,8 +167,18 @@ class ServeConfig:
     decode_context_buckets: tuple[int, ...] | None = None
 
     # Admission and request limits.
-    max_running: int | None = None  # requests holding a slot; None = max_slots
-    max_queued: int = 256  # requests waiting for a slot; beyond running + queued: RESOURCE_EXHAUSTED
+    max_running: int | None = flag(
+        None,
+        "--max-running",
+        "requests holding a slot (default: --max-slots)",
+        group=ADMISSION,
+    )  # requests holding a slot; None = max_slots
+    max_queued: int = flag(
+        256,
+        "--max-queued",
+        "waiting requests; beyond: RESOURCE_EXHAUSTED",
+        group=ADMISSION,
+    )  # requests waiting for a slot; beyond running + queued: RESOURCE_EXHAUSTED
     max_tokens_limit: int = 1024  # largest accepted GenerateRequest.max_tokens
     default_max_tokens: int = 256  # when the request leaves max_tokens at 0
     max_logprobs: int = 20  # largest accepted GenerateRequest.logprobs (<= the engine's)
@@ -121,8 +188,18 @@ class ServeConfig:
     default_deadline_s: float | None = None  # applied when the client sets no gRPC deadline
     # Text is tokenized on host threads before any other check can refuse it, so its size is capped
     # (UTF-8 bytes): GenerateRequest.prompt and TokenizeRequest.text; beyond: INVALID_ARGUMENT.
-    max_prompt_bytes: int = 1 << 20
-    max_tokenize_bytes: int = 1 << 20
+    max_prompt_bytes: int = flag(
+        1 << 20,
+        "--max-prompt-bytes",
+        "largest text prompt (UTF-8 bytes) of Generate",
+        group=ADMISSION,
+    )
+    max_tokenize_bytes: int = flag(
+        1 << 20,
+        "--max-tokenize-bytes",
+        "largest text (UTF-8 bytes) of Tokenize",
+        group=ADMISSION,
+    )
 
     # Scheduling. Prompt tokens prefilled per scheduler step while any stream is decoding, summed over
     # the requests' chunks (at most max(prefill_rows) chunks, each at most max(prefill_buckets) tokens),
@@ -132,7 +209,14 @@ class ServeConfig:
     # forwards over [max(prefill_rows), page_size] tokens on JaxEngine (on tiny / XLA:CPU the best of
     # one, two and four pages a row for both TTFT and TPOT at 16 and 32 streams: BENCHMARKS.md,
     # Serving). At least page_size.
-    prefill_token_budget: int | None = None
+    prefill_token_budget: int | None = flag(
+        None,
+        "--prefill-token-budget",
+        "prompt tokens prefilled per step beside the running decodes, summed over requests "
+        "(default: 2 x --page-size x the largest --prefill-rows); bounds how long arrivals hold up "
+        "streams. With no stream decoding a step takes a full --prefill-chunk for every row",
+        group=SCHEDULING,
+    )
     # Long prompts. While no stream is decoding, a prompt with more than a chunk
     # (max(prefill_buckets)) left goes in alone, `long_prefill_chunk` tokens per step, through a
     # one-row program that runs `long_prefill_step` tokens per `forward` instead of a page of every
@@ -143,16 +227,49 @@ class ServeConfig:
     # prefill program per decode_context_buckets width. None: LONG_PREFILL_CHUNK when max_context is
     # at least 4x that (below, a whole prompt is a few steps of the page program and the extra
     # compile does not pay), else 0 = off. Else a multiple of long_prefill_step, above the chunk.
-    long_prefill_chunk: int | None = None
-    long_prefill_step: int = 256  # a multiple of page_size (on tiny: 256 beat 128 and 512)
+    long_prefill_chunk: int | None = flag(
+        None,
+        "--long-prefill-chunk",
+        f"with no stream decoding, a prompt with more than --prefill-chunk tokens left goes in "
+        f"alone, this many tokens per step, through a one-row program of --long-prefill-step tokens "
+        f"per forward (same tokens, several times the speed); 0: off (default: {LONG_PREFILL_CHUNK} "
+        f"when --max-context is at least {4 * LONG_PREFILL_CHUNK}, else 0; one more compiled program"
+        f" per context width)",
+        group=SCHEDULING,
+        metavar="TOKENS",
+    )
+    long_prefill_step: int = flag(
+        256,
+        "--long-prefill-step",
+        "tokens per forward of the long-prompt program, a multiple of --page-size (default: %(default)s)",
+        group=SCHEDULING,
+        metavar="TOKENS",
+    )  # a multiple of page_size (on tiny: 256 beat 128 and 512)
     enable_prefix_cache: bool = True
     # Speculative decoding (DSpark, a model with draft stages): drafts verified per decode step, 0 =
     # off; at most the model's dspark_block_size. `dspark_confidence` T (None = off): a row verifies
     # the longest prefix of its drafts whose running product of sigmoid(confidence) stays >= T, at
     # least one (the verify program has one draft position anyway), and a step whose rows all want
     # fewer than `dspark` runs a narrower program (every width 1..dspark is compiled at start-up).
-    dspark: int = 0
-    dspark_confidence: float | None = None
+    dspark: int = flag(
+        0,
+        "--dspark",
+        "DSpark speculative decoding: draft tokens verified per decode step, at most the model's "
+        "dspark_block_size (0: off; needs a checkpoint with DSpark draft stages); greedy output is "
+        "unchanged, only the number of decode steps falls",
+        group=SCHEDULING,
+        metavar="K",
+    )
+    dspark_confidence: float | None = flag(
+        None,
+        "--dspark-confidence",
+        "with --dspark: each row verifies the longest prefix of its drafts whose product of "
+        "estimated acceptance (sigmoid of the confidence head) stays >= T, at least one; every "
+        "width 1..K is compiled and a step runs the narrowest that holds its rows (default: off, K "
+        "drafts)",
+        group=SCHEDULING,
+        metavar="T",
+    )
     # How prompts are prefilled when a request does not say (`--prefill-mode`): "exact" runs every
     # layer over every prompt token (the reference's numbers; prefix hits bit-identical to cold runs);
     # "ced" runs the encoder layers over the whole prompt and the decoder layers only over its last
@@ -164,63 +281,156 @@ class ServeConfig:
     # registered in the prefix cache and it queues again at the back; its stream goes on where it
     # stopped, with the same tokens). So a request with a very large max_tokens cannot hold a slot
     # while others wait. 0 = off (a request keeps its slot until it finishes).
-    decode_segment_tokens: int = 4096
+    decode_segment_tokens: int = flag(
+        4096,
+        "--decode-segment-tokens",
+        "a request that has generated N tokens since it got its slot yields the slot when others "
+        "wait, and queues again to go on where it stopped (same tokens; its context comes back from"
+        " the prefix cache); 0: off (default: %(default)s)",
+        group=SCHEDULING,
+        metavar="N",
+    )
     # KV tiers below the device pages (serving/scheduling/kv_tiers.py): blocks the prefix cache evicts
     # from the device are kept in host memory (`kv_host_bytes`, LRU) and, pushed off host, on disk
     # (`kv_disk_dir` within `kv_disk_bytes`, LRU; kept across restarts), and come back on a hit
     # instead of being recomputed. 0 / None: off. Needs the prefix cache and an engine that can move
     # pages (`EngineSpec.kv_page_bytes`).
-    kv_host_bytes: int = 0
-    kv_disk_dir: str | None = None
-    kv_disk_bytes: int = 0
+    kv_host_bytes: int = flag(
+        0,
+        "--kv-host-bytes",
+        "host memory for prefix-cache blocks evicted from the device (LRU; they come back on a hit "
+        "instead of being recomputed; 0: off)",
+        group=ADMISSION,
+        metavar="BYTES",
+    )
+    kv_disk_dir: str | None = flag(
+        None,
+        "--kv-disk-dir",
+        "a directory for blocks pushed off the host tier (atomic checksummed files, kept across "
+        "restarts; blocks of another model or config are deleted); needs --kv-disk-bytes",
+        group=ADMISSION,
+        metavar="DIR",
+    )
+    kv_disk_bytes: int = flag(
+        0,
+        "--kv-disk-bytes",
+        "the disk tier's budget (LRU)",
+        group=ADMISSION,
+        metavar="BYTES",
+    )
 
     # Tenants (serving/tenants.py).
     api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
     # True: one prefix cache for every identity, so a tenant's cached_prompt_tokens and latency reveal
     # whether another tenant sent the same prefix. False: the cache is scoped per identity.
-    share_prefix_cache: bool = False
+    share_prefix_cache: bool = flag(
+        False,
+        "--shared-prefix-cache",
+        "one prefix cache for all identities (default: one per identity); a tenant can then tell "
+        "from cached_prompt_tokens and latency whether another tenant sent a prefix",
+        group=TENANTS,
+    )
     max_user_length: int = 256  # GenerateRequest.user / AbortRequest.user
 
     # Images (a model with a vision tower; serving/vision.py). Both front ends share these limits and
     # the feature cache: span rows of recent images keyed by the SHA-256 of their pre-processed pixels,
     # LRU within `feature_cache_bytes` (0: no cache, the ViT runs for every image).
-    feature_cache_bytes: int = 256 * MIB
-    max_images_per_request: int = 16
-    max_image_bytes: int = 20 * MIB  # one image's encoded bytes (the Files API's upload limit too)
+    feature_cache_bytes: int = flag(
+        256 * MIB,
+        "--feature-cache-bytes",
+        "bytes of image span rows kept (LRU, keyed by the pixels' SHA-256) so a repeated image "
+        "skips the ViT (0: no cache)",
+        group=IMAGES,
+    )
+    max_images_per_request: int = flag(16, "--max-images-per-request", "beyond: refused", group=IMAGES)
+    max_image_bytes: int = flag(
+        20 * MIB,
+        "--max-image-bytes",
+        "one image's encoded bytes",
+        group=IMAGES,
+    )  # one image's encoded bytes (the Files API's upload limit too)
     # The Files API store (serving/files.py), shared by the HTTP API's /files and gRPC's
     # ImageInput.file_id; and fetching image URLs in HTTP requests (off unless hosts are allowed).
     http_files: FilesConfig = FilesConfig()
     http_image_fetch: ImageFetchConfig = ImageFetchConfig()
 
     # Server.
-    host: str = "127.0.0.1"
+    host: str = flag("127.0.0.1", "--host", "address the gRPC server and /metrics listen on", group=SERVER)
     port: int = 0  # 0 = ephemeral
     metrics_port: int | None = 0  # None = no metrics endpoint; 0 = ephemeral
     metrics_host: str = "127.0.0.1"
     # The HTTP API (serving/http: OpenAI / Anthropic formats) in the same process; None = off, 0 = any
     # free port. Its host: None = `host` (loopback unless told otherwise).
     http_port: int | None = None
-    http_host: str | None = None
+    http_host: str | None = flag(
+        None,
+        "--http-host",
+        "address the HTTP API listens on (default: --host)",
+        group=SERVER,
+    )
     http_models: ModelNames = ModelNames()  # served name and aliases (serving/model_names.py)
     http_limits: AdmissionLimits = AdmissionLimits()  # 2500 concurrent; the effort-max tier (limits.py)
     # A request body's bytes, checked as it arrives (before parsing; beyond: 413). None: the gRPC
     # limits' equivalent, 4 x max_prompt_bytes (JSON escapes) + 1 MiB, plus base64 images
     # (max_images_per_request x max_image_bytes x 4/3) on a model that takes them.
-    http_max_body_bytes: int | None = None
+    http_max_body_bytes: int | None = flag(
+        None,
+        "--http-max-body-bytes",
+        "HTTP request body bytes, checked as they arrive, before parsing; beyond: 413 (default: 4 x"
+        " --max-prompt-bytes + 1 MiB, plus --max-images-per-request x --max-image-bytes in base64 "
+        "on a model that takes images)",
+        group=SERVER,
+    )
     # A non-streaming request not answered within this many seconds gets its 200 and headers, then an
     # empty line every this many seconds until its JSON body, as DeepSeek's hosted API does while a
     # request waits (api-surface.md, SSE keep-alive): a client's read timeout then measures silence,
     # not the work, and JSON parsers skip the leading whitespace. An error after that comes as the
     # error body under the 200 already sent. 0: off (every answer waits for its status).
-    http_keepalive_s: float = 5.0
+    http_keepalive_s: float = flag(
+        5.0,
+        "--http-keepalive",
+        "a non-streaming answer not ready within S seconds gets its 200 and then an empty line "
+        "every S seconds until its JSON, as DeepSeek's API does (clients' read timeouts measure "
+        "silence, not work; a later error comes as the error body under that 200); 0: off (default:"
+        " %(default)s)",
+        group=SERVER,
+        metavar="S",
+    )
     http_pricing: PricingConfig = PricingConfig()  # the hosted prices of the cost ledger (accounting.py)
-    grace_period_s: float = 30.0  # after SIGTERM, in-flight streams get this long to finish
+    grace_period_s: float = flag(
+        30.0,
+        "--grace-period",
+        "seconds in-flight streams get on SIGTERM",
+        group=SERVER,
+        metavar="S",
+    )  # after SIGTERM, in-flight streams get this long to finish
     # Threads of the pools that work before the scheduler (serving/work_pools.py): request preparation
     # (HTTP parsing, rendering, tokenizing; gRPC prompts and images), image URL downloads, and Tokenize
     # calls. A tenant runs at most half of a pool's threads at once; further jobs wait their turn.
-    prepare_workers: int = 6
-    image_fetch_workers: int = 8
-    tokenize_workers: int = 2
+    prepare_workers: int = flag(
+        6,
+        "--prepare-workers",
+        "threads that prepare requests (HTTP parsing, rendering, tokenizing; gRPC prompts); one "
+        "tenant (API key, else client address) runs at most half of them",
+        group=ADMISSION,
+        metavar="N",
+    )
+    image_fetch_workers: int = flag(
+        8,
+        "--image-fetch-workers",
+        "threads that download image URLs; one tenant (API key, else client address) runs at most "
+        "half of them",
+        group=ADMISSION,
+        metavar="N",
+    )
+    tokenize_workers: int = flag(
+        2,
+        "--tokenize-workers",
+        "threads that run Tokenize calls; one tenant (API key, else client address) runs at most "
+        "half of them",
+        group=ADMISSION,
+        metavar="N",
+    )
 
     def __post_init__(self):
         check_shapes(

@@ -115,6 +115,37 @@ def test_generate_tiny(capsys):
     assert 1 <= len(out["token_ids"]) <= 4
 
 
+def test_serve_flags_are_the_serve_configs_declared_flags():
+    """Issue 32: a serve flag is declared once, on its `ServeConfig` field (`serving.config.flag`): the
+    parser has each, defaults to the field's default, and a value given reaches the config."""
+    import dataclasses
+
+    from ced_cli.main import _config_values, _serve_config, build_parser
+    from serving.config import serve_flags
+
+    flags = serve_flags()
+    assert len(flags) >= 25
+    parser = build_parser()
+    args = parser.parse_args(["serve", "tiny"])
+    for field, flag in flags:
+        assert getattr(args, field.name) == field.default, flag.name
+    given = {  # a value other than the default for one field of each kind
+        "--max-queued": ("max_queued", 7),
+        "--grace-period": ("grace_period_s", 2.5),
+        "--kv-disk-dir": ("kv_disk_dir", None),
+        "--no-overlap-schedule": ("overlap_schedule", False),
+        "--shared-prefix-cache": ("share_prefix_cache", True),
+    }
+    argv = ["serve", "tiny", "--max-queued", "7", "--grace-period", "2.5", "--no-overlap-schedule",
+            "--shared-prefix-cache"]  # fmt: skip
+    args = parser.parse_args(argv)
+    values = _config_values(args)
+    config = _serve_config(args)
+    for name, (field, want) in given.items():
+        assert values[field] == want and getattr(config, field) == want, name
+    assert {f.name for f, _ in flags} <= {f.name for f in dataclasses.fields(config)}
+
+
 def test_serve_bad_options_exit_2_before_loading(capsys):
     from ced_cli.main import main
 
