@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from ced_jax.checkpoint.dspark import load_dspark_params
 from ced_jax.checkpoint.hf_loader import CheckpointError, Shard, read_index
 from ced_jax.config import ModelConfig
 from ced_jax.model import dspark as ds
@@ -67,7 +68,7 @@ def cfg(fixture_dir) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def params(fixture_dir, cfg) -> dict:
-    return ds.load_dspark_params(fixture_dir, cfg)
+    return load_dspark_params(fixture_dir, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -358,4 +359,4 @@ def test_loader_names_a_missing_tensor(fixture_dir, cfg, tmp_path):
     for file in set(index["weight_map"].values()):
         (tmp_path / file).symlink_to((fixture_dir / file).resolve())
     with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
-        ds.load_dspark_params(tmp_path, cfg)
+        load_dspark_params(tmp_path, cfg)

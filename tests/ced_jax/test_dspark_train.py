@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ced_jax.checkpoint.dspark import load_dspark_params
 from ced_jax.checkpoint.hf_loader import CheckpointError
 from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory
 from ced_jax.config import preset
@@ -61,7 +62,7 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
 
 def test_save_load_round_trip_bit_exact(cfg, tree, tmp_path):
     path = tr.save_dspark_safetensors(tree, cfg, tmp_path / "dspark.safetensors", write_index=True)
-    back = _leaves(ds.load_dspark_params(tmp_path, cfg))
+    back = _leaves(load_dspark_params(tmp_path, cfg))
     want = _leaves(tree)
     assert sorted(back) == sorted(want)
     bad = [k for k in want if not _same_bytes(back[k], want[k])]
@@ -87,7 +88,7 @@ def test_save_refuses_values_its_format_cannot_hold(cfg, tree, tmp_path):
     with pytest.raises(ValueError, match="wo_a"):
         tr.save_dspark_safetensors(bad, cfg, tmp_path / "x.safetensors")
     with pytest.raises(CheckpointError):  # and the loader refuses a file without the tensors
-        ds.load_dspark_params(tmp_path, cfg)
+        load_dspark_params(tmp_path, cfg)
 
 
 def test_fake_quantised_masters_equal_the_exported_tensors(cfg, tree):

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 
 import ced_jax
 from ced_jax.api import load
+from ced_jax.options import REFERENCE
 from tests.conftest import GOLDEN_TINY_A
 
 MODES = ("intended", "reference")
@@ -217,10 +218,10 @@ def test_negative_control_sink_dropped_fails_mode_a(golden, monkeypatch, fresh_p
 
     real = kernels.sparse_attention
 
-    def no_sink(q, segments, sink, scale, *, impl="reference"):
+    def no_sink(q, segments, sink, scale, *, impl=REFERENCE):
         return real(q, segments, sink * 0 - 1e30, scale, impl=impl)
 
-    monkeypatch.setattr(attention_module.ops, "sparse_attention", no_sink)
+    monkeypatch.setattr(attention_module.kernels, "sparse_attention", no_sink)
     broken = load(str(GOLDEN_TINY_A))  # programs of its own (fresh_programs), traced with the patch
     m = mode_a_metrics(broken, golden, "intended")
     assert m["block_mean"] > 3e-3 or m["prefill_abs"] > 4e-3 or m["block_above"] > 2
