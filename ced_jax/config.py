@@ -247,6 +247,15 @@ class ModelConfig:
         return boundary
 
     @property
+    def ced_boundary_or_none(self) -> int | None:
+        """`ced_boundary`, or None for a config without the CED layout (every prompt then runs every
+        layer)."""
+        try:
+            return self.ced_boundary
+        except ConfigError:
+            return None
+
+    @property
     def has_candidates(self) -> bool:
         return self.candidate_source_layer_id >= 0
 

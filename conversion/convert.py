@@ -115,7 +115,6 @@ from ced_jax.checkpoint.converted import (
     EngramMode,
     WeightsDtype,
     item_of,
-    nest,
     target_specs,
 )
 from ced_jax.checkpoint.digest import file_sha256
@@ -141,6 +140,7 @@ from ced_jax.checkpoint.mapping import (
 from ced_jax.config import ConfigError, ModelConfig
 from ced_jax.engram_store import RAW_DIR, write_raw
 from ced_jax.model import ParamSpec
+from ced_jax.trees import nest
 from conversion.save_noise import QuietNonOcdbtMerge, closed_loop_tracebacks_dropped
 from pallas_kernels.formats import np_dequant_fp4_weight, np_dequant_fp8_weight
 

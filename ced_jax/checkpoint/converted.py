@@ -30,6 +30,7 @@ from ced_jax.checkpoint.hf_loader import CheckpointError
 from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory, optional_group_of, our_target
 from ced_jax.config import ConfigError, ModelConfig
 from ced_jax.model import BF16, FP4X2, ParamSpec, flatten_specs, param_specs
+from ced_jax.trees import flatten, nest
 
 FORMAT = "ced-jax/orbax"
 FORMAT_VERSION = 1
@@ -111,28 +112,6 @@ def item_of(path: str, engram: EngramMode) -> str:
     if part is not None:
         return part
     return ENGRAM_ITEM if engram == "separate" and is_engram_table(path) else PARAMS_ITEM
-
-
-def nest(flat: dict[str, Any]) -> dict:
-    """{'a.b.c': x} -> {'a': {'b': {'c': x}}} (the Orbax tree layout)."""
-    root: dict = {}
-    for path, value in flat.items():
-        node = root
-        parts = path.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return root
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def is_converted_checkpoint(directory: str | Path) -> bool:

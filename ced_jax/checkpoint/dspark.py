@@ -11,8 +11,8 @@ import numpy as np
 
 from ced_jax.checkpoint.hf_loader import CheckpointError, Shard, read_index
 from ced_jax.checkpoint.mapping import hf_inventory, our_target
-from ced_jax.checkpoint.place import nest
 from ced_jax.config import ModelConfig
+from ced_jax.trees import nest
 from pallas_kernels.formats import np_dequant_fp8_weight
 
 

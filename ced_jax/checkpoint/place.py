@@ -1,10 +1,9 @@
 """Placing a checkpoint's flat arrays ({dotted name: array}) as the model's nested parameters on one
-device or over a mesh: the one flat -> nested walk (`nest`), the shardings each parameter gets
-from its spec's logical axes, the DSpark stages' tree and the Engram tables' placement."""
+device or over a mesh (`ced_jax.trees.nest`): the shardings each parameter gets from its spec's
+logical axes, the DSpark stages' tree and the Engram tables' placement."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,20 +16,9 @@ from ced_jax.checkpoint.mapping import our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.engram_store import EngramStore, table_leaves
 from ced_jax.model import flatten_specs, param_specs
+from ced_jax.trees import nest
 
 DSPARK_PREFIX = "mtp."
-
-
-def nest(flat: Mapping[str, Any], leaf: Callable[[str, Any], Any] = lambda name, value: value) -> dict:
-    """{dotted name: value} -> the nested dict {part: {...: leaf(name, value)}}."""
-    root: dict = {}
-    for name, value in flat.items():
-        node = root
-        *parents, last = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = leaf(name, value)
-    return root
 
 
 def to_device(

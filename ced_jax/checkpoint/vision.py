@@ -13,6 +13,7 @@ from ced_jax.checkpoint.converted import is_converted_checkpoint
 from ced_jax.checkpoint.hf_loader import CheckpointError, Shard, read_index
 from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.config import ModelConfig
+from ced_jax.trees import flatten
 
 
 def vision_inventory(cfg: ModelConfig) -> dict:
@@ -76,7 +77,7 @@ def _from_converted(
     tree = converted._restore_item(
         ocp, directory / "vision", "vision", converted.part_specs(cfg, "vision"), None, None, True, False
     )
-    flat = converted.flatten(tree)
+    flat = flatten(tree)
     out = {name: np.asarray(flat[name]) for name in specs if name in flat}
     missing = [n for n in specs if n not in out]
     if missing:

@@ -6,7 +6,6 @@ from ced_jax.engine.host import Engine, LoadedModel, SpeculativeOutput
 from ced_jax.engine.programs import (
     Programs,
     StateShapes,
-    ced_boundary,
     new_state,
     replay_tokens,
     state_shardings,
@@ -21,7 +20,6 @@ __all__ = [
     "SpeculativeOutput",
     "StateShapes",
     "StepBatch",
-    "ced_boundary",
     "new_state",
     "replay_tokens",
     "state_shardings",

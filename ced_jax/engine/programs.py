@@ -193,15 +193,6 @@ def decode(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, r
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
-def ced_boundary(cfg: ModelConfig) -> int | None:
-    """The model's first decoder layer (`ModelConfig.ced_boundary`), None when it has no CED layout
-    (then every prompt runs every layer)."""
-    try:
-        return cfg.ced_boundary
-    except ValueError:
-        return None
-
-
 def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> int:
     """Tokens a prefix-cache hit at a page boundary b replays before b (encoder SWA bounded replay,
     spec 4.2, made exact): prefilling [b - H, b) again with window_floor b - H and write_from b
@@ -232,11 +223,11 @@ def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> 
 
 def floor_per_layer(cfg: ModelConfig, window_floor, decoder_from) -> np.ndarray:
     """i32 [R, L] `StepMetadata.window_floor` (on the host) of rows whose rings hold nothing before
-    window_floor [R] and whose decoder layers (from `ced_boundary`) nothing before decoder_from [R]
-    either."""
+    window_floor [R] and whose decoder layers (from `ModelConfig.ced_boundary`) nothing before
+    decoder_from [R] either."""
     window_floor = np.asarray(window_floor, np.int32)
     floors = np.repeat(window_floor[:, None], cfg.num_layers, axis=1)
-    boundary = ced_boundary(cfg)
+    boundary = cfg.ced_boundary_or_none
     if boundary is not None:
         floors[:, boundary:] = np.maximum(window_floor, np.asarray(decoder_from, np.int32))[:, None]
     return floors
@@ -297,7 +288,7 @@ def prefill_batch(params, state, batch: StepBatch, *, options: RunOptions, cfg, 
             f"step_tokens {w}: a multiple of the page size {state.page_size} dividing the chunk {width}"
         )
     steps = width // w
-    boundary = ced_boundary(cfg)
+    boundary = cfg.ced_boundary_or_none
     # Tokens of each row that run the encoder pass only: [0, encoder_n) of its chunk.
     encoder_n = jnp.clip(decoder_from - start, 0, n) if boundary is not None else jnp.zeros_like(n)
 
@@ -440,5 +431,3 @@ class Programs:
 
 _SHARED: weakref.WeakValueDictionary[tuple, Programs] = weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
-
-

@@ -13,6 +13,7 @@ import numpy as np
 
 from ced_jax.config import ModelConfig
 from ced_jax.model.layers.moe import EXPERT_AXES
+from ced_jax.trees import flatten
 
 FP8 = ml_dtypes.float8_e4m3fn
 E8M0 = np.uint8  # raw ue8m0 exponent bytes
@@ -123,11 +124,5 @@ def param_specs(cfg: ModelConfig, *, engram_tables: bool = True) -> dict:
 
 
 def flatten_specs(tree: dict, prefix: str = "") -> dict[str, ParamSpec]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten_specs(v, name + "."))
-        else:
-            out[name] = v
-    return out
+    """{dotted name: ParamSpec} of a spec tree (`ced_jax.trees.flatten`)."""
+    return flatten(tree, prefix)

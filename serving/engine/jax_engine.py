@@ -80,7 +80,7 @@ import jax
 import numpy as np
 
 from ced_jax import cache as cache_lib
-from ced_jax.engine import Engine, SamplingBatch, StateShapes, ced_boundary, replay_tokens
+from ced_jax.engine import Engine, SamplingBatch, StateShapes, replay_tokens
 from ced_jax.engine.page_io import PageLayout
 from serving.config import ServeConfig
 from serving.constraints import ConstraintTokenizer
@@ -422,7 +422,7 @@ class JaxEngine:
             image_token_id=cfg.image_token_id,
             dspark_widths=self.dspark_widths,
             dspark_max_drafts=cfg.dspark_block_size if self.dspark_widths else 0,
-            ced_window=cfg.sliding_window if ced_boundary(cfg) is not None else 0,
+            ced_window=cfg.sliding_window if cfg.ced_boundary_or_none is not None else 0,
             kv_page_bytes=self.page_layout.page_bytes if tiers else 0,
             kv_blocks=self.kv_blocks,
             long_prefill_chunk=self.long_prefill_chunk,

@@ -60,6 +60,7 @@ from ced_jax import sharding
 from ced_jax.checkpoint.mapping import TEXT_GROUPS, our_param_specs
 from ced_jax.config import PRESETS, ModelConfig, preset
 from ced_jax.model import flatten_specs, param_specs
+from ced_jax.trees import nest
 from serving.config import LONG_PREFILL_CHUNK, ServeConfig, default_long_prefill_chunk
 
 SERVE = ServeConfig()
@@ -100,18 +101,14 @@ def abstract_params(cfg: ModelConfig, mesh, rules, *, engram_on_host: bool) -> d
     stored = our_param_specs(cfg, TEXT_GROUPS)
     if set(specs) != set(stored):
         raise AssertionError(f"parameter trees disagree: {sorted(set(specs) ^ set(stored))[:5]}")
-    tree: dict = {}
-    for path, spec in specs.items():
-        if engram_on_host and _engram_leaf(path):
-            continue
+
+    def abstract(path: str, spec):
         shape, dtype = stored[path]
         pspec = sharding.logical_to_spec(spec.axes, rules, shape, mesh, name=f"parameter {path}")
-        node = tree
-        *parents, leaf = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, pspec))
-    return tree
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, pspec))
+
+    kept = {path: spec for path, spec in specs.items() if not (engram_on_host and _engram_leaf(path))}
+    return nest(kept, abstract)
 
 
 def abstract_state(cfg: ModelConfig, shapes, mesh, rules):

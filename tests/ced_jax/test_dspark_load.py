@@ -22,7 +22,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import ced_jax
-from ced_jax.checkpoint.converted import MANIFEST_NAME, nest
+from ced_jax.checkpoint.converted import MANIFEST_NAME
 from ced_jax.checkpoint.dspark import load_dspark_params
 from ced_jax.checkpoint.hf_loader import INDEX_NAME, CheckpointError, load_hf_checkpoint
 from ced_jax.checkpoint.mapping import hf_inventory
@@ -36,6 +36,7 @@ from ced_jax.testing.random_weights import (
     tiny_dspark_params,
 )
 from ced_jax.training.dspark_train import save_dspark_safetensors
+from ced_jax.trees import nest
 from conversion.convert import ConvertOptions, convert
 from conversion.synthetic import FILE_DTYPES, write_synthetic_checkpoint
 from tests.conftest import GOLDEN_TINY_A
