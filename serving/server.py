@@ -62,14 +62,8 @@ from serving.engine.protocol import EngineProtocol, SamplingParams
 from serving.files import FileError, FileLease, FileStore
 from serving.metrics import Metrics, MetricsServer
 from serving.proto import ced_pb2, ced_pb2_grpc
-from serving.scheduling.scheduler import (
-    AdmissionError,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequest,
-    Scheduler,
-    StreamEvent,
-)
+from serving.requests import FinishReason, GenerationRequest, StreamEvent
+from serving.scheduling.scheduler import AdmissionError, InvalidRequest, Scheduler
 from serving.tenants import Unauthenticated, server_interceptors
 from serving.text import Tokenizer
 from serving.vision import ImageInputError, ImagePipeline

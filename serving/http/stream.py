@@ -27,14 +27,8 @@ import deepseek_recipe as d
 
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Prepared
 from serving.http.errors import ApiError
-from serving.scheduling.scheduler import (
-    AdmissionError,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequest,
-    Scheduler,
-    Usage,
-)
+from serving.requests import FinishReason, GenerationRequest, Usage
+from serving.scheduling.scheduler import AdmissionError, InvalidRequest, Scheduler
 
 RESPONSE_CLASS = {
     CHAT: d.ChatCompletionResponse,

@@ -172,7 +172,7 @@ SERVING_GROUPS = {
     "features": (
         "serving.accounting", "serving.admission", "serving.model_names", "serving.files", "serving.tenants",
         "serving.image_fetch", "serving.work_pools", "serving.metrics", "serving.text", "serving.vision",
-        "serving.constraints", "serving.chat",
+        "serving.constraints", "serving.chat", "serving.requests",
     ),
     "config": ("serving.config",),
     "engines": ("serving.engine",),

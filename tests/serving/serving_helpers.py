@@ -12,7 +12,8 @@ from pathlib import Path
 
 from serving.config import ServeConfig
 from serving.engine.protocol import SamplingParams
-from serving.scheduling.scheduler import GenerationRequest, Scheduler
+from serving.requests import GenerationRequest
+from serving.scheduling.scheduler import Scheduler
 from serving.server import Server
 from serving.testing.mock_engine import ByteTokenizer, MockEngine
 

@@ -543,7 +543,7 @@ def _mock_scheduler(**matcher_kw):
 def test_scheduler_masks_rows_finishes_when_done_and_frees_the_row():
     from serving_helpers import request, run_until_idle
 
-    from serving.scheduling.scheduler import FinishReason
+    from serving.requests import FinishReason
     from serving.testing.mock_engine import mock_greedy_stream
 
     script = [ByteTokenizer.OFFSET + ord(c) for c in "ok!"]

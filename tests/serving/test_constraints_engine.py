@@ -26,7 +26,8 @@ from serving.constraints import OutputConstraint
 from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.engine.protocol import SamplingParams
 from serving.proto import ced_pb2, ced_pb2_grpc
-from serving.scheduling.scheduler import FinishReason, GenerationRequest, InvalidRequest, Scheduler
+from serving.requests import FinishReason, GenerationRequest
+from serving.scheduling.scheduler import InvalidRequest, Scheduler
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -23,7 +23,8 @@ import ced_jax
 from serving.config import ServeConfig
 from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.engine.protocol import SamplingParams
-from serving.scheduling.scheduler import GenerationRequest, InvalidRequest, Scheduler
+from serving.requests import GenerationRequest
+from serving.scheduling.scheduler import InvalidRequest, Scheduler
 from serving.vision import ImageInputError, ImagePipeline, RequestImage
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,7 +17,8 @@ from serving_helpers import request, run_until_idle
 from serving.config import ServeConfig
 from serving.engine.protocol import EngineSpec, SamplingParams
 from serving.metrics import Metrics
-from serving.scheduling.scheduler import FinishReason, Scheduler, collect
+from serving.requests import FinishReason
+from serving.scheduling.scheduler import Scheduler, collect
 from serving.testing.mock_engine import ByteTokenizer, MockEngine, MockRule, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(120)

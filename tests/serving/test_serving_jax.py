@@ -407,7 +407,8 @@ def test_decode_segments_take_turns_with_the_uninterrupted_tokens(engine, model)
     the chunk-invariant forward computes as its decode steps did, and the sampler draws by (seed,
     position)."""
     from serving.metrics import Metrics
-    from serving.scheduling.scheduler import GenerationRequest, Scheduler, collect
+    from serving.requests import GenerationRequest
+    from serving.scheduling.scheduler import Scheduler, collect
 
     prompts = {"a": _prompt(37), "b": _prompt(21)}
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
@@ -474,7 +475,8 @@ def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tm
     scheduler, another process's directory) to disk, come back into fresh pages on the next request
     sharing them, which replays its last cached tokens and gives the cold run's tokens and
     log-probabilities bit for bit; nothing compiles after warm-up."""
-    from serving.scheduling.scheduler import GenerationRequest, Scheduler, collect
+    from serving.requests import GenerationRequest
+    from serving.scheduling.scheduler import Scheduler, collect
 
     shared = _prompt(112)  # 7 pages: a hit replays the last 64 of them (tiny: 8 layers x (8 - 1) tokens)
     tail = RNG.integers(3, 512, 9).tolist()
@@ -527,7 +529,8 @@ def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, 
     output is the modified model's cold one."""
     from ced_jax.api import Model
     from ced_jax.testing.random_weights import embedded_params
-    from serving.scheduling.scheduler import GenerationRequest, Scheduler, collect
+    from serving.requests import GenerationRequest
+    from serving.scheduling.scheduler import Scheduler, collect
 
     flat = embedded_params("tiny", dspark=False)
     for layer in (0, 1):

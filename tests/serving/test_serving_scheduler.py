@@ -9,17 +9,8 @@ from serving_helpers import GREEDY, make_engine_and_config, request, run_until_i
 from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 from serving.engine.protocol import SamplingParams
 from serving.metrics import Metrics
-from serving.scheduling.scheduler import (
-    AdmissionError,
-    FinishReason,
-    InvalidRequest,
-    RequestStream,
-    Scheduler,
-    StreamEvent,
-    TokenLogprobs,
-    Usage,
-    collect,
-)
+from serving.requests import FinishReason, StreamEvent, TokenLogprobs, Usage
+from serving.scheduling.scheduler import AdmissionError, InvalidRequest, RequestStream, Scheduler, collect
 from serving.testing.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(60)
