@@ -120,7 +120,6 @@ never sent; a stop string is cut from the text (see `serving/text.py`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -130,7 +129,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ced_jax.engine.batch import SamplingBatch
-from ced_jax.options import PREFILL_MODES
 from serving.config import ServeConfig
 from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
 from serving.engine.protocol import (
@@ -152,6 +150,8 @@ from serving.requests import (
 )
 from serving.scheduling.kv_tiers import DiskTier, HostTier, TieredKV
 from serving.scheduling.pages import ROOT_KEY, CacheEntry, PagePool, scope_tag
+from serving.scheduling.streams import RequestStream
+from serving.scheduling.validation import check_request
 from serving.text import Released, StreamText, Tokenizer
 from serving.vision import RequestImage
 
@@ -309,7 +309,7 @@ class Scheduler:
 
     def _validate(self, req: GenerationRequest) -> tuple[int, ConstraintMatcher | None]:
         """`validate`, and the matcher of the request's constraint (compiling it is its check)."""
-        max_tokens = self._validate_fields(req)
+        max_tokens = check_request(req, self.config, self.spec)
         if req.constraint is None:
             return max_tokens, None
         if not isinstance(req.constraint, OutputConstraint):
@@ -323,95 +323,6 @@ class Scheduler:
             return max_tokens, self._constraint_tokenizer.matcher(req.constraint)
         except ConstraintError as e:
             raise InvalidRequest(f"constraint.{e.field}", e.message) from None
-
-    def _validate_fields(self, req: GenerationRequest) -> int:
-        cfg, spec = self.config, self.spec
-        if not req.request_id or len(req.request_id) > cfg.max_request_id_length:
-            raise InvalidRequest("request_id", f"must have 1..{cfg.max_request_id_length} characters")
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest("prompt", "is empty")
-        if n >= spec.max_context:
-            raise InvalidRequest(
-                "prompt",
-                f"has {n} tokens; the limit is max_context - 1 = {spec.max_context - 1} (max_context = "
-                f"{spec.max_context} tokens of prompt plus output; ced-jax serve --max-context)",
-            )
-        ids = np.asarray(req.prompt_token_ids)
-        if ids.min() < 0 or ids.max() >= spec.vocab_size:
-            raise InvalidRequest("prompt_token_ids", f"token ids must be in [0, {spec.vocab_size})")
-        if req.max_tokens is not None:
-            if req.max_tokens < 1:
-                raise InvalidRequest("max_tokens", f"must be >= 1, got {req.max_tokens}")
-            if req.max_tokens > cfg.max_tokens_limit:
-                raise InvalidRequest(
-                    "max_tokens",
-                    f"{req.max_tokens} exceeds the limit max_tokens = {cfg.max_tokens_limit} "
-                    "(--max-tokens-limit)",
-                )
-        if not 0 <= req.logprobs <= cfg.max_logprobs:
-            raise InvalidRequest(
-                "logprobs", f"must be in 0..max_logprobs = {cfg.max_logprobs}, got {req.logprobs}"
-            )
-        if len(req.stop) > cfg.max_stop_strings:
-            raise InvalidRequest("stop", f"at most max_stop_strings = {cfg.max_stop_strings} strings")
-        for s in req.stop:
-            if not s or len(s) > cfg.max_stop_string_length:
-                raise InvalidRequest(
-                    "stop", f"each stop string must have 1..{cfg.max_stop_string_length} characters"
-                )
-        if any(not 0 <= t < spec.vocab_size for t in req.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", f"token ids must be in [0, {spec.vocab_size})")
-        if req.images:
-            self._validate_images(req, ids)
-        if req.prefill_mode is not None:
-            if req.prefill_mode not in PREFILL_MODES:
-                raise InvalidRequest(
-                    "prefill_mode", f"must be one of {list(PREFILL_MODES)}, got {req.prefill_mode!r}"
-                )
-            if req.prefill_mode == "ced" and not spec.ced_window:
-                raise InvalidRequest("prefill_mode", "'ced': this model has no CED layout (exact only)")
-        max_tokens = cfg.default_max_tokens if req.max_tokens is None else req.max_tokens
-        # The sequence (prompt + output) must fit in max_context; beyond it finish with LENGTH.
-        return min(max_tokens, spec.max_context - n)
-
-    def _validate_images(self, req: GenerationRequest, ids: np.ndarray) -> None:
-        spec = self.spec
-        if not spec.hidden_size:
-            raise InvalidRequest("images", "this model has no vision tower: it takes no images")
-        end = 0
-        for i, im in enumerate(req.images):
-            field = f"images[{i}]"
-            if not isinstance(im, RequestImage):
-                raise InvalidRequest(field, "must be a serving.vision.RequestImage")
-            types = np.asarray(im.token_types)
-            rows = np.asarray(im.span_embeds)
-            if types.ndim != 1 or len(types) < 3 or not np.issubdtype(types.dtype, np.integer):
-                raise InvalidRequest(
-                    f"{field}.token_types", "must be a 1-D integer array of at least 3 types"
-                )
-            if types.min() < 0 or types.max() > 3 or types[0] != 0 or types[-1] != 3:
-                raise InvalidRequest(
-                    f"{field}.token_types",
-                    "values must be 0..3 (START, IMAGE, NEWLINE, END), from a START to an END",
-                )
-            if rows.shape != (len(types), spec.hidden_size) or rows.dtype != np.float32:
-                raise InvalidRequest(
-                    f"{field}.span_embeds",
-                    f"expected float32 {[len(types), spec.hidden_size]}, got {rows.dtype} {list(rows.shape)}",
-                )
-            if not isinstance(im.content_hash, bytes) or len(im.content_hash) != 32:
-                raise InvalidRequest(f"{field}.content_hash", "must be the 32-byte SHA-256 of the pixels")
-            if im.start < end:
-                raise InvalidRequest(f"{field}.start", "spans must be ascending and disjoint")
-            if im.end > len(ids):
-                raise InvalidRequest(f"{field}.start", f"span [{im.start}, {im.end}) runs past the prompt")
-            if np.any(ids[im.start : im.end] != spec.image_token_id):
-                raise InvalidRequest(
-                    f"{field}.start",
-                    f"every span position must hold the image token id {spec.image_token_id}",
-                )
-            end = im.end
 
     def submit(self, req: GenerationRequest, sink: Sink) -> object:
         """Queues a request; raises InvalidRequest or AdmissionError at once, never blocks.
@@ -447,7 +358,7 @@ class Scheduler:
 
     def submit_async(self, req: GenerationRequest) -> RequestStream:
         """Submits from a running asyncio loop; events arrive through the returned async iterator."""
-        stream = RequestStream(self, req.request_id, req.identity, asyncio.get_running_loop())
+        stream = RequestStream(self.abort, req.request_id, req.identity, asyncio.get_running_loop())
         stream._handle = self.submit(req, stream._sink)
         return stream
 
@@ -1288,68 +1199,3 @@ def _chunk_images(images: Sequence[RequestImage], start: int, end: int, width: i
         types[a - start : b - start] = im.token_types[a - im.start : b - im.start]
         rows[a - start : b - start] = im.span_embeds[a - im.start : b - im.start]
     return types, rows
-
-
-class RequestStream:
-    """Async iterator over one request's events; closing it early aborts the request.
-
-    Events are produced on the scheduler thread and handed to the loop with `call_soon_threadsafe`.
-    """
-
-    def __init__(self, scheduler: Scheduler, request_id: str, identity: str, loop: asyncio.AbstractEventLoop):
-        self._scheduler = scheduler
-        self.request_id = request_id
-        self.identity = identity
-        self._loop = loop
-        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self._finished = False
-        self._held: StreamEvent | None = None  # an error event that waits for the tokens before it
-        self._handle: object | None = None
-
-    def _sink(self, ev: StreamEvent) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if self._finished:
-            raise StopAsyncIteration
-        ev = self._held if self._held is not None else await self._queue.get()
-        self._held = None
-        # A reader slower than the engine finds several events queued: they go out as one (tokens,
-        # text and log-probabilities in order, the last one's finish), so it catches up instead of
-        # falling further behind. An error is never merged: what precedes it goes out first.
-        while not ev.final and not self._queue.empty():
-            nxt = self._queue.get_nowait()
-            if nxt.error is not None:
-                self._held = nxt
-                break
-            ev = dataclasses.replace(
-                nxt,
-                token_ids=ev.token_ids + nxt.token_ids,
-                text=ev.text + nxt.text,
-                logprobs=ev.logprobs + nxt.logprobs,
-            )
-        if ev.final:
-            self._finished = True
-        return ev
-
-    def close(self) -> None:
-        """Aborts the request unless it already finished (client cancel or disconnect)."""
-        if not self._finished:
-            self._finished = True
-            self._scheduler.abort(self.request_id, handle=self._handle, identity=self.identity)
-
-
-def collect(events: Sequence[StreamEvent]) -> tuple[list[int], str, StreamEvent]:
-    """Concatenated token ids and text of a finished stream, and its final event (for tests/tools)."""
-    ids: list[int] = []
-    text = ""
-    for ev in events:
-        ids.extend(ev.token_ids)
-        text += ev.text
-    return ids, text, events[-1]

@@ -10,7 +10,8 @@ from serving_helpers import make_engine_and_config, request, run_until_idle
 from serving.config import ServeConfig
 from serving.engine.protocol import SamplingParams
 from serving.metrics import Metrics
-from serving.scheduling.scheduler import Scheduler, collect
+from serving.scheduling.scheduler import Scheduler
+from serving.scheduling.streams import collect
 from serving.testing.mock_engine import ByteTokenizer, MockRule
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,8 @@ from serving.config import ServeConfig
 from serving.engine.protocol import EngineSpec, SamplingParams
 from serving.metrics import Metrics
 from serving.requests import FinishReason
-from serving.scheduling.scheduler import Scheduler, collect
+from serving.scheduling.scheduler import Scheduler
+from serving.scheduling.streams import collect
 from serving.testing.mock_engine import ByteTokenizer, MockEngine, MockRule, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(120)

@@ -408,7 +408,8 @@ def test_decode_segments_take_turns_with_the_uninterrupted_tokens(engine, model)
     position)."""
     from serving.metrics import Metrics
     from serving.requests import GenerationRequest
-    from serving.scheduling.scheduler import Scheduler, collect
+    from serving.scheduling.scheduler import Scheduler
+    from serving.scheduling.streams import collect
 
     prompts = {"a": _prompt(37), "b": _prompt(21)}
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
@@ -476,7 +477,8 @@ def test_prefix_from_host_and_disk_tiers_gives_the_cold_tokens(engine, model, tm
     sharing them, which replays its last cached tokens and gives the cold run's tokens and
     log-probabilities bit for bit; nothing compiles after warm-up."""
     from serving.requests import GenerationRequest
-    from serving.scheduling.scheduler import Scheduler, collect
+    from serving.scheduling.scheduler import Scheduler
+    from serving.scheduling.streams import collect
 
     shared = _prompt(112)  # 7 pages: a hit replays the last 64 of them (tiny: 8 layers x (8 - 1) tokens)
     tail = RNG.integers(3, 512, 9).tolist()
@@ -530,7 +532,8 @@ def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, 
     from ced_jax.api import Model
     from ced_jax.testing.random_weights import embedded_params
     from serving.requests import GenerationRequest
-    from serving.scheduling.scheduler import Scheduler, collect
+    from serving.scheduling.scheduler import Scheduler
+    from serving.scheduling.streams import collect
 
     flat = embedded_params("tiny", dspark=False)
     for layer in (0, 1):

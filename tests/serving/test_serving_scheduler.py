@@ -10,7 +10,8 @@ from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 from serving.engine.protocol import SamplingParams
 from serving.metrics import Metrics
 from serving.requests import FinishReason, StreamEvent, TokenLogprobs, Usage
-from serving.scheduling.scheduler import AdmissionError, InvalidRequest, RequestStream, Scheduler, collect
+from serving.scheduling.scheduler import AdmissionError, InvalidRequest, Scheduler
+from serving.scheduling.streams import RequestStream, collect
 from serving.testing.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(60)
