@@ -15,10 +15,10 @@ For each batch size, per weight shape, the median time (after one untimed call) 
   candidate that was measured and not taken);
 - `convert floor`: `uint8 -> f32` of the same codes written out twice, the cheapest elementwise op with
   the same input and output bytes (no decoding at all): a floor for any decode XLA:CPU fuses;
-- `products`: the per-entry two-row products on already-decoded f32 weights (`ops.expert_matmul`'s
+- `products`: the per-entry two-row products on already-decoded f32 weights (`kernels.expert_matmul`'s
   decode path after the decode);
-- `expert_matmul`: `ops.expert_matmul` as the model calls it (gather, decode and products; past
-  `ops.EXPERT_DECODE_GROUP` entries a group at a time).
+- `expert_matmul`: `kernels.expert_matmul` as the model calls it (gather, decode and products; past
+  `kernels.EXPERT_DECODE_GROUP` entries a group at a time).
 and, per step, the sum over the MoE layers and the three matrices of `expert_matmul`, of `decode:table
 + products` (the whole batch decoded at once), and of the convert floor + products, with the tokens/s
 each allows for the routed experts alone (everything else in the step costs extra). The process's
@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ced_jax import ops  # noqa: E402
 from ced_jax.config import ModelConfig, preset  # noqa: E402
+from ced_jax.model.layers import kernels  # noqa: E402
 from pallas_kernels import formats  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
             )
             seconds, cores = _timed(products, rows, weight, repeats=args.repeats)
             row["products"] = {"ms": seconds * 1e3, "cpu_per_wall": cores}
-            shipped = jax.jit(lambda r, i, p, s: ops.expert_matmul(r, i, {"weight": p, "scale": s}))
+            shipped = jax.jit(lambda r, i, p, s: kernels.expert_matmul(r, i, {"weight": p, "scale": s}))
             seconds, cores = _timed(shipped, rows, ids, packed, scale, repeats=args.repeats)
             row["expert_matmul"] = {"ms": seconds * 1e3, "cpu_per_wall": cores}
             per_shape[name] = row
