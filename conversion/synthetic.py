@@ -16,23 +16,12 @@ import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
 from safetensors.numpy import save_file
 
 from ced_jax.checkpoint.hf_loader import INDEX_NAME
-from ced_jax.checkpoint.mapping import hf_inventory
+from ced_jax.checkpoint.mapping import FILE_DTYPES, hf_inventory
 from ced_jax.config import ModelConfig
 from ced_jax.testing.random_weights import iter_hf_tensors
-
-# What safetensors.numpy.save_file needs to write each safetensors dtype code.
-FILE_DTYPES: dict[str, np.dtype] = {
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "I8": np.dtype(np.int8),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
-}
 
 
 # ---------------------------------------------------------------------- checkpoint files
@@ -82,8 +71,10 @@ def write_synthetic_checkpoint(
         extra = sorted(set(flat) - set(inventory))
         missing = sorted(set(inventory) - set(flat))
         dup = len(flat) - len(set(flat))
-        raise ValueError(f"shard_plan must partition the inventory: unknown {extra[:5]}, "
-                         f"missing {missing[:5]}, {dup} duplicate(s)")
+        raise ValueError(
+            f"shard_plan must partition the inventory: unknown {extra[:5]}, "
+            f"missing {missing[:5]}, {dup} duplicate(s)"
+        )
     files = shard_file_names(len(plan))
     weight_map: dict[str, str] = {}
     total = 0

@@ -74,6 +74,15 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F32": np.dtype(np.float32),
 }
+# What safetensors.numpy.save_file needs to write each released dtype code (the bytes are ours, viewed
+# as these dtypes): for writing checkpoints in the released layout (synthetic ones, trained stages).
+FILE_DTYPES: dict[str, np.dtype] = {
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "I8": np.dtype(np.int8),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+}
 ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 FP4_GROUP = 32  # FP4 experts: one ue8m0 scale per 32 inputs, fixed by the format (not by B)
 

@@ -57,7 +57,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax.checkpoint.hf_loader import INDEX_NAME
-from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory, our_target
+from ced_jax.checkpoint.mapping import FILE_DTYPES, STORAGE_DTYPES, hf_inventory, our_target
 from ced_jax.config import ModelConfig
 from ced_jax.model import dspark
 from ced_jax.model.layers.common import apply_rope, f32_linear, rope_inv_freq
@@ -80,16 +80,6 @@ from ced_jax.testing.random_weights import AMAX_FLOOR, iter_hf_tensors, quantize
 from pallas_kernels.formats import FP4_MAX, FP8_MAX, np_dequant_fp8_weight
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-# What safetensors.numpy.save_file needs to write each released dtype code (the bytes are ours,
-# viewed as these dtypes); the same table as conversion.synthetic's, which ced_jax may not import.
-FILE_DTYPES: dict[str, np.dtype] = {
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "I8": np.dtype(np.int8),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
-}
 
 
 def _optax():
