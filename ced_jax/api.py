@@ -33,7 +33,6 @@ kept, replicated on a mesh); `Model.dspark` says whether they are there.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -1044,13 +1043,3 @@ def _converted_dspark_gap(directory: Path) -> str | None:
         f"converted without its DSpark stages (include={manifest['options']['include']}); "
         "convert again with --include text,dspark"
     )
-
-
-def load_arrays(path: str | Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(path))
-
-
-def save_json(obj: Any, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2))

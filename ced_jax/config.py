@@ -256,10 +256,6 @@ class ModelConfig:
             return None
 
     @property
-    def has_candidates(self) -> bool:
-        return self.candidate_source_layer_id >= 0
-
-    @property
     def engram_hash_cols(self) -> int:
         """Table rows fetched per position and engram layer: (n-gram sizes 2..N) x heads."""
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
