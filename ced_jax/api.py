@@ -151,7 +151,7 @@ class Model:
     engram_store = property(lambda self: self.loaded.engram_store)
     mesh = property(lambda self: self.loaded.mesh)
     rules = property(lambda self: self.loaded.rules)
-    impl = property(lambda self: self.loaded.impl)
+    impl = property(lambda self: str(self.loaded.impl))  # the kernel choice as text, as given
     programs = property(lambda self: self.loaded.programs)
     draft_programs = property(lambda self: self.loaded.draft_programs)
     dspark = property(lambda self: self.loaded.dspark)

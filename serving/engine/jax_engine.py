@@ -793,8 +793,9 @@ class JaxEngine:
         return _PendingDecode(out, slots, len(active))
 
     def _speculative(self, batch: DecodeBatch) -> DecodeResult:
-        """A speculative step (engine_api's module docstring): rows bucketed as in `decode_async`,
-        the program of the batch's draft width, results scattered back to their slots' rows."""
+        """A speculative step (`serving.engine.protocol`'s module docstring): rows bucketed as in
+        `decode_async`, the program of the batch's draft width, results scattered back to their slots'
+        rows."""
         spec = self._spec
         S, width, W = spec.max_slots, batch.draft_width, mask_words(self.cfg.vocab_size)
         if width not in self.dspark_widths:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from ced_jax.engine.batch import ImageInputs, SamplingBatch
+from ced_jax.inputs import ImageInputs, SamplingBatch
 
 log = logging.getLogger("ced_jax.multihost")
 

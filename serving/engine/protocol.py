@@ -101,7 +101,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ced_jax.engine.batch import SamplingBatch
+from ced_jax.inputs import SamplingBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -144,7 +144,7 @@ def _engram_inputs(cfg: ModelConfig, rows: int, tokens: int, engram_on_host: boo
 
 
 def _sampling_inputs(cfg: ModelConfig, rows: int, whole):
-    from ced_jax.engine.batch import SamplingBatch
+    from ced_jax.inputs import SamplingBatch
     from ced_jax.sampling import mask_words
 
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)

@@ -10,8 +10,8 @@ Request lifecycle (one request = one `_Seq`):
    preempted for memory. The prefix cache supplies the prompt's leading full blocks (never the block
    holding the last prompt token: the first generated token needs that token's logits). A hit of b
    tokens is resumed at max(0, b - `EngineSpec.replay_tokens`): the engine replays those cached
-   tokens to rebuild its per-slot state (engine_api's module docstring); they count against the
-   prefill budget, while usage's cached_prompt_tokens reports b.
+   tokens to rebuild its per-slot state (`serving.engine.protocol`'s module docstring); they count
+   against the prefill budget, while usage's cached_prompt_tokens reports b.
 3. Prefill: one `engine.prefill_async` per step over the chunks of up to max(`prefill_rows`)
    prefilling requests (oldest first), `prefill_token_budget` prompt tokens in all while any stream
    is decoding (it bounds how long they wait), else every row's largest chunk (nobody waits), or,
@@ -128,7 +128,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ced_jax.engine.batch import SamplingBatch
+from ced_jax.inputs import SamplingBatch
 from serving.config import ServeConfig
 from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
 from serving.engine.protocol import (

@@ -68,7 +68,8 @@ class RequestStream:
         """Aborts the request unless it already finished (client cancel or disconnect)."""
         if not self._finished:
             self._finished = True
-            self._abort(self.request_id, handle=self._handle, identity=self.identity)
+            if self._abort is not None:
+                self._abort(self.request_id, handle=self._handle, identity=self.identity)
 
 
 def collect(events: Sequence[StreamEvent]) -> tuple[list[int], str, StreamEvent]:
