@@ -36,25 +36,15 @@ from ced_jax.testing.random_weights import (
     tiny_dspark_params,
 )
 from ced_jax.training.dspark_train import save_dspark_safetensors
-from ced_jax.trees import nest
+from ced_jax.trees import flatten, nest
 from conversion.convert import ConvertOptions, convert
 from conversion.synthetic import FILE_DTYPES, write_synthetic_checkpoint
 from tests.conftest import GOLDEN_TINY_A
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def assert_same_tree(got: dict, expected: dict) -> None:
     """Same leaves, dtypes, shapes and bytes."""
-    got, expected = _flat(got), _flat(expected)
+    got, expected = flatten(got), flatten(expected)
     assert sorted(got) == sorted(expected)
     for name, want in expected.items():
         a, b = np.asarray(got[name]), np.asarray(want)

@@ -32,6 +32,7 @@ from ced_jax.checkpoint.mapping import hf_inventory, our_target
 from ced_jax.config import ModelConfig, VisionConfig, preset
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sharding import make_mesh
+from ced_jax.trees import flatten
 from conversion.convert import OWNER_MARKER, ConversionError, ConvertOptions, convert
 from conversion.synthetic import write_synthetic_checkpoint
 from pallas_kernels.formats import FP4_TABLE, np_dequant_fp8_weight
@@ -472,16 +473,6 @@ def multimodal(tmp_path_factory) -> tuple[ModelConfig, Path]:
     return cfg, src
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def test_include_dspark_and_vision(multimodal, tmp_path):
     """--include text,dspark,vision: each optional part is an Orbax item of its own (host memory), in
     the native formats (DSpark experts stacked per stage, wo_a dequantised as in the backbone),
@@ -496,7 +487,7 @@ def test_include_dspark_and_vision(multimodal, tmp_path):
     assert m["tensors"]["ignored"] == [] and m["tensors"]["consumed"] == m["tensors"]["source"] == len(inv)
     r = restore(out, mesh=make_mesh({"expert": 4, "tensor": 2}))
     assert set(r.parts) == {"dspark", "vision"}
-    parts = {**_flat(r.parts["dspark"]), **_flat(r.parts["vision"])}
+    parts = {**flatten(r.parts["dspark"]), **flatten(r.parts["vision"])}
     assert all(isinstance(a, np.ndarray) for a in parts.values())
     optional = {n: s for n, s in inv.items() if s.group in ("dspark", "vision")}
     assert set(parts) == {our_target(n).path for n in optional if our_target(n).kind != "wo_a_scale"}
@@ -536,7 +527,7 @@ def test_include_dspark_bf16(multimodal, tmp_path):
     cfg, src = multimodal
     out = tmp_path / "bf16"
     convert(src, out, ConvertOptions(progress=False, include=("text", "dspark"), weights_dtype="bf16"))
-    dspark = _flat(restore(out).parts["dspark"])
+    dspark = flatten(restore(out).parts["dspark"])
     assert not any(p.endswith(".scale") for p in dspark)
     w1 = dspark["mtp.1.ffn.experts.w1.weight"]
     assert w1.dtype == ml_dtypes.bfloat16
@@ -781,7 +772,7 @@ def test_default_include_converts_what_load_reads(multimodal, tmp_path):
     assert set(m["items"]) == {"params", "engram", "dspark", "vision"} and m["tensors"]["ignored"] == []
     from_hf, from_converted = ced_jax.load(src), ced_jax.load(out)
     assert from_hf.dspark and from_converted.dspark
-    a, b = _flat(from_converted.params["mtp"]), _flat(from_hf.params["mtp"])
+    a, b = flatten(from_converted.params["mtp"]), flatten(from_hf.params["mtp"])
     assert sorted(a) == sorted(b)
     for path, want in b.items():
         got, want = np.asarray(a[path]), np.asarray(want)
