@@ -64,7 +64,7 @@ from ced_jax.trees import nest
 from serving.config import LONG_PREFILL_CHUNK, ServeConfig, default_long_prefill_chunk
 
 SERVE = ServeConfig()
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = ("prefill", "decode", "long_prefill")
 
 
