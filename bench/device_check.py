@@ -172,7 +172,7 @@ def attention_inputs(seed, b, t, h, d, window, n_sel, main_pages, per_page, deco
     win_table = jnp.arange(b, dtype=jnp.int32)[:, None]
     win_idx = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), lead + (window,))
     main_vals = jax.random.normal(ks[1], (b * main_pages, per_page, d), jnp.float32)
-    main_pages_u8 = jax.jit(formats.quantize_fp4_entries)(main_vals)
+    main_pages_u8 = jax.jit(formats.pack_fp4_entries)(main_vals)
     del main_vals
     main_table = jax.random.permutation(ks[2], b * main_pages).astype(jnp.int32).reshape(b, main_pages)
     capacity = main_pages * per_page
@@ -311,8 +311,10 @@ def check_vision(label, width, height, *, backend, interpret, repeats, seed) -> 
     from ced_jax.vision import prepare_image
     from ced_jax.vision.tower import VisionEncoder, forward_flops
 
-    cfg = preset("v41-flash") if label.startswith("released") else ModelConfig.from_pretrained(
-        REPO / "tests" / "golden" / "tiny-v"
+    cfg = (
+        preset("v41-flash")
+        if label.startswith("released")
+        else ModelConfig.from_pretrained(REPO / "tests" / "golden" / "tiny-v")
     )
     flat = {n: draw(spec, seed).astype(ml_dtypes.bfloat16) for n, spec in vision_inventory(cfg).items()}
     encoder = VisionEncoder(cfg, flat)

@@ -7,16 +7,9 @@ per slot the SWA rings and compressor partial groups; a call's rows are describe
 change the one they are called on; the attention kernels read the rings and pages directly
 (`ced_jax.model.layers.kernels.KeySegment`).
 
-Packed formats (spec 2.4), sizes derived from the config's head dims:
-- FP4 main entry, `main_entry_bytes(D)` = D/2 + D/16 (288 B for D = 512): D e2m1 codes two per byte
-  (even index in the low nibble), then D/16 e4m3 scales (one per 16 values).
-- FP4 index key, `index_key_bytes(Dk)` = Dk/2 + Dk/32 (68 B for Dk = 128): e2m1 codes as above, then
-  Dk/32 ue8m0 scale bytes (one per 32).
-- FP8 SWA entry, `swa_entry_bytes(D)` = D + D/32 (528 B for D = 512): D e4m3 bytes, then D/32 ue8m0.
-`pack_*` takes values produced by the matching fake quantiser (`ced_jax.quant`) and `unpack_*` gives
-them back bit for bit; other values are rounded. The scale `pack_*` stores need not be the one the
-quantiser used (a block whose largest code is below the maximum admits several), only one that
-represents every value of the block exactly; the tests check the round trip, not the bytes.
+Entries are stored in the packed formats of spec 2.4, written and read by the one codec home,
+`pallas_kernels.formats`: FP4 main entries (`fp4_entry_bytes`, 288 B for D = 512), FP4 index keys
+(`index_key_bytes`, 68 B for Dk = 128) and FP8 SWA entries (`fp8_entry_bytes`, 528 B for D = 512).
 
 Paged layout (`init_paged_cache`). A page holds `page_size` tokens; a ratio-r KV source stores
 `page_size / r` entries per page (so page_size must be a multiple of every ratio), and entry j of a
@@ -35,149 +28,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from ced_jax.config import ModelConfig
-from ced_jax.quant import FP4_TABLE, e2m1_codes_scaled, exact_div, round_e4m3
-
-# ------------------------------------------------------------------------------------ sizes
-
-
-def main_entry_bytes(head_dim: int) -> int:
-    return head_dim // 2 + head_dim // 16
-
-
-def index_key_bytes(index_head_dim: int) -> int:
-    return index_head_dim // 2 + index_head_dim // 32
-
-
-def swa_entry_bytes(head_dim: int) -> int:
-    return head_dim + head_dim // 32
-
-
-# ----------------------------------------------------------------------------- bit helpers
-# e4m3fn byte -> value, built once on the host (ml_dtypes is the authority on the encoding).
-_E4M3_DECODE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-_E4M3_DECODE[np.isnan(_E4M3_DECODE)] = 0.0  # 0x7f/0xff are NaN; never produced by pack
-
-
-def _e4m3_bytes(x: jax.Array) -> jax.Array:
-    """f32 values exactly representable in e4m3fn -> their bytes (the convert is exact)."""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
-
-
-def _e4m3_values(b: jax.Array) -> jax.Array:
-    return jnp.asarray(_E4M3_DECODE)[b.astype(jnp.int32)]
-
-
-def _pack_nibbles(codes: jax.Array) -> jax.Array:
-    """uint8 codes [..., K] -> [..., K/2], even index in the low nibble."""
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-def _unpack_fp4_values(packed: jax.Array) -> jax.Array:
-    table = jnp.asarray(FP4_TABLE)
-    lo = table[(packed & 0x0F).astype(jnp.int32)]
-    hi = table[(packed >> 4).astype(jnp.int32)]
-    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def _smallest_pow2_exponent(amax: jax.Array, max_mantissa_bits: int, max_exp: int) -> jax.Array:
-    """Smallest integer e with amax <= M * 2^e, M = (1 + m/2^23) * 2^max_exp the format's largest
-    value, by exponent/mantissa bits (exact: a float product could round across a power of two).
-
-    amax is f32 >= 0; returns int32 (0 for amax == 0)."""
-    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    mantissa = bits & 0x7FFFFF
-    e = exponent - max_exp + (mantissa > max_mantissa_bits).astype(jnp.int32)
-    return jnp.where(amax > 0, e, 0)
-
-
-def _pow2(e: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
-# ------------------------------------------------------------------------------- FP4 main
-
-
-def pack_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
-    """Fake-quantised FP4 values (`fp4_fake_quant_e4m3`) [..., D] -> uint8 [..., D/2 + D/block].
-
-    A block's values are c_i * s with e2m1 codes c_i and an e4m3 scale s; the largest |c_i| is one
-    of the e2m1 magnitudes, so s is amax / c for some c. Try c from 6 down and keep the first scale
-    that is e4m3 and reproduces every value (the quantiser's own scale is always among them)."""
-    xb = _blocks(x.astype(jnp.float32), block)  # [..., n, block]
-    amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., n]
-    table = jnp.asarray(FP4_TABLE)
-    chosen = jnp.ones_like(amax)  # all-zero blocks: any scale, codes 0
-    found = amax == 0
-    for c in (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5):
-        s = exact_div(amax, c)
-        codes = e2m1_codes_scaled(xb, s)
-        exact = jnp.all(table[codes.astype(jnp.int32)] * s[..., None] == xb, axis=-1)
-        ok = (round_e4m3(s) == s) & (s > 0) & exact & ~found
-        chosen = jnp.where(ok, s, chosen)
-        found = found | ok
-    codes = e2m1_codes_scaled(xb, chosen).reshape(x.shape)
-    return jnp.concatenate([_pack_nibbles(codes), _e4m3_bytes(chosen)], axis=-1)
-
-
-def unpack_fp4_e4m3(packed: jax.Array, dim: int, block: int = 16) -> jax.Array:
-    """uint8 [..., D/2 + D/block] -> f32 [..., D]."""
-    values = _blocks(_unpack_fp4_values(packed[..., : dim // 2]), block)
-    scale = _e4m3_values(packed[..., dim // 2 :])
-    return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
-
-
-# ------------------------------------------------------------------------ FP4 index keys
-
-
-def pack_fp4_ue8m0(x: jax.Array, block: int = 32) -> jax.Array:
-    """Fake-quantised FP4 values with power-of-two scales (`fp4_fake_quant_ue8m0`) [..., D] ->
-    uint8 [..., D/2 + D/block].
-
-    The stored scale is the smallest power of two with amax / s <= 6: the quantiser's scale is a
-    power of two at least that large, and an e2m1 value times 2^k stays e2m1 while it is <= 6."""
-    xb = _blocks(x.astype(jnp.float32), block)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    e = _smallest_pow2_exponent(amax, 0x400000, 2)  # 6 = 1.5 * 2^2
-    codes = e2m1_codes_scaled(xb, _pow2(e)).reshape(x.shape)
-    return jnp.concatenate([_pack_nibbles(codes), (e + 127).astype(jnp.uint8)], axis=-1)
-
-
-def unpack_fp4_ue8m0(packed: jax.Array, dim: int, block: int = 32) -> jax.Array:
-    values = _blocks(_unpack_fp4_values(packed[..., : dim // 2]), block)
-    scale = _pow2(packed[..., dim // 2 :].astype(jnp.int32) - 127)
-    return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
-
-
-# ------------------------------------------------------------------------------- FP8 SWA
-
-
-def pack_fp8_ue8m0(x: jax.Array, block: int = 32) -> jax.Array:
-    """Fake-quantised FP8 values (`fp8_fake_quant`) [..., D] -> uint8 [..., D + D/block].
-
-    Scale: the smallest power of two with amax / s <= 448 (as for FP4 above, scaling an e4m3 value
-    up by 2^k keeps it e4m3, subnormals included, while it stays <= 448). Signed zeros survive."""
-    xb = _blocks(x.astype(jnp.float32), block)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    e = _smallest_pow2_exponent(amax, 0x600000, 8)  # 448 = 1.75 * 2^8
-    q = xb * _pow2(-e)[..., None]  # exact: a power of two
-    return jnp.concatenate([_e4m3_bytes(q).reshape(x.shape), (e + 127).astype(jnp.uint8)], axis=-1)
-
-
-def unpack_fp8_ue8m0(packed: jax.Array, dim: int, block: int = 32) -> jax.Array:
-    values = _blocks(_e4m3_values(packed[..., :dim]), block)
-    scale = _pow2(packed[..., dim:].astype(jnp.int32) - 127)
-    return (values * scale[..., None]).reshape(*packed.shape[:-1], dim)
-
+from pallas_kernels import formats
 
 # ------------------------------------------------------------------------------ ring helper
 
@@ -259,12 +113,12 @@ class PagedCache:
     a new cache and never change this one. The buffers are leaves; `page_size` (tokens per page) and
     the entry widths are static. Which rows a call touches comes from its `StepMetadata`.
 
-    window      {layer: u8 [max_slots, W, swa_entry_bytes]}        packed FP8 SWA ring per slot
-    kv          {source: u8 [num_pages, page_size / r, main_entry_bytes]}   FP4 main entries
+    window      {layer: u8 [max_slots, W, fp8_entry_bytes]}        packed FP8 SWA ring per slot
+    kv          {source: u8 [num_pages, page_size / r, fp4_entry_bytes]}   FP4 main entries
     index_k     {source: u8 [num_pages, page_size / r, index_key_bytes]}    FP4 index keys
     state_kv    {source (r > 1): f32 [max_slots, r, D]}             compressor partial group
     state_score {source (r > 1): f32 [max_slots, r, D]}
-    draft_window {DSpark stage: u8 [max_slots, W, swa_entry_bytes]}  context rings of the draft stages
+    draft_window {DSpark stage: u8 [max_slots, W, fp8_entry_bytes]}  context rings of the draft stages
                 (empty without DSpark; spec 7.3)
     draft_logits {"q": f32 [max_slots, block, V]}  each slot's last drafts' filtered draft logits, which
                 the next speculative step's rejection sampling needs (empty without DSpark)
@@ -281,24 +135,22 @@ class PagedCache:
     draft_window: dict = dataclasses.field(default_factory=dict)
     draft_logits: dict = dataclasses.field(default_factory=dict)
 
-    def entry_dim(self, kind: str) -> int:
-        return self.head_dim if kind == "kv" else self.index_head_dim
-
     # ---- SWA rings
     def ring(self, layer: int) -> jax.Array:
-        """The packed SWA rings of `layer`, u8 [max_slots, W, swa_entry_bytes] (slot = position % W),
-        as they were before this call's tokens: what the attention kernels read through `slots`."""
+        """The packed SWA rings of `layer`, u8 [max_slots, W, fp8_entry_bytes] (slot = position %
+        W), as they were before this call's tokens: what the attention kernels read through `slots`."""
         return self.window[str(layer)]
 
     def write_window(self, layer: int, meta: StepMetadata, packed: jax.Array) -> PagedCache:
-        """The cache with the chunk's valid SWA entries, packed [B, T, swa_entry_bytes], in the rings."""
+        """The cache with the chunk's valid SWA entries, packed [B, T, fp8_entry_bytes],
+        in the rings."""
         key = str(layer)
         rings = self.window[key]
         new = ring_update(rings[meta.slots], packed, meta.start, meta.lens)
         return dataclasses.replace(self, window={**self.window, key: rings.at[meta.slots].set(new)})
 
     def write_draft_window(self, stage: int, meta: StepMetadata, packed: jax.Array) -> PagedCache:
-        """The cache with a chunk's DSpark context entries, packed [B, T, swa_entry_bytes], in stage
+        """The cache with a chunk's DSpark context entries, packed [B, T, fp8_entry_bytes], in stage
         `stage`'s rings (context insertion, spec 7.3)."""
         key = str(stage)
         rings = self.draft_window[key]
@@ -363,7 +215,7 @@ class PagedCache:
         buf = getattr(self, kind)[str(layer)]
         rows = buf[meta.page_tables]  # [B, P, E, bytes]
         rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
-        return _ENTRY_FORMATS[kind][1](rows, self.entry_dim(kind))
+        return _ENTRY_FORMATS[kind][1](rows)
 
     # ---- speculative verification
     def keep_accepted(
@@ -402,7 +254,10 @@ jax.tree_util.register_dataclass(
 )
 
 # kind -> (pack, unpack) of the compressed entries
-_ENTRY_FORMATS = {"kv": (pack_fp4_e4m3, unpack_fp4_e4m3), "index_k": (pack_fp4_ue8m0, unpack_fp4_ue8m0)}
+_ENTRY_FORMATS = {
+    "kv": (formats.pack_fp4_entries, formats.unpack_fp4_entries),
+    "index_k": (formats.pack_index_keys, formats.unpack_index_keys),
+}
 
 
 def init_paged_cache(
@@ -419,15 +274,15 @@ def init_paged_cache(
     stages whose context rings the state carries (0: none); draft_vocab / draft_block: the shape of
     each slot's stored draft logits (0: none)."""
     hd, dk, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
-    swa = swa_entry_bytes(hd)
+    swa = formats.fp8_entry_bytes(hd)
     window = {str(i): jnp.zeros((max_slots, W, swa), jnp.uint8) for i in range(cfg.num_layers)}
     kv, index_k, state_kv, state_score = {}, {}, {}, {}
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
         if page_size % r:
             raise ValueError(f"page_size {page_size} is not a multiple of layer {s}'s compress ratio {r}")
-        kv[str(s)] = jnp.zeros((num_pages, page_size // r, main_entry_bytes(hd)), jnp.uint8)
-        index_k[str(s)] = jnp.zeros((num_pages, page_size // r, index_key_bytes(dk)), jnp.uint8)
+        kv[str(s)] = jnp.zeros((num_pages, page_size // r, formats.fp4_entry_bytes(hd)), jnp.uint8)
+        index_k[str(s)] = jnp.zeros((num_pages, page_size // r, formats.index_key_bytes(dk)), jnp.uint8)
         if r > 1:
             state_kv[str(s)] = jnp.zeros((max_slots, r, hd), jnp.float32)
             state_score[str(s)] = jnp.zeros((max_slots, r, hd), jnp.float32)

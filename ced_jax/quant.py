@@ -15,8 +15,6 @@ Conventions
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,18 +52,10 @@ __all__ = [
     "expert_weight",
     "fp8_quantize",
     "linear_weight",
-    "matmul_rows",
-    "max_axis",
-    "max_fenced",
-    "max_small",
-    "mean_last",
     "pow2_reciprocal",
     "pow2_scale_ceil",
     "round_bf16",
     "round_e4m3",
-    "sum_axis",
-    "sum_last",
-    "sum_small",
 ]
 
 # The reference multiplies by the reciprocal as an fp32 constant before rounding the scale up.
@@ -103,96 +93,6 @@ def expert_weight(p: dict, index=None) -> jax.Array:
     if "scale" in p:
         return dequant_fp4_weight(pick(p["weight"]), pick(p["scale"]))
     return pick(p["weight"])
-
-
-# ------------------------------------------------------------ row-invariant f32 sums and products
-# A row's (token's) result must not depend on how many rows share the call: speculative decoding
-# verifies K drafted tokens in one [B, K+1] step and must reproduce one-token [B, 1] steps exactly,
-# and a prompt must compute the same whether it comes as one chunk or page by page (the notebook API
-# vs the server). XLA:CPU breaks that in three places (measured on jax 0.10.2,
-# tests/ced_jax/test_invariance.py):
-# - a dot with a single row (or column) runs as a matrix-vector product, whose summation order differs
-#   from the matrix-matrix product of two rows or more (all row counts >= 2 agree with each other);
-# - a reduce's order depends on its fusion and on the number of rows (e.g. a 1024-wide row sum
-#   differs between 1-3 rows and 4+ rows, a 256-wide one when fused with its consumer);
-# - once a fusion holding a reduce is large enough, XLA:CPU hands the whole fusion to YNNPACK (the
-#   default `xla_cpu_experimental_ynn_fusion_type` includes reduce fusions), which evaluates the fused
-#   elementwise ops with its own exp (and sums in its own order): the Sinkhorn row softmax of
-#   `ced_jax.model.layers.mhc.hc_mixes`, exp(c - max(c)) over [T, 4, 4], changes in the last ulp from T = 256
-#   rows on. Which fusion goes to YNNPACK depends on its size, hence on B and T.
-# So the model's f32 contractions go through `matmul_rows` (at least two rows), its long sums
-# through `sum_last` (a `matmul_rows` against ones: sequential f32 accumulation, exact products) and
-# its short sums through `sum_small` (explicit left-to-right adds); its maxima whose result feeds
-# inexact math (exp) are explicit (`max_small`) or a reduce fenced off from its neighbours
-# (`max_fenced`). Each is one f32 order of operations per row, whatever the row count: the
-# reference's numerics up to f32 summation order, as before.
-
-
-def matmul_rows(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] times w [N, K]^T in f32 (HIGHEST), every row's result independent of the
-    number of rows: a lone row is padded with a zero row so the product is never a matrix-vector one."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = math.prod(lead)
-    flat = x.reshape(rows, k)
-    if rows == 1:
-        flat = jnp.pad(flat, ((0, 1), (0, 0)))
-    contract_k = (((1,), (1,)), ((), ()))
-    y = jax.lax.dot_general(flat, w, contract_k, precision=jax.lax.Precision.HIGHEST)
-    return y[:rows].reshape(*lead, w.shape[0])
-
-
-def sum_last(x: jax.Array) -> jax.Array:
-    """f32 sum over the last axis (kept, size 1), in index order for every row whatever their number.
-
-    Two columns of ones: a one-column product would be a matrix-vector product again."""
-    return matmul_rows(x, jnp.ones((2, x.shape[-1]), x.dtype))[..., :1]
-
-
-def sum_small(x: jax.Array, axis: int) -> jax.Array:
-    """f32 sum over a short axis (streams, experts of a token) as explicit left-to-right adds, so no
-    reduce emitter picks the order. The axis is dropped."""
-    parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
-def sum_axis(x: jax.Array, axis: int) -> jax.Array:
-    """f32 sum over `axis` (dropped) in one order per row: `sum_small` for up to 16 terms, else
-    `sum_last` with the axis moved last."""
-    if x.shape[axis] <= 16:
-        return sum_small(x, axis)
-    return sum_last(jnp.moveaxis(x, axis, -1))[..., 0]
-
-
-def max_small(x: jax.Array, axis: int) -> jax.Array:
-    """Maximum over a short axis as explicit pairwise maxima: no reduce, so nothing around it can
-    land in a YNNPACK reduce fusion (see above). The axis is dropped."""
-    parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
-    total = parts[0]
-    for part in parts[1:]:
-        total = jnp.maximum(total, part)
-    return total
-
-
-def max_fenced(x: jax.Array, axis: int) -> jax.Array:
-    """Maximum over `axis` (dropped) as a reduce alone in its fusion: optimization barriers on its
-    operand and result keep the producers and consumers (an exp) out of it, so none of them is
-    evaluated by YNNPACK when XLA:CPU hands the reduce to it (see above). A maximum is exact in any
-    order, so the reduce alone gives every row the same result whatever the row count."""
-    x = jax.lax.optimization_barrier(x)
-    return jax.lax.optimization_barrier(jnp.max(x, axis=axis))
-
-
-def max_axis(x: jax.Array, axis: int) -> jax.Array:
-    """`max_small` for up to 16 entries, else `max_fenced`."""
-    return max_small(x, axis) if x.shape[axis] <= 16 else max_fenced(x, axis)
-
-
-def mean_last(x: jax.Array) -> jax.Array:
-    """torch's mean over the last axis: an f32 sum (`sum_last`) divided (exactly) by the count."""
-    return exact_div(sum_last(x), float(x.shape[-1]))
 
 
 def pow2_reciprocal(scale: jax.Array) -> jax.Array:

@@ -72,7 +72,7 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
 # In interpret mode a kernel body runs as XLA:CPU operations, where the order an f32 sum is taken in
 # depends on the operation's form: a dot with bf16 operands runs through another CPU kernel than the
 # reference path's f32 (HIGHEST) dot of the same exact products, a reduce sums in another order than
-# the reference's product with ones (`ced_jax.quant.sum_last`), and two half-width dots (FP4 even /
+# the reference's product with ones (`ced_jax.invariant.sum_last`), and two half-width dots (FP4 even /
 # odd columns) add in another order than one dot over the whole contraction. Each of these moves an
 # f32 result by an ulp, and at a bf16 rounding tie the kernel's output by one bf16 ulp, which the
 # model can amplify into a different top-k entry, expert or token. So the kernels take
@@ -106,7 +106,7 @@ def dot_nn_f32(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def row_sum(x: jax.Array, *, reference_order: bool) -> jax.Array:
     """f32 [R, N] -> f32 [R, 1], the sum over N. reference_order: as an f32 product against two
-    columns of ones, the form of the reference's sum (`ced_jax.quant.sum_last`; exact products, so
+    columns of ones, the form of the reference's sum (`ced_jax.invariant.sum_last`; exact products, so
     only the accumulation order is the product's); otherwise a reduce."""
     if not reference_order:
         return x.sum(axis=1, keepdims=True)

@@ -333,12 +333,6 @@ def unpack_index_keys(entries: jax.Array) -> jax.Array:
     return _scaled(unpack_fp4_values(entries[..., : dim // 2]), ue8m0_to_f32(entries[..., dim // 2 :]))
 
 
-# Old names of `pack_fp4_entries`, kept only until their callers (ced_jax/model/layers/kernels.py at HEAD,
-# tests/pallas_kernels/cases.py, tests/ced_jax/test_parity_pallas.py, bench/device_check.py) switch.
-quantize_fp4_entries = pack_fp4_entries
-repack_fp4_entries = pack_fp4_entries
-
-
 # ---------------------------------------------------------------------------- stored weights
 def _fp8_scale_factors(scale, out_dim: int, in_dim: int, block: int, block_rows: int, xp):
     """ue8m0 scale grid [..., ceil(out/block_rows), ceil(in/block)] -> per-element f32 factors."""

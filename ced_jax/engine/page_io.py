@@ -13,7 +13,7 @@ Under `jax.jit` every distinct n is a separate program: callers bucket n (pad wi
 page for reads; writes must not repeat a page, see `write_pages`).
 
 Host side, `PageLayout` fixes one contiguous byte string per page: for each KV source in the config's
-`kv_source_layer_ids` order, the source's main entries (E_src x main_entry_bytes, entry-major, as the
+`kv_source_layer_ids` order, the source's main entries (E_src x fp4_entry_bytes, entry-major, as the
 device buffer stores them) then its index keys (E_src x index_key_bytes). Nothing else is added, so a
 page's blob is exactly its device bytes: `kv_bytes_per_token x page_size` (890 x page_size for
 v41-flash, 210 x page_size for tiny). `PageLayout.fingerprint()` hashes the config, the layout and
@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ced_jax.cache import PagedCache, index_key_bytes, kv_bytes_per_token, main_entry_bytes
+from ced_jax.cache import PagedCache, kv_bytes_per_token
 from ced_jax.config import ModelConfig
+from pallas_kernels import formats
 
 KINDS = ("kv", "index_k")
 LAYOUT_VERSION = 1  # bump when the byte layout of a page changes
@@ -139,8 +140,8 @@ class PageLayout:
             if page_size % r:
                 raise ValueError(f"page_size {page_size} is not a multiple of layer {s}'s compress ratio {r}")
             for kind, width in (
-                ("kv", main_entry_bytes(cfg.head_dim)),
-                ("index_k", index_key_bytes(cfg.index_head_dim)),
+                ("kv", formats.fp4_entry_bytes(cfg.head_dim)),
+                ("index_k", formats.index_key_bytes(cfg.index_head_dim)),
             ):
                 seg = Segment(kind, str(s), page_size // r, width, offset)
                 segments.append(seg)

@@ -41,6 +41,7 @@ from ced_jax.model.layers.common import apply_rope, f32_linear, fp8_linear, rms_
 from ced_jax.model.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
 from ced_jax.options import REFERENCE
 from ced_jax.quant import fp8_fake_quant, round_bf16
+from pallas_kernels import formats
 
 
 def stage_params(params: dict, stage: int) -> dict:
@@ -81,9 +82,9 @@ def _window_kv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array) ->
 
 
 def pack_rings(rings: jax.Array) -> jax.Array:
-    """Dequantised rings [..., W, Dh] (FP8 values) -> the packed FP8 layout [..., W, swa_entry_bytes]
+    """Dequantised rings [..., W, Dh] (FP8 values) -> the packed FP8 layout [..., W, fp8_entry_bytes]
     the engine's state keeps (`PagedCache.draft_window`); exact for `insert_context`'s values."""
-    return cache_lib.pack_fp8_ue8m0(rings)
+    return formats.pack_fp8_entries(rings)
 
 
 def empty_rings(cfg: ModelConfig, rows: int) -> jax.Array:
@@ -110,7 +111,7 @@ def _stage_attention(
     p: dict, cfg: ModelConfig, x: jax.Array, ring: jax.Array, position: jax.Array
 ) -> jax.Array:
     """x: attn_norm output [N, B, D] of the block at positions position+1 .. position+B; ring
-    [N, W, swa_entry_bytes] (packed FP8, as the engine's state keeps it) holding positions <= position.
+    [N, W, fp8_entry_bytes] (packed FP8, as the engine's state keeps it) holding positions <= position.
     Queries see every filled ring slot and all B block keys (no mask inside the block). -> [N, B, D]."""
     eps, inv_freq = cfg.rms_norm_eps, _inv_freq(cfg)
     n, b, _ = x.shape
@@ -132,7 +133,7 @@ def _stage_attention(
             jnp.broadcast_to((ring_pos >= 0)[:, None, :], (n, b, period)),
         ),
         kernels.KeySegment(
-            cache_lib.pack_fp8_ue8m0(block_kv),
+            formats.pack_fp8_entries(block_kv),
             own_page,
             jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32), (n, b)),
             jnp.ones((n, b, b), bool),
@@ -163,9 +164,7 @@ def _stage_moe(p: dict, cfg: ModelConfig, x: jax.Array, forced_ids: jax.Array | 
         cfg.norm_topk_prob,
         forced,
     )
-    routed = moe_lib.routed_experts(
-        flat, ids, weights, f["experts"], limit=cfg.swiglu_limit, impl=REFERENCE
-    )
+    routed = moe_lib.routed_experts(flat, ids, weights, f["experts"], limit=cfg.swiglu_limit, impl=REFERENCE)
     shared = moe_lib.shared_expert(flat, f["shared_experts"], limit=cfg.swiglu_limit)
     out = round_bf16(routed + shared).reshape(n, b, d)
     return out, own.reshape(n, b, -1), weights.reshape(n, b, -1)
@@ -190,7 +189,7 @@ def stage_forward(
 ):
     """One DSpark stage, a SWA-only block under single-pass mHC (as `ced_jax.model.forward`'s layers).
 
-    x [N, B, M, D] streams, pre [N, B, M] the previous site's pre-mix, ring [N, W, swa_entry_bytes]
+    x [N, B, M, D] streams, pre [N, B, M] the previous site's pre-mix, ring [N, W, fp8_entry_bytes]
     this stage's packed ring (`pack_rings`; positions <= position [N]), forced_ids optional [N, B, X]
     expert ids to replay.
     -> (streams [N, B, M, D], pre-mix for the next collapse [N, B, M], own expert ids, gate weights)."""
@@ -332,7 +331,7 @@ def insert_into_state(params: dict, cfg: ModelConfig, state, meta, mx: jax.Array
     positions = meta.positions(mx.shape[1])
     for s in range(cfg.num_nextn_predict_layers):
         kv = _window_kv(stage_params(params, s), cfg, mx, positions)
-        state = state.write_draft_window(s, meta, cache_lib.pack_fp8_ue8m0(kv))
+        state = state.write_draft_window(s, meta, formats.pack_fp8_entries(kv))
     return state
 
 
@@ -356,7 +355,7 @@ def draft(
     seed: jax.Array,
 ) -> Drafts:
     """Draft B = dspark_block_size tokens for N rows from the packed stage rings (rings[s] [N, W,
-    swa_entry_bytes], holding positions <= position [N]) and input_ids [N] (the target's token at
+    fp8_entry_bytes], holding positions <= position [N]) and input_ids [N] (the target's token at
     position + 1): the block runs through the stages, then the Markov head chains the draws position
     by position (greedy rows: argmax, sampled rows: a draw from the draft's filtered distribution,
     `ced_jax.sampling.draft_token`)."""

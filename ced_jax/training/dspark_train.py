@@ -59,6 +59,7 @@ import numpy as np
 from ced_jax.checkpoint.hf_loader import INDEX_NAME
 from ced_jax.checkpoint.mapping import FILE_DTYPES, STORAGE_DTYPES, hf_inventory, our_target
 from ced_jax.config import ModelConfig
+from ced_jax.invariant import mean_last
 from ced_jax.model import dspark
 from ced_jax.model.layers.common import apply_rope, f32_linear, rope_inv_freq
 from ced_jax.model.layers.mhc import hc_mixes
@@ -70,7 +71,6 @@ from ced_jax.quant import (
     e2m1_to_f32,
     exact_div,
     fp8_fake_quant,
-    mean_last,
     pow2_reciprocal,
     round_bf16,
     round_e4m3,

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax.config import ModelConfig, VisionConfig
+from ced_jax.invariant import mean_last, sum_small
 from ced_jax.model.layers.common import HIGHEST, rope_inv_freq
-from ced_jax.quant import mean_last, round_bf16, sum_small
+from ced_jax.quant import round_bf16
 from ced_jax.vision.params import vision_param_specs
 from ced_jax.vision.preprocess import PreparedImage, span_length
 

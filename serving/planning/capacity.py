@@ -31,7 +31,7 @@ With DSpark speculative decoding (`dspark` K > 0, `serve --dspark K`): the weigh
 draft stages' parameters (`our_param_specs(cfg, ("dspark",))`, in their storage dtypes), whole on
 every device as the runtime replicates them; the KV ledger is the state of `new_state(...,
 dspark=True)`: each slot's draft context rings (num_nextn_predict_layers x sliding_window x
-swa_entry_bytes(head_dim)) and its stored draft logits (dspark_block_size x vocab f32), split with
+fp8_entry_bytes(head_dim)) and its stored draft logits (dspark_block_size x vocab f32), split with
 the slots; the decode activations are those of the verify step, K + 1 tokens per sequence. The
 draft stages' own forward (dspark_block_size positions per slot through SWA-only blocks) is not
 priced separately: its blocks have no indexer nor compressed entries and run before the verify

@@ -76,7 +76,7 @@ def load():
 # imports the other; `model` never reads a checkpoint; nothing below `api` imports `api`.
 CED_JAX_GROUPS = {
     "core": (
-        "ced_jax.config", "ced_jax.options", "ced_jax.sharding", "ced_jax.quant", "ced_jax.sampling",
+        "ced_jax.config", "ced_jax.options", "ced_jax.sharding", "ced_jax.quant", "ced_jax.invariant", "ced_jax.sampling",
         "ced_jax.cache", "ced_jax.engram_hash", "ced_jax.engram_store", "ced_jax.text_ids",
         "ced_jax.compile_cache", "ced_jax.chat", "ced_jax.trees", "ced_jax.inputs",
     ),

@@ -3,7 +3,7 @@
 Speculative decoding verifies K drafted tokens in one [B, K+1] step, and its greedy output must be
 token for token the output of one-token [B, 1] steps; a server batch must not change a stream's
 tokens. So `forward` must compute every (row, position) with the same arithmetic whatever B and T
-(see `ced_jax.quant.matmul_rows` and `ced_jax.model.layers.attention.window_segment_by_position`). On the
+(see `ced_jax.invariant.matmul_rows` and `ced_jax.model.layers.attention.window_segment_by_position`). On the
 tiny model (bf16 rounding at every block boundary, so a one-ulp f32 difference anywhere shows up as
 a 2^-9 jump in some block) the results are compared bit for bit:
 - a 48-token greedy continuation decoded one token at a time vs the same sequence teacher-forced in

@@ -19,7 +19,7 @@ from pallas_kernels import formats
 
 POISON = 0xFF
 _pack_fp8 = jax.jit(formats.pack_fp8_entries)
-_pack_fp4 = jax.jit(formats.quantize_fp4_entries)
+_pack_fp4 = jax.jit(formats.pack_fp4_entries)
 _pack_keys = jax.jit(formats.pack_index_keys)
 _unpack_keys = jax.jit(formats.unpack_index_keys)
 _pack_weight = jax.jit(formats.pack_fp4_weight)

@@ -231,6 +231,7 @@ def test_dspark_state_is_the_speculative_engines_state(flash):
 
     from ced_jax import cache as cache_lib
     from ced_jax.engine import StateShapes, new_state
+    from pallas_kernels import formats
 
     mesh = {"data": 2, "expert": 4, "tensor": 1}
     seqs, context, page = 8, 8192, 16
@@ -242,7 +243,7 @@ def test_dspark_state_is_the_speculative_engines_state(flash):
     engine = jax.eval_shape(lambda: new_state(flash, shapes, dspark=True))
     assert spec["total"] == cache_lib.buffer_bytes(engine)
     assert plain["total"] == cache_lib.buffer_bytes(jax.eval_shape(lambda: new_state(flash, shapes)))
-    rings = flash.num_nextn_predict_layers * flash.sliding_window * cache_lib.swa_entry_bytes(flash.head_dim)
+    rings = flash.num_nextn_predict_layers * flash.sliding_window * formats.fp8_entry_bytes(flash.head_dim)
     logits = flash.dspark_block_size * flash.vocab_size * 4
     assert (rings, logits) == (3 * 128 * 528, 5 * 129280 * 4)
     assert spec["per_sequence"]["draft_rings"] == rings and spec["per_sequence"]["draft_logits"] == logits

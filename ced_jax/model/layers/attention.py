@@ -21,9 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ced_jax import cache as cache_lib
 from ced_jax.cache import PagedCache, StepMetadata, ring_update
 from ced_jax.config import ModelConfig
+from ced_jax.invariant import max_axis, sum_axis
 from ced_jax.model.layers import kernels
 from ced_jax.model.layers.common import (
     apply_rope,
@@ -35,15 +35,8 @@ from ced_jax.model.layers.common import (
     rope_inv_freq,
 )
 from ced_jax.options import Impl, IndexKeys
-from ced_jax.quant import (
-    exact_div,
-    fp4_fake_quant_e4m3,
-    fp4_fake_quant_ue8m0,
-    fp8_fake_quant,
-    max_axis,
-    round_bf16,
-    sum_axis,
-)
+from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
+from pallas_kernels import formats
 
 
 def layer_inv_freq(cfg: ModelConfig, layer: int):
@@ -387,7 +380,7 @@ def attention(
 
     kv = rms_norm(fp8_linear(x, p["wkv"]), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
-    packed_kv = cache_lib.pack_fp8_ue8m0(kv)
+    packed_kv = formats.pack_fp8_entries(kv)
     by_position = not impl.pallas
     segments = (window_segment_by_position if by_position else window_segments)(
         cache, layer, packed_kv, meta, positions, cfg.sliding_window

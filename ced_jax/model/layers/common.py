@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ced_jax.quant import fp8_fake_quant, linear_weight, matmul_rows, mean_last, round_bf16
+from ced_jax.invariant import matmul_rows, mean_last
+from ced_jax.quant import fp8_fake_quant, linear_weight, round_bf16
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -44,7 +45,7 @@ def f32_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 def grouped_linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., G, K] times each group's weight [G, N, K]^T in f32 -> [..., G, N] (not rounded), every
-    row's result independent of the number of rows (see `ced_jax.quant.matmul_rows`)."""
+    row's result independent of the number of rows (see `ced_jax.invariant.matmul_rows`)."""
     lead, (g, k) = x.shape[:-2], x.shape[-2:]
     rows = math.prod(lead)
     flat = jnp.moveaxis(x.reshape(rows, g, k), 1, 0)  # [G, rows, K]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ced_jax.invariant import mean_last, sum_last
 from ced_jax.model.layers.common import fp8_linear
-from ced_jax.quant import e8m0_to_f32, mean_last, round_bf16, sum_last
+from ced_jax.quant import e8m0_to_f32, round_bf16
 
 
 def engram_dequant(values: jax.Array, scales: jax.Array, block: int = 32) -> jax.Array:

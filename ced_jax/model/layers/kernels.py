@@ -12,8 +12,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ced_jax.invariant import max_fenced, sum_last, sum_small
 from ced_jax.options import REFERENCE, Impl
-from ced_jax.quant import exact_div, expert_weight, max_fenced, round_bf16, sum_last, sum_small
+from ced_jax.quant import exact_div, expert_weight, round_bf16
 
 # Key slots the reference indexer scores at a time (`index_scores`): a block's f32 keys stay in a
 # CPU's cache (measured best at 4,096-8,192 slots, BENCHMARKS.md).
@@ -28,7 +29,7 @@ def _expert_pairs(rows: jax.Array, expert_ids: jax.Array, w: dict) -> jax.Array:
     """rows [M, K] times their experts' weights^T, gathered and dequantised together -> f32 [M, N]."""
     weight = expert_weight(w, expert_ids)  # [M, N, K]
     # Each row as a two-row product (the second row zero): a one-row product sums in another order
-    # than the per-expert tiles of many rows (`ced_jax.quant.matmul_rows`), and a token must get the
+    # than the per-expert tiles of many rows (`ced_jax.invariant.matmul_rows`), and a token must get the
     # same expert outputs in a decode step and in a chunk.
     pair = jnp.stack([rows, jnp.zeros_like(rows)], axis=1)  # [M, 2, K]
     return jnp.einsum("mik,mnk->min", pair, weight, precision=jax.lax.Precision.HIGHEST)[:, 0]

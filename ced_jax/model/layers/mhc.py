@@ -13,7 +13,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ced_jax.quant import exact_div, matmul_rows, max_small, mean_last, round_bf16, sum_small
+from ced_jax.invariant import matmul_rows, max_small, mean_last, sum_small
+from ced_jax.quant import exact_div, round_bf16
 
 
 @partial(jax.jit, static_argnames=("hc", "iters", "norm_eps", "hc_eps"))
@@ -73,5 +74,5 @@ def hc_expand(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Arra
 
 def stream_mean(x: jax.Array) -> jax.Array:
     """f32 mean over the M streams of [..., M, D] (the sum in stream order, divided exactly by M), not
-    rounded: one order per row whatever the row count (`ced_jax.quant.sum_small`)."""
+    rounded: one order per row whatever the row count (`ced_jax.invariant.sum_small`)."""
     return exact_div(sum_small(x, -2), float(x.shape[-2]))

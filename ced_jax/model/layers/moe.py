@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from ced_jax import sharding
+from ced_jax.invariant import sum_small
 from ced_jax.model.layers import kernels
 from ced_jax.model.layers.common import f32_linear, fp8_linear
 from ced_jax.options import Impl
-from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16, sum_small
+from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16
 
 
 def router_scores(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
