@@ -27,10 +27,11 @@ from typing import Any, Literal
 import numpy as np
 
 from ced_jax.checkpoint.hf_loader import CheckpointError
-from ced_jax.checkpoint.mapping import STORAGE_DTYPES, hf_inventory, optional_group_of, our_target
+from ced_jax.checkpoint.mapping import STORAGE_DTYPES, is_engram_table, optional_group_of
 from ced_jax.config import ConfigError, ModelConfig
-from ced_jax.model import BF16, FP4X2, ParamSpec, flatten_specs, param_specs
+from ced_jax.model import BF16, FP4X2, ParamSpec, dspark_param_specs, flatten_specs, param_specs
 from ced_jax.trees import flatten, nest
+from ced_jax.vision.params import vision_param_specs
 
 FORMAT = "ced-jax/orbax"
 FORMAT_VERSION = 1
@@ -47,31 +48,16 @@ WeightsDtype = Literal["native", "bf16"]
 
 
 # ---------------------------------------------------------------------- target tree
-def is_engram_table(path: str) -> bool:
-    return ".engram.embed." in path
-
-
 def part_specs(cfg: ModelConfig, part: str) -> dict[str, ParamSpec]:
-    """Native leaves of an optional part (`dspark` / `vision`), from the config's inventory: stored
-    dtype and shape, routed experts of a DSpark stage stacked [E, ...], `wo_a` dequantised to bf16
-    (its scale has no leaf). Logical axes are all None: these items live in host memory."""
-    out: dict[str, ParamSpec] = {}
-    experts: dict[str, set[int]] = {}
-    for name, spec in hf_inventory(cfg).items():
-        if spec.group != part:
-            continue
-        t = our_target(name)
-        dtype = STORAGE_DTYPES[spec.dtype]
-        if t.kind == "copy":
-            out[t.path] = ParamSpec(spec.shape, dtype, (None,) * len(spec.shape))
-        elif t.kind == "wo_a":
-            out[t.path] = ParamSpec(spec.shape, BF16, (None,) * len(spec.shape))
-        elif t.kind == "stack":
-            experts.setdefault(t.path, set()).add(t.expert)
-            out[t.path] = ParamSpec(
-                (len(experts[t.path]), *spec.shape), dtype, (None,) * (len(spec.shape) + 1)
-            )
-    return out
+    """Native leaves of an optional part (`dspark` / `vision`): the DSpark stages' tree or the vision
+    tower's, in their storage dtypes. Logical axes are all None: these items live in host memory."""
+    if part == "dspark":
+        stages = flatten_specs(dspark_param_specs(cfg)).items()
+        return {name: ParamSpec(s.shape, np.dtype(s.dtype), s.axes) for name, s in stages}
+    return {
+        name: ParamSpec(shape, STORAGE_DTYPES[dtype], (None,) * len(shape))
+        for name, (shape, dtype) in vision_param_specs(cfg).items()
+    }
 
 
 def target_specs(

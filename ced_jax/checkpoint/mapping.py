@@ -50,6 +50,7 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax.config import ModelConfig
+from ced_jax.model.params import dspark_param_specs, flatten_specs, param_specs
 
 Group = Literal["backbone", "engram_table", "dspark", "vision"]
 GROUPS: tuple[Group, ...] = ("backbone", "engram_table", "dspark", "vision")
@@ -331,6 +332,13 @@ class Target:
     expert: int | None = None
 
 
+DSPARK_PREFIX = "mtp."
+
+
+def is_engram_table(path: str) -> bool:
+    return ".engram.embed." in path
+
+
 def our_target(hf_name: str) -> Target:
     """Map an HF name to our parameter path (pure name mapping): backbone, Engram tables and DSpark
     stages; anything else (vision) keeps its name."""
@@ -353,25 +361,22 @@ def our_param_specs(
     cfg: ModelConfig, groups: tuple[Group, ...] = TEXT_GROUPS
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Our parameter paths -> (shape, numpy storage dtype), for the implemented groups
-    (`LOADABLE_GROUPS`: the text groups by default; "dspark" adds the `mtp.*` stages)."""
+    (`LOADABLE_GROUPS`: the text groups by default; "dspark" adds the `mtp.*` stages): the model's
+    abstract tree (`ced_jax.model.params`), flattened."""
     unsupported = sorted(set(groups) - set(LOADABLE_GROUPS))
     if unsupported:
         raise ValueError(
             f"groups {unsupported} are not implemented here; {[SKIP_NOTES[g] for g in unsupported]}"
         )
-    out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    for spec in hf_inventory(cfg).values():
-        if spec.group not in groups:
-            continue
-        target = our_target(spec.name)
-        if target.kind == "copy":
-            out[target.path] = (spec.shape, STORAGE_DTYPES[spec.dtype])
-        elif target.kind == "stack":
-            if target.path not in out:
-                out[target.path] = (
-                    (stacked_experts(cfg, target.path), *spec.shape),
-                    STORAGE_DTYPES[spec.dtype],
-                )
-        elif target.kind == "wo_a":
-            out[target.path] = (spec.shape, np.dtype(ml_dtypes.bfloat16))
-    return out
+    tree = flatten_specs({**param_specs(cfg), **dspark_param_specs(cfg)})
+    return {
+        path: (spec.shape, np.dtype(spec.dtype))
+        for path, spec in tree.items()
+        if _group_of_path(path) in groups
+    }
+
+
+def _group_of_path(path: str) -> Group:
+    if path.startswith(DSPARK_PREFIX):
+        return "dspark"
+    return "engram_table" if is_engram_table(path) else "backbone"

@@ -11,14 +11,11 @@ import ml_dtypes
 import numpy as np
 
 from ced_jax import sharding
-from ced_jax.checkpoint.converted import is_engram_table
-from ced_jax.checkpoint.mapping import our_param_specs
+from ced_jax.checkpoint.mapping import DSPARK_PREFIX, is_engram_table, our_param_specs
 from ced_jax.config import ModelConfig
 from ced_jax.engram_store import EngramStore, table_leaves
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.trees import nest
-
-DSPARK_PREFIX = "mtp."
 
 
 def to_device(

@@ -57,7 +57,7 @@ import jax
 import numpy as np
 
 from ced_jax import sharding
-from ced_jax.checkpoint.mapping import TEXT_GROUPS, our_param_specs
+from ced_jax.checkpoint.mapping import TEXT_GROUPS, is_engram_table, our_param_specs
 from ced_jax.config import PRESETS, ModelConfig, preset
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.trees import nest
@@ -88,10 +88,6 @@ class CompileProofError(ValueError):
 
 
 # ---------------------------------------------------------------------- abstract inputs
-def _engram_leaf(path: str) -> bool:
-    return ".engram.embed." in path
-
-
 def abstract_params(cfg: ModelConfig, mesh, rules, *, engram_on_host: bool) -> dict:
     """The parameter tree as ShapeDtypeStructs in the checkpoint's storage dtypes (`our_param_specs`,
     what `ced_jax.load` holds on an accelerator) with the shardings the runtime places them with
@@ -107,7 +103,7 @@ def abstract_params(cfg: ModelConfig, mesh, rules, *, engram_on_host: bool) -> d
         pspec = sharding.logical_to_spec(spec.axes, rules, shape, mesh, name=f"parameter {path}")
         return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, pspec))
 
-    kept = {path: spec for path, spec in specs.items() if not (engram_on_host and _engram_leaf(path))}
+    kept = {path: spec for path, spec in specs.items() if not (engram_on_host and is_engram_table(path))}
     return nest(kept, abstract)
 
 

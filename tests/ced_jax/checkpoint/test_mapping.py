@@ -12,6 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from ced_jax.checkpoint.mapping import (
+    STORAGE_DTYPES,
     hf_inventory,
     optional_group_of,
     our_param_specs,
@@ -35,7 +36,8 @@ def test_v41_flash_tensor_count(flash):
     # Spec 5.4's census splits the layers (Engram tensors and globals counted apart).
     def layer_count(lo: int, hi: int) -> int:
         return sum(
-            1 for n in flash
+            1
+            for n in flash
             if n.startswith("layers.") and lo <= int(n.split(".")[1]) < hi and ".engram." not in n
         )
 
@@ -201,3 +203,39 @@ def test_our_param_specs_tiny():
     assert all(p.startswith("mtp.") for p in draft)
     with pytest.raises(ValueError, match="not implemented"):
         our_param_specs(preset("v41-flash"), ("backbone", "vision"))
+
+
+def _mapped_inventory(cfg: ModelConfig) -> dict:
+    """The released file's tensors (`hf_inventory`) mapped to our paths by name alone: experts
+    stacked, `wo_a` dequantised to bf16 (its scale consumed), vision left out."""
+    out = {}
+    for spec in hf_inventory(cfg).values():
+        if spec.group == "vision":
+            continue
+        target = our_target(spec.name)
+        dtype = STORAGE_DTYPES[spec.dtype]
+        if target.kind == "copy":
+            out[target.path] = (spec.shape, dtype)
+        elif target.kind == "stack":
+            count = cfg.dspark_n_routed_experts if target.path.startswith("mtp.") else cfg.n_routed_experts
+            out[target.path] = ((count, *spec.shape), dtype)
+        elif target.kind == "wo_a":
+            out[target.path] = (spec.shape, np.dtype(ml_dtypes.bfloat16))
+    return out
+
+
+@pytest.mark.parametrize("source", ["tiny", "v41-flash", "tiny-a", "tiny-v", "assets-tiny"])
+def test_model_tree_matches_the_released_inventory(source):
+    """Two independent descriptions of the weights agree: the model's abstract tree (from which
+    `our_param_specs`, the loaders, the shardings and the planner derive) and the inventory of the
+    released checkpoint's files, mapped by name."""
+    files = {
+        "tiny-a": GOLDEN_TINY_A,
+        "tiny-v": REPO / "tests/golden/tiny-v",
+        "assets-tiny": REPO / "ced_jax/assets/tiny",
+    }
+    if source in files:
+        cfg = ModelConfig.from_hf_config(json.loads((files[source] / "config.json").read_text()))
+    else:
+        cfg = preset(source)
+    assert our_param_specs(cfg, ("backbone", "engram_table", "dspark")) == _mapped_inventory(cfg)
