@@ -2,7 +2,7 @@
 take (`batch`), the host side that builds it (`host`) and page copies (`page_io`)."""
 
 from ced_jax.engine.batch import ImageInputs, SamplingBatch, StepBatch
-from ced_jax.engine.host import Engine, LoadedModel, SpeculativeOutput
+from ced_jax.engine.host import PROGRAMS, Engine, LoadedModel, SpeculativeOutput
 from ced_jax.engine.programs import (
     Programs,
     StateShapes,
@@ -12,6 +12,7 @@ from ced_jax.engine.programs import (
 )
 
 __all__ = [
+    "PROGRAMS",
     "Engine",
     "ImageInputs",
     "LoadedModel",

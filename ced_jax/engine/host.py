@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -18,6 +19,9 @@ from ced_jax.engine.batch import ImageInputs, SamplingBatch, StepBatch
 from ced_jax.engine.programs import Programs, StateShapes, floor_per_layer, new_state
 from ced_jax.options import REFERENCE, Impl, RunOptions
 from ced_jax.sampling import mask_words
+
+# The model programs an `Engine` runs (`run`), by their `Programs` attribute.
+PROGRAMS = frozenset({"step", "decode", "prefill_batch", "speculative_decode"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +98,9 @@ class Engine:
         # Data-parallel attention (`dp_ep`): row block d of every call must use slots and pages of
         # block d (`ced_jax.model.forward`); `metadata` checks it.
         self.attention_shards = 1 if layout is None else layout.attention_shards
+        # A multi-host leader's hand-over (`serving.engine.multihost.Mirror`): called as
+        # `mirror(program, batch, options)`, a context around every program run (`run`).
+        self.mirror = None
 
     # ---- host inputs
     def put(self, arr):
@@ -123,17 +130,16 @@ class Engine:
 
     def engram_rows(
         self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray, dead: np.ndarray | None = None
-    ) -> np.ndarray | dict | None:
-        """The Engram inputs of a chunk [B, T] of these slots; their histories move past it.
-        dead: bool [B, T], True at image-span tokens (DEAD in the n-gram history, spec 4.4).
-        Tables on device: the hash rows i32 [B, T, n_engram_layers, C]; on the host: those rows
-        gathered (`engram_inputs`)."""
+    ) -> np.ndarray | None:
+        """The Engram hash rows i32 [B, T, n_engram_layers, C] of a chunk [B, T] of these slots (None
+        without Engram); their histories move past it. dead: bool [B, T], True at image-span tokens
+        (DEAD in the n-gram history, spec 4.4)."""
         if self.hasher is None:
             return None
         history = self.history[slots]
         rows = self.hasher.hash_ids(history, tokens, dead)
         self.history[slots] = self.hasher.next_history(history, tokens, np.asarray(lens, np.int64), dead)
-        return self.engram_inputs(rows)
+        return rows
 
     def engram_inputs(self, ids: np.ndarray | None):
         """What a program takes for hash rows `ids`: the ids themselves (tables on device) or the
@@ -141,10 +147,6 @@ class Engine:
         if ids is None or self.engram_store is None:
             return ids
         return self.engram_store.gather(ids)
-
-    def put_rows(self, rows):
-        """`put` of `engram_rows`' result (an array, a dict of arrays, or None)."""
-        return None if rows is None else jax.tree.map(self.put, rows)
 
     def image_inputs(self, tokens: np.ndarray, token_types, span_embeds):
         """Check a chunk's image inputs against tokens [B, T]: (token_types i32 [B, T], span_embeds
@@ -169,16 +171,17 @@ class Engine:
         return types, spans, types >= 0
 
     def metadata(self, start, lens, slots, page_tables, window_floor=None) -> StepMetadata:
-        """window_floor: i32 [B, L] (`StepMetadata.window_floor`) or None."""
+        """The rows of a call, host arrays; window_floor: i32 [B, L] (`StepMetadata.window_floor`) or
+        None."""
         if self.attention_shards > 1:
             self._check_blocks(start, lens, slots, page_tables)
-        put = self.put
+        i32 = lambda a: np.asarray(a, np.int32)
         return StepMetadata(
-            start=put(np.asarray(start, np.int32)),
-            lens=put(np.asarray(lens, np.int32)),
-            slots=put(np.asarray(slots, np.int32)),
-            page_tables=put(np.asarray(page_tables, np.int32)),
-            window_floor=None if window_floor is None else put(np.asarray(window_floor, np.int32)),
+            start=i32(start),
+            lens=i32(lens),
+            slots=i32(slots),
+            page_tables=i32(page_tables),
+            window_floor=None if window_floor is None else i32(window_floor),
         )
 
     def _check_blocks(self, start, lens, slots, page_tables) -> None:
@@ -214,11 +217,10 @@ class Engine:
         self.cfg.ced_boundary  # noqa: B018 (raises for a model without the CED layout)
         return floor_per_layer(self.cfg, np.zeros(rows, np.int32), decoder_from)
 
-    def put_sampling(self, sampling: SamplingBatch, mask_shape: tuple[int, ...]) -> SamplingBatch:
-        """A call's sampling inputs (host arrays, one row per call row; token_bitmask None = no
-        constraint: all ones of `mask_shape`, so a program always gets the same shape and dtype, one
-        executable either way) on the device (`put`)."""
-        put = self.put
+    def checked_sampling(self, sampling: SamplingBatch, mask_shape: tuple[int, ...]) -> SamplingBatch:
+        """A call's sampling inputs (one row per call row) as the program takes them: checked, in
+        their dtypes, token_bitmask None (no constraint) as all ones of `mask_shape`, so a program
+        always gets the same shape and dtype, one executable either way."""
         rows = mask_shape[0]
         mask = sampling.token_bitmask
         mask = np.full(mask_shape, -1, np.int32) if mask is None else np.asarray(mask, np.int32)
@@ -229,18 +231,27 @@ class Engine:
         for name, value in values.items():
             if value.shape != (rows,):
                 raise ValueError(f"{name}: expected {rows} values, got shape {list(value.shape)}")
-        return SamplingBatch(**{k: put(v) for k, v in values.items()}, token_bitmask=put(mask))
-
-    def images(self, types, spans) -> ImageInputs | None:
-        """`image_inputs`' checked arrays on the device, None for a text chunk."""
-        return None if types is None else ImageInputs(self.put(types), self.put(spans))
+        return SamplingBatch(**values, token_bitmask=mask)
 
     def _mesh_context(self):
-        import contextlib
-
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # ---- calls
+    def run(self, program: str, batch: StepBatch, options: RunOptions):
+        """Run one of `PROGRAMS` on a batch of host arrays (`engram`: the hash rows): the state moves,
+        the program's outputs stay on the device. The one place the engine runs a model program; a
+        multi-host leader's `mirror` hands the same three values to the other processes first."""
+        if program not in PROGRAMS:
+            raise ValueError(f"program must be one of {sorted(PROGRAMS)}, got {program!r}")
+        with contextlib.nullcontext() if self.mirror is None else self.mirror(program, batch, options):
+            inputs = dataclasses.replace(batch, engram=self.engram_inputs(batch.engram))
+            inputs = jax.tree.map(self.put, inputs)
+            with self._mesh_context():
+                self.state, out = getattr(self.programs, program)(
+                    self.model.params, self.state, inputs, options=options
+                )
+        return out
+
     def step(
         self,
         tokens: np.ndarray,
@@ -266,11 +277,11 @@ class Engine:
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(np.asarray(slots), tokens, lens, dead)
         batch = StepBatch(
-            tokens=self.put(tokens),
+            tokens=tokens,
             meta=self.metadata(start, lens, slots, page_tables, window_floor),
-            engram=self.put_rows(rows),
-            images=self.images(types, spans),
-            forced=None if forced is None else jax.tree.map(self.put, forced),
+            engram=rows,
+            images=None if types is None else ImageInputs(types, spans),
+            forced=forced,
         )
         options = RunOptions(
             impl=self.impl,
@@ -278,11 +289,7 @@ class Engine:
             capture_blocks=capture_blocks,
             stop_at_layer=stop_at_layer,
         )
-        with self._mesh_context():
-            self.state, (logits, aux) = self.programs.step(
-                self.model.params, self.state, batch, options=options
-            )
-        return logits, aux
+        return self.run("step", batch, options)
 
     def decode(
         self,
@@ -323,15 +330,12 @@ class Engine:
         lens = np.asarray(active, np.int32)
         rows = self.engram_rows(np.asarray(slots), tokens[:, None], lens)
         batch = StepBatch(
-            tokens=self.put(tokens),
+            tokens=tokens,
             meta=self.metadata(positions, lens, slots, page_tables),
-            engram=self.put_rows(rows),
-            sampling=self.put_sampling(sampling, (len(tokens), mask_words(self.cfg.vocab_size))),
+            engram=rows,
+            sampling=self.checked_sampling(sampling, (len(tokens), mask_words(self.cfg.vocab_size))),
         )
-        options = RunOptions(impl=self.impl, max_logprobs=max_logprobs)
-        with self._mesh_context():
-            self.state, out = self.programs.decode(self.model.params, self.state, batch, options=options)
-        return out
+        return self.run("decode", batch, RunOptions(impl=self.impl, max_logprobs=max_logprobs))
 
     def prefill_batch(
         self,
@@ -372,30 +376,25 @@ class Engine:
             self._check_blocks(start, n, slots, page_tables)
         types, spans, dead = self.image_inputs(tokens, token_types, span_embeds)
         rows = self.engram_rows(slots, tokens, n, dead)
-        put = self.put
         decoder_from = per_row(decoder_from)
         meta = StepMetadata(
-            start=put(np.asarray(start, np.int32)),
-            lens=put(n),
-            slots=put(slots),
-            page_tables=put(np.asarray(page_tables, np.int32)),
-            window_floor=put(floor_per_layer(self.cfg, per_row(window_floor), decoder_from)),
-            write_from=put(per_row(write_from)),
-            decoder_from=put(decoder_from),
+            start=np.asarray(start, np.int32),
+            lens=n,
+            slots=slots,
+            page_tables=np.asarray(page_tables, np.int32),
+            window_floor=floor_per_layer(self.cfg, per_row(window_floor), decoder_from),
+            write_from=per_row(write_from),
+            decoder_from=decoder_from,
         )
         batch = StepBatch(
-            tokens=put(tokens),
+            tokens=tokens,
             meta=meta,
-            engram=self.put_rows(rows),
-            sampling=self.put_sampling(sampling, (len(slots), mask_words(self.cfg.vocab_size))),
-            images=self.images(types, spans),
+            engram=rows,
+            sampling=self.checked_sampling(sampling, (len(slots), mask_words(self.cfg.vocab_size))),
+            images=None if types is None else ImageInputs(types, spans),
         )
         options = RunOptions(impl=self.impl, max_logprobs=max_logprobs, step_tokens=step_tokens)
-        with self._mesh_context():
-            self.state, out = self.programs.prefill_batch(
-                self.model.params, self.state, batch, options=options
-            )
-        return out
+        return self.run("prefill_batch", batch, options)
 
     def speculative_decode(
         self,
@@ -436,19 +435,15 @@ class Engine:
         rows = None
         if self.hasher is not None:
             history = self.history[slots]
-            rows = self.engram_inputs(self.hasher.hash_ids(history, chunk, None))
+            rows = self.hasher.hash_ids(history, chunk, None)
         batch = StepBatch(
-            tokens=self.put(chunk),
+            tokens=chunk,
             meta=self.metadata(positions, lens, slots, page_tables),
-            engram=self.put_rows(rows),
-            sampling=self.put_sampling(sampling, (b, width + 1, mask_words(self.cfg.vocab_size))),
+            engram=rows,
+            sampling=self.checked_sampling(sampling, (b, width + 1, mask_words(self.cfg.vocab_size))),
         )
         options = RunOptions(impl=self.impl, max_logprobs=max_logprobs)
-        with self._mesh_context():
-            self.state, out = self.programs.speculative_decode(
-                self.model.params, self.state, batch, options=options
-            )
-        out = SpeculativeOutput(*jax.device_get(out))
+        out = SpeculativeOutput(*jax.device_get(self.run("speculative_decode", batch, options)))
         if history is not None:
             kept = np.where(active, out.accepted + 1, 0).astype(np.int64)
             self.history[slots] = self.hasher.next_history(history, chunk, kept, None)

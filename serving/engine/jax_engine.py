@@ -347,8 +347,8 @@ class JaxEngine:
     def __init__(self, model, config: ServeConfig, *, cluster=None):
         """Built with `config`'s shapes (max_slots, page_size, num_pages, max_context, its one prefill
         bucket: the chunk length) and max_logprobs; the rest of `config` is the server's.
-        cluster: the leader's `serving.engine.multihost.Cluster` of a multi-host run: every engine call
-        that runs a program is handed to the other processes first (`multihost.LeaderProxy`)."""
+        cluster: the leader's `serving.engine.multihost.Cluster` of a multi-host run: every program run
+        is handed to the other processes first (`multihost.Mirror`)."""
         if len(config.prefill_buckets) != 1:
             raise ValueError(
                 "prefill_buckets: JaxEngine runs one prefill chunk length, got "
@@ -395,9 +395,9 @@ class JaxEngine:
                     f"of the {self.kv_blocks} devices (each runs an equal block of rows)"
                 )
         if cluster is not None:
-            from serving.engine.multihost import LeaderProxy
+            from serving.engine.multihost import Mirror
 
-            self.engine = LeaderProxy(self.engine, cluster)
+            self.engine.mirror = Mirror(cluster)
         kv_bytes = cache_lib.kv_bytes_per_token(self.engine.state)
         # KV tiers: whole pages in and out of the state (not across processes: a multi-host leader
         # would have to hand the calls to the others).

@@ -2,16 +2,18 @@
 
 `ced-jax serve --coordinator HOST:PORT --num-processes N --process-id i --mesh ...` starts the same
 command on N processes whose devices form one mesh. Every process loads the model onto the mesh and
-builds the same `ced_jax.engine.Engine` (the device state and the host Engram history). Process 0,
-the leader, runs the gRPC front end, the scheduler and `JaxEngine`; its engine is a `LeaderProxy`,
-which hands every call that runs a program or moves host state (`MIRRORED`) to the other processes
-before running it itself. The followers (`follow`) make the same calls with the same host inputs in
-the same order, so each collective program runs in lockstep on all processes, every process feeding
-its own shards. Outputs are replicated, so the leader reads the sampled tokens from its own devices.
+builds the same `ced_jax.engine.Engine` (the device state). Process 0, the leader, runs the gRPC
+front end, the scheduler and `JaxEngine`, and does all the host work (the Engram history, the
+checks, the batches); its engine's `mirror` (`Mirror`) hands every program run, as the program's
+name, its `RunOptions` and its `StepBatch` of host arrays, to the other processes before it runs
+here. The followers (`follow`) run the same program on the same batch in the same order
+(`Engine.run`), so each collective program runs in lockstep on all processes, every process feeding
+its own shards (and gathering host-held Engram rows from its own tables). Outputs are replicated,
+so the leader reads the sampled tokens from its own devices.
 
 Transport: the distributed runtime's key-value store (the coordinator, hosted by process 0). Call n
 is one value under `ced-serve/call/<follower>/<n>`, written by the leader, read (blocking) and
-deleted by the follower: the numpy inputs of the call, encoded by `encode` (no pickle), about 1 KB per
+deleted by the follower: the program run, encoded by `encode` (no pickle), about 1 KB per decode
 step for tiny without token masks. Measured on localhost, 2 processes on 2 busy CPU cores: 0.6 to 1 ms
 of process 0's time per call alone, 3 ms while serving; the follower has it about 1 ms after.
 
@@ -30,6 +32,7 @@ distributed runtime reports a dead peer to us instead of terminating the survivi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,22 +43,21 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
+from ced_jax.cache import StepMetadata
+from ced_jax.engine import PROGRAMS, StepBatch
 from ced_jax.inputs import ImageInputs, SamplingBatch
+from ced_jax.options import RunOptions
 
 log = logging.getLogger("ced_jax.multihost")
 
 PREFIX = "ced-serve"
 HEARTBEAT_S = 0.5
-# Mirrored `ced_jax.engine.Engine` methods: each runs a program on the mesh or moves host state that a
-# later program call reads (the Engram history).
-MIRRORED = frozenset({"prefill_batch", "dispatch_decode", "decode", "speculative_decode",
-                      "reset_history", "step"})  # fmt: skip
 _STOP = "__stop__"
 
 
 # ------------------------------------------------------------------------------------------ encoding
-# The typed inputs of the engine's calls (`ced_jax.engine.batch`), sent field by field.
-BATCH_TYPES = {cls.__name__: cls for cls in (SamplingBatch, ImageInputs)}
+# A program run's batch (`ced_jax.engine.batch`), sent field by field.
+BATCH_TYPES = {cls.__name__: cls for cls in (StepBatch, StepMetadata, SamplingBatch, ImageInputs)}
 
 
 def encode(obj) -> bytes:
@@ -244,51 +246,58 @@ class lockstep:
 
 
 # ------------------------------------------------------------------------------ leader / follower
-class LeaderProxy:
-    """A `ced_jax.engine.Engine` on the leader: each `MIRRORED` call goes to the followers, then runs
-    here; everything else is the engine's."""
+def encode_run(program: str, batch: StepBatch, options: RunOptions) -> bytes:
+    """One program run as bytes: its name, its options (impl by its spelling) and its batch."""
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    fields["impl"] = str(options.impl)
+    return encode([program, fields, batch])
 
-    def __init__(self, engine, cluster: Cluster):
-        self._engine = engine
+
+def _program_run(message) -> tuple[str, StepBatch, RunOptions]:
+    """`encode_run`'s values from a decoded message; anything else raises."""
+    if not (isinstance(message, list) and len(message) == 3 and message[0] in PROGRAMS):
+        head = message[0] if isinstance(message, list) and message else message
+        raise ValueError(f"follower: the leader sent {head!r}, which is not a program run")
+    program, fields, batch = message
+    return program, batch, RunOptions(**fields)
+
+
+class Mirror:
+    """The leader's `Engine.mirror`: before a program runs on the leader, the same run goes to every
+    follower. The lock makes sending and running one step, so the followers run in the leader's order
+    whichever thread calls the engine."""
+
+    def __init__(self, cluster: Cluster):
         self._cluster = cluster
-        # Sending a call and making it here are one step: the followers make the calls in this order.
         self._lock = threading.Lock()
 
-    def __getattr__(self, name):
-        attr = getattr(self._engine, name)
-        if name not in MIRRORED:
-            return attr
-
-        def mirrored(*args, **kwargs):
-            payload = encode([name, list(args), kwargs])
-            with self._lock, lockstep(self._cluster):
-                self._cluster.send(payload)
-                return attr(*args, **kwargs)
-
-        return mirrored
+    @contextlib.contextmanager
+    def __call__(self, program: str, batch: StepBatch, options: RunOptions):
+        payload = encode_run(program, batch, options)
+        with self._lock, lockstep(self._cluster):
+            self._cluster.send(payload)
+            yield
 
 
 def follow(engine, cluster: Cluster, *, heartbeat: bool = True) -> int:
-    """A follower's serving loop: the leader's calls on `engine` (a `ced_jax.engine.Engine` built as
-    the leader's) until it says stop (returns 0) or is gone (raises). A call that raises here raises
-    too (the process ends, and the leader turns NOT_SERVING): JaxEngine checks every input before it
-    calls the engine, so this should not happen, and a follower that skipped a call would run its
-    programs on a state that is no longer the leader's. heartbeat: write the key `PeerWatch` reads
-    (and exit when the coordinator is gone), on a thread of its own."""
+    """A follower's serving loop: the leader's program runs on `engine` (a `ced_jax.engine.Engine`
+    built as the leader's) until it says stop (returns 0) or is gone (raises). A run that raises here
+    raises too (the process ends, and the leader turns NOT_SERVING): the leader checked every input
+    before it ran, so this should not happen, and a follower that skipped a run would go on from a
+    state that is no longer the leader's. heartbeat: write the key `PeerWatch` reads (and exit when
+    the coordinator is gone), on a thread of its own."""
     if heartbeat:
         threading.Thread(target=_heartbeat, args=(cluster,), name="ced-heartbeat", daemon=True).start()
     while True:
-        msg = decode(cluster.receive())
-        if msg == _STOP:
+        message = decode(cluster.receive())
+        if message == _STOP:
             return 0
-        name, args, kwargs = msg
-        if name not in MIRRORED:
-            raise ValueError(f"follower: the leader asked for {name!r}, not a mirrored call")
+        program, batch, options = _program_run(message)
         try:
             with lockstep(cluster):
-                getattr(engine, name)(*args, **kwargs)
+                engine.run(program, batch, options)
         except Exception as e:
-            log.error("ced-jax: process %d: %s failed (%s: %s); stopping", cluster.process_id, name,
+            log.error("ced-jax: process %d: %s failed (%s: %s); stopping", cluster.process_id, program,
                       type(e).__name__, e)  # fmt: skip
             raise
 

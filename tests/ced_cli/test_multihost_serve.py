@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ced_jax.engine import SamplingBatch
+from ced_jax.cache import StepMetadata
+from ced_jax.engine import ImageInputs, SamplingBatch, StepBatch
+from ced_jax.options import RunOptions
 from serving import client
 from serving.engine import multihost
 from tests.conftest import REPO
@@ -203,28 +205,21 @@ class _Queue:
 
 
 class _Recorder:
-    """Records the mirrored calls it gets; `history` stands for host state that is read, not sent."""
+    """A follower's engine that records the program runs it gets; a negative slot fails."""
 
     def __init__(self):
         self.calls = []
-        self.history = np.zeros(3)
 
-    def reset_history(self, slot, history=None):
-        if slot < 0:
+    def run(self, program, batch, options):
+        if np.any(batch.meta.slots < 0):
             raise ValueError("slot must be >= 0")
-        self.calls.append(("reset_history", (slot, history), {}))
-
-    def dispatch_decode(self, *args, **kwargs):
-        self.calls.append(("dispatch_decode", args, kwargs))
-        return "device outputs"
-
-    def step(self, *args, **kwargs):
-        self.calls.append(("step", args, kwargs))
+        self.calls.append((program, batch, options))
 
 
 def _same(a, b) -> bool:
     if dataclasses.is_dataclass(a) or dataclasses.is_dataclass(b):
-        return type(a) is type(b) and _same(dataclasses.astuple(a), dataclasses.astuple(b))
+        fields = lambda x: [getattr(x, f.name) for f in dataclasses.fields(x)]
+        return type(a) is type(b) and _same(fields(a), fields(b))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, (list, tuple)):
@@ -234,31 +229,78 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def test_the_followers_make_the_leaders_calls_with_the_same_inputs():
-    queue, leader_side, follower_side = _Queue(), _Recorder(), _Recorder()
-    leader = multihost.LeaderProxy(leader_side, queue)
-    rng = np.random.default_rng(0)
-    sampling = SamplingBatch.broadcast(4, temperature=rng.random(4), seed=7, token_bitmask=None)
-    args = (np.arange(4, dtype=np.int32), rng.integers(0, 512, 4).astype(np.int32), np.zeros(4, bool),
-            rng.random((4, 3)).astype(np.float32).T, np.uint32(7), 0.5, None, sampling)  # fmt: skip
-    assert leader.dispatch_decode(*args, max_logprobs=5) == "device outputs"
-    leader.reset_history(2, np.arange(3, dtype=np.int64))
-    forced = {"swa": rng.random((2, 8)).astype(np.float16), "groups": [np.int64(3), (1, 2.0)]}
-    leader.step(np.arange(3, dtype=np.int32), forced=forced)
-    assert leader.history is leader_side.history  # not a call: read from the leader's engine
+def _batch(rng, rows: int, *, slots=None) -> StepBatch:
+    meta = StepMetadata(
+        start=np.arange(rows, dtype=np.int32) * 16,
+        lens=np.ones(rows, np.int32),
+        slots=np.arange(rows, dtype=np.int32) if slots is None else np.asarray(slots, np.int32),
+        page_tables=rng.integers(0, 9, (rows, 3)).astype(np.int32),
+        window_floor=rng.integers(0, 4, (rows, 5)).astype(np.int32),
+    )
+    sampling = SamplingBatch.broadcast(rows, temperature=rng.random(rows), seed=7, token_bitmask=None)
+    images = ImageInputs(np.full((rows, 2), -1, np.int32), rng.random((rows, 2, 8)).astype(np.float32))
+    engram = rng.integers(0, 1 << 20, (rows, 2, 1, 4)).astype(np.int32)
+    return StepBatch(tokens=rng.integers(0, 512, (rows, 2)).astype(np.int32), meta=meta, engram=engram,
+                     sampling=sampling, images=images)  # fmt: skip
+
+
+def test_the_followers_run_the_leaders_programs_on_the_same_batches():
+    queue, rng = _Queue(), np.random.default_rng(0)
+    mirror = multihost.Mirror(queue)
+    runs = [
+        ("decode", _batch(rng, 4), RunOptions(max_logprobs=5)),
+        (
+            "step",
+            _batch(rng, 2),
+            RunOptions(impl="pallas:gpu:interpret", index_keys="reference", stop_at_layer=3),
+        ),
+        ("prefill_batch", _batch(rng, 3), RunOptions(step_tokens=64, capture_blocks=True)),
+    ]
+    for program, batch, options in runs:
+        with mirror(program, batch, options):
+            pass
     assert len(queue.sent) == 3
     queue.stop_followers()
-    assert multihost.follow(follower_side, queue, heartbeat=False) == 0
+    follower = _Recorder()
+    assert multihost.follow(follower, queue, heartbeat=False) == 0
     assert not queue.sent
-    assert _same(follower_side.calls, leader_side.calls)
-    assert [c[0] for c in follower_side.calls] == ["dispatch_decode", "reset_history", "step"]
+    assert _same(follower.calls, runs)
 
 
-def test_a_call_that_fails_on_a_follower_stops_it():
+def test_a_follower_engine_ends_in_the_leaders_state():
+    """A real engine as the follower: it gets only the leader's program runs (no Engram history of its
+    own, no host calls), and ends in the same device state, bit for bit."""
+    import jax
+
+    import ced_jax
+    from ced_jax.engine import Engine, StateShapes
+
+    model = ced_jax.load("tiny")
+    shapes = StateShapes(max_slots=4, page_size=16, num_pages=16, max_context=64)
+    leader, follower = Engine(model.loaded, shapes), Engine(model.loaded, shapes)
+    assert model.cfg.engram_layer_ids and leader.hasher is not None  # hash rows travel with the batch
     queue = _Queue()
-    leader = multihost.LeaderProxy(_Recorder(), queue)
-    with pytest.raises(ValueError, match="slot must be"):
-        leader.reset_history(-1, None)
+    leader.mirror = multihost.Mirror(queue)
+    rng = np.random.default_rng(1)
+    slots, tables = np.arange(4, dtype=np.int32), np.arange(16, dtype=np.int32).reshape(4, 4)
+    tokens = rng.integers(0, model.cfg.vocab_size, (4, 16)).astype(np.int32)
+    n = np.array([16, 9, 0, 3], np.int32)
+    greedy = SamplingBatch.broadcast(4)
+    first = leader.prefill_batch(slots, tokens, n, np.zeros(4, np.int32), tables, greedy, max_logprobs=2)
+    last = tokens[np.arange(4), np.maximum(n - 1, 0)]
+    leader.dispatch_decode(slots, last, n, n > 0, tables, greedy, max_logprobs=2)
+    jax.block_until_ready(first)
+    queue.stop_followers()
+    assert multihost.follow(follower, queue, heartbeat=False) == 0
+    for a, b in zip(jax.tree.leaves(leader.state), jax.tree.leaves(follower.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(leader.history, follower.history)  # the history stayed on the leader
+
+
+def test_a_run_that_fails_on_a_follower_stops_it():
+    queue, rng = _Queue(), np.random.default_rng(0)
+    with multihost.Mirror(queue)("decode", _batch(rng, 2, slots=[0, -1]), RunOptions()):
+        pass
     queue.stop_followers()
     with pytest.raises(
         ValueError, match="slot must be"
@@ -277,11 +319,12 @@ def test_arrays_keep_their_dtypes():
         )
 
 
-def test_only_mirrored_calls_are_followed():
-    queue = _Queue()
-    queue.send(multihost.encode(["history", [], {}]))
-    with pytest.raises(ValueError, match="not a mirrored call"):
-        multihost.follow(_Recorder(), queue, heartbeat=False)
+def test_only_program_runs_are_followed():
+    for message in (["reset_history", [], {}], ["read_pages", {}, None], "hello"):
+        queue = _Queue()
+        queue.send(multihost.encode(message))
+        with pytest.raises(ValueError, match="not a program run"):
+            multihost.follow(_Recorder(), queue, heartbeat=False)
 
 
 def test_encode_refuses_what_it_cannot_send():
