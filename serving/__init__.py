@@ -1,8 +1,8 @@
 """Serving for ced-jax: a host-side scheduler driving a static-shape device engine, over gRPC and HTTP.
 
 Layout (request flow top to bottom; docs/architecture.md has the layer table):
-- `server.py`: lifecycle (ports, gRPC + HTTP + metrics, graceful shutdown) and the grpc.aio servicer;
-  `http/`: the HTTP APIs; `proto/`: the public ced.v1 API (stubs generated on import).
+- `server.py`: lifecycle (ports, gRPC + HTTP + metrics, graceful shutdown); `grpc_service.py`: the
+  grpc.aio servicer; `http/`: the HTTP APIs; `proto/`: the public ced.v1 API (stubs generated on import).
 - `requests.py`: a request and its stream events; `scheduling/`: the scheduler (admission,
   continuous batching, chunked prefill, stop handling, on its own thread), request checks, event
   streams, the page allocator and prefix cache, the host / disk KV tiers.

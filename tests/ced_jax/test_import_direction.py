@@ -163,7 +163,8 @@ def test_ced_jax_layers():
 
 # Inside serving: request errors and the engine protocol at the bottom; the features (constraints,
 # text, tenants, files, ...) on them; the serve config; the scheduler and the engine implementations
-# (siblings that meet only through the protocol), the planner and the test doubles; HTTP; the server.
+# (siblings that meet only through the protocol), the planner and the test doubles; the front ends
+# (HTTP, the gRPC service); the server.
 SERVING_GROUPS = {
     "base": (
         "serving", "serving.errors", "serving.engine.protocol", "serving.json_limits", "serving.proto",
@@ -180,6 +181,7 @@ SERVING_GROUPS = {
     "planning": ("serving.planning",),
     "doubles": ("serving.testing.mock_engine",),
     "http": ("serving.http",),
+    "grpc": ("serving.grpc_service",),
     "server": ("serving.server", "serving.client", "serving.testing"),
 }  # fmt: skip
 _BELOW_CONFIG = {"base", "features", "config"}
@@ -192,6 +194,7 @@ SERVING_MAY_IMPORT = {
     "planning": _BELOW_CONFIG | {"planning"},
     "doubles": _BELOW_CONFIG | {"doubles"},
     "http": _BELOW_CONFIG | {"scheduling", "http"},
+    "grpc": _BELOW_CONFIG | {"scheduling", "grpc"},
     "server": set(SERVING_GROUPS),
 }
 

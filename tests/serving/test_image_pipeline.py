@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 import ced_jax
 from serving.metrics import Metrics
-from serving.vision import ImageInputError, ImagePipeline
+from serving.vision import ImageInputError, ImagePipeline, warm_vision_encoder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny-v"
 PLACEHOLDER = "<｜deepseek_image｜>"
@@ -202,7 +202,6 @@ def test_concurrent_callers(model):
 def test_warm_up_compiles_the_buckets_pictures_use(model):
     """Every bucket a picture of the golden set or of a common shape lands in is compiled at warm-up."""
     from ced_jax.vision import prepare_image
-    from serving.server import warm_vision_encoder
 
     warmed = warm_vision_encoder(model.vision, model.cfg.vision)
     assert warmed and warmed[-1] == model.vision.buckets[-1]

@@ -13,8 +13,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from serving_helpers import ServerThread, make_engine_and_config, wait_until
 
 from serving import client
+from serving.grpc_service import SERVICE_NAME
 from serving.proto import ced_pb2, ced_pb2_grpc
-from serving.server import SERVICE_NAME, PortUnavailable, Server
+from serving.server import PortUnavailable, Server
 from serving.testing.mock_engine import ByteTokenizer, mock_greedy_stream
 
 pytestmark = pytest.mark.timeout(60)

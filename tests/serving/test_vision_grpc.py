@@ -19,7 +19,8 @@ from serving import client
 from serving.config import ServeConfig
 from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.proto import ced_pb2
-from serving.server import Server, warm_vision_encoder
+from serving.server import Server
+from serving.vision import warm_vision_encoder
 
 pytestmark = pytest.mark.timeout(600)
 
