@@ -45,6 +45,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ced_jax.inputs import SamplingBatch
 from serving.engine.protocol import (
     CompileCounter,
     DecodeBatch,
@@ -293,15 +294,9 @@ class MockEngine:
         self._decoding[s] = True
         logits = self._logits_for(s, chunk.page_table, start + n)[None]
         sp = chunk.sampling
-        out = self._sample(
-            logits,
-            np.array([start + n], np.int32),
-            np.array([sp.temperature], np.float32),
-            np.array([sp.top_p], np.float32),
-            np.array([sp.top_k], np.int32),
-            np.array([sp.seed], np.uint32),
-            self._all_ones(1) if chunk.token_bitmask is None else self._row_mask(chunk.token_bitmask),
-        )
+        mask = self._all_ones(1) if chunk.token_bitmask is None else self._row_mask(chunk.token_bitmask)
+        row = SamplingBatch.broadcast(1, sp.temperature, sp.top_p, sp.top_k, sp.seed, token_bitmask=mask)
+        out = self._sample(logits, np.array([start + n], np.int32), row)
         return PrefillResult(token=out.row(0))
 
     def decode_async(self, batch: DecodeBatch) -> Ready:
@@ -334,7 +329,7 @@ class MockEngine:
             time.sleep(self.step_delay_s)
         sp = batch.sampling
         mask = self._all_ones(S) if sp.token_bitmask is None else np.asarray(sp.token_bitmask, np.int32)
-        return self._sample(logits, batch.positions + 1, sp.temperature, sp.top_p, sp.top_k, sp.seed, mask)
+        return self._sample(logits, batch.positions + 1, dataclasses.replace(sp, token_bitmask=mask))
 
     def _speculative(self, batch: DecodeBatch) -> DecodeResult:
         spec = self._spec
@@ -370,10 +365,9 @@ class MockEngine:
                 self._ring[s] = ring
                 logits = self._logits_for(s, batch.page_tables[s], pos + j + 1)[None]
                 mask = self._all_ones(1) if masks is None else np.asarray(masks[s, j], np.int32)[None]
-                r = self._sample(
-                    logits, np.array([pos + j + 1]), sp.temperature[s : s + 1], sp.top_p[s : s + 1],
-                    sp.top_k[s : s + 1], sp.seed[s : s + 1], mask,
-                )  # fmt: skip
+                row = SamplingBatch(sp.temperature[s : s + 1], sp.top_p[s : s + 1], sp.top_k[s : s + 1],
+                                    sp.seed[s : s + 1], mask)  # fmt: skip
+                r = self._sample(logits, np.array([pos + j + 1]), row)
                 out_tok[s, j], out_lp[s, j] = r.token_ids[0], r.logprobs[0]
                 out_ids[s, j], out_tlp[s, j] = r.top_ids[0], r.top_logprobs[0]
                 emitted[s] = j + 1
@@ -454,13 +448,21 @@ class MockEngine:
     def _all_ones(self, rows: int) -> np.ndarray:
         return np.full((rows, mask_words(self._spec.vocab_size)), -1, np.int32)
 
-    def _sample(self, logits, positions, temperature, top_p, top_k, seed, token_bitmask=None) -> DecodeResult:
+    def _sample(self, logits, positions, sampling: SamplingBatch) -> DecodeResult:
+        """The engine's sampler on these rows (`sampling.token_bitmask` given)."""
         from ced_jax.sampling import jitted_sample
 
-        if token_bitmask is None:
-            token_bitmask = self._all_ones(len(logits))
         fn = jitted_sample(self._spec.max_logprobs)
-        args = (logits, positions.astype(np.int32), temperature, top_p, top_k, seed, token_bitmask)
+        sp = sampling
+        args = (
+            logits,
+            positions.astype(np.int32),
+            sp.temperature,
+            sp.top_p,
+            sp.top_k,
+            sp.seed,
+            sp.token_bitmask,
+        )
         if self._warm:
             with self._compiles.watch():
                 out = fn(*args)

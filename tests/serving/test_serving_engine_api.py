@@ -105,8 +105,8 @@ def test_mock_engine_is_an_engine_and_counts_new_shapes():
     engine.warmup()
     assert engine.compiles_after_warmup == 0
     # a shape warm-up did not cover (3 rows) is a compile after warm-up
-    engine._sample(np.zeros((3, engine.spec.vocab_size), np.float32), *[np.zeros(3, t) for t in
-                   (np.int32, np.float32, np.float32, np.int32, np.uint32)])  # fmt: skip
+    rows = SamplingBatch.broadcast(3, token_bitmask=engine._all_ones(3))
+    engine._sample(np.zeros((3, engine.spec.vocab_size), np.float32), np.zeros(3, np.int32), rows)
     assert engine.compiles_after_warmup == 1
 
 
