@@ -1018,7 +1018,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from conversion.convert import run
+    from conversion.cli import run
 
     return run(args)
 

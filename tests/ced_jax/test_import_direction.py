@@ -203,6 +203,36 @@ def test_serving_layers():
     assert layer_violations("serving", SERVING_GROUPS, SERVING_MAY_IMPORT) == []
 
 
+# Inside conversion: options, signals, progress and the test checkpoints at the bottom; the validation
+# pass (with its config explanations); reading a shard into a group's leaves; the output directory;
+# writing; `convert`, which puts them together; the command line on top.
+CONVERSION_GROUPS = {
+    "base": (
+        "conversion", "conversion.options", "conversion.interrupt", "conversion.progress",
+        "conversion.save_noise", "conversion.synthetic",
+    ),
+    "plan": ("conversion.plan", "conversion.explain"),
+    "reading": ("conversion.stream", "conversion.groups"),
+    "outdir": ("conversion.outdir",),
+    "write": ("conversion.write",),
+    "convert": ("conversion.convert",),
+    "cli": ("conversion.cli",),
+}  # fmt: skip
+CONVERSION_MAY_IMPORT = {
+    "base": {"base"},
+    "plan": {"base", "plan"},
+    "reading": {"base", "plan", "reading"},
+    "outdir": {"base", "outdir"},
+    "write": {"base", "plan", "reading", "write"},
+    "convert": {"base", "plan", "outdir", "write", "convert"},
+    "cli": set(CONVERSION_GROUPS),
+}
+
+
+def test_conversion_layers():
+    assert layer_violations("conversion", CONVERSION_GROUPS, CONVERSION_MAY_IMPORT) == []
+
+
 def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
     import tests.ced_jax.test_import_direction as here
 

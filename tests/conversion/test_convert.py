@@ -33,7 +33,8 @@ from ced_jax.config import ModelConfig, VisionConfig, preset
 from ced_jax.model import flatten_specs, param_specs
 from ced_jax.sharding import make_mesh
 from ced_jax.trees import flatten
-from conversion.convert import OWNER_MARKER, ConversionError, ConvertOptions, convert
+from conversion.convert import ConversionError, ConvertOptions, convert
+from conversion.outdir import OWNER_MARKER
 from conversion.synthetic import write_synthetic_checkpoint
 from pallas_kernels.formats import FP4_TABLE, np_dequant_fp8_weight
 from tests.conftest import GOLDEN_TINY_A, REPO
@@ -384,7 +385,7 @@ def no_tensor_read(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the refusal must come before any checkpoint file is read")
 
-    monkeypatch.setattr(conv, "_plan", refuse)
+    monkeypatch.setattr(conv, "make_plan", refuse)
 
 
 def _previous_conversion_lookalike(directory: Path) -> None:
@@ -573,16 +574,16 @@ def test_wrong_dtype(ckpt, tmp_path, capsys):
 def test_failure_midway_leaves_nothing(ckpt, tmp_path, monkeypatch, capsys):
     """A failure after several groups were already saved (here: the third shard turns out
     unreadable in the data pass) still leaves no output and no temporary directory."""
-    import conversion.convert as conv
+    from conversion.stream import StreamReader
 
-    real = conv._StreamReader.__init__
+    real = StreamReader.__init__
 
     def failing(self, path, progress):
         if path.name == SHARDS[2]:
             raise ConversionError(f"{path}: simulated read failure")
         real(self, path, progress)
 
-    monkeypatch.setattr(conv._StreamReader, "__init__", failing)
+    monkeypatch.setattr(StreamReader, "__init__", failing)
     assert_fails(ckpt, tmp_path / "out", capsys, SHARDS[2], "simulated")
 
 
@@ -665,20 +666,20 @@ def test_next_run_removes_what_a_killed_run_left(synthetic_tiny, tmp_path, capsy
 def test_killed_while_replacing_restores_the_previous_conversion(synthetic_tiny, tmp_path, capsys):
     """A run killed between moving the old --out aside and moving the new one in: the next run puts
     the previous conversion back before it starts (and then replaces it as asked)."""
-    from conversion.convert import _make_own_directory
+    from conversion.outdir import make_own_directory
 
     out = tmp_path / "out"
     assert convert_main(["--hf-dir", str(synthetic_tiny), "--out", str(out), "--quiet"]) == 0
     capsys.readouterr()
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # a pid that is certainly gone
-    aside = _make_own_directory(tmp_path, ".out.replaced-")
+    aside = make_own_directory(tmp_path, ".out.replaced-")
     owner = json.loads((aside / OWNER_MARKER).read_text())
     (aside / OWNER_MARKER).write_text(json.dumps({**owner, "pid": proc.pid, "start": None}))
     os.rename(out, aside / "old")
-    from conversion.convert import _remove_stale_temporaries
+    from conversion.outdir import remove_stale_temporaries
 
-    assert _remove_stale_temporaries(out) == [aside.name]
+    assert remove_stale_temporaries(out) == [aside.name]
     assert (out / MANIFEST_NAME).is_file() and not aside.exists()
 
 
@@ -783,7 +784,7 @@ def test_default_include_without_listed_stages(multimodal, tmp_path, capsys):
     """The default follows the index: stages the config describes but the index does not list (a
     checkpoint stripped of them) leave "dspark" out, as `ced_jax.load(dspark=None)` does; a config
     without stages never gets it; an index listing only some stage tensors is refused by name."""
-    from conversion.convert import default_include
+    from conversion.plan import default_include
 
     cfg, src = multimodal
     inv = hf_inventory(cfg)
