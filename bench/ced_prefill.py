@@ -34,8 +34,9 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
-from ced_jax.api import load, prefill_split  # noqa: E402
+from ced_jax.api import load  # noqa: E402
 from ced_jax.engine import Engine, SamplingBatch, StateShapes  # noqa: E402
+from ced_jax.generation import prefill_split  # noqa: E402
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ced_jax import cache as cache_lib  # noqa: E402
-from ced_jax.api import load, session_page_size  # noqa: E402
+from ced_jax.api import load  # noqa: E402
+from ced_jax.api.session import session_page_size  # noqa: E402
 from ced_jax.engine import Engine, SamplingBatch, StateShapes  # noqa: E402
 from ced_jax.model.dspark import confident_prefix  # noqa: E402
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import ced_jax
-from ced_jax.api import prefill_split
 from ced_jax.engine import Engine, SamplingBatch, StateShapes
+from ced_jax.generation import prefill_split
 
 
 def _log_softmax(x):

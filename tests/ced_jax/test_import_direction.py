@@ -73,7 +73,9 @@ def load():
 
 # Inside ced_jax: each module belongs to the group of its longest matching prefix, and imports only
 # from the groups its group lists (itself included). `engine` and `checkpoint` are siblings: neither
-# imports the other; `model` never reads a checkpoint; nothing below `api` imports `api`.
+# imports the other; `model` never reads a checkpoint; nothing below `api` imports `api`. The notebook
+# API's own modules are layered too: `loading` makes a `Model`, which makes `Session`s, and the parts
+# under them (with `generation`, `training`, `testing`) import none of the three.
 CED_JAX_GROUPS = {
     "core": (
         "ced_jax.config", "ced_jax.options", "ced_jax.sharding", "ced_jax.quant", "ced_jax.invariant", "ced_jax.sampling",
@@ -84,14 +86,24 @@ CED_JAX_GROUPS = {
     "model": ("ced_jax.model", "ced_jax.vision"),
     "engine": ("ced_jax.engine",),
     "checkpoint": ("ced_jax.checkpoint",),
-    "api": ("ced_jax", "ced_jax.api", "ced_jax.generation", "ced_jax.training", "ced_jax.testing"),
+    "api.parts": (
+        "ced_jax.generation", "ced_jax.training", "ced_jax.testing",
+        "ced_jax.api.summary", "ced_jax.api.replay", "ced_jax.api.session",
+    ),
+    "api.model": ("ced_jax.api.model",),
+    "api.loading": ("ced_jax.api.loading",),
+    "api": ("ced_jax", "ced_jax.api"),
 }  # fmt: skip
+_BELOW_API = {"core", "layers", "model", "engine", "checkpoint"}
 CED_JAX_MAY_IMPORT = {
     "core": {"core"},
     "layers": {"core", "layers"},
     "model": {"core", "layers", "model"},
     "engine": {"core", "layers", "model", "engine"},
     "checkpoint": {"core", "layers", "model", "checkpoint"},
+    "api.parts": _BELOW_API | {"api.parts"},
+    "api.model": _BELOW_API | {"api.parts", "api.model"},
+    "api.loading": _BELOW_API | {"api.parts", "api.model", "api.loading"},
     "api": set(CED_JAX_GROUPS),
 }
 

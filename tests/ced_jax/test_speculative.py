@@ -20,6 +20,7 @@ import pytest
 
 import ced_jax
 from ced_jax import cache as cache_lib
+from ced_jax.api.session import session_page_size
 from ced_jax.engine import Engine, SamplingBatch, StateShapes
 from ced_jax.sampling import draft_token, filter_logits, speculative_sample
 
@@ -36,7 +37,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _engine(model, slots: int, context: int = 128) -> tuple[Engine, np.ndarray]:
-    page = ced_jax.api.session_page_size(model.cfg)
+    page = session_page_size(model.cfg)
     shapes = StateShapes(
         max_slots=slots, page_size=page, num_pages=slots * context // page, max_context=context
     )

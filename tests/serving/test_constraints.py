@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from ced_jax.api import ASSETS
+from ced_jax.config import ASSETS
 from ced_jax.engine import SamplingBatch
 from ced_jax.sampling import jitted_sample
 from serving.constraints import ConstraintError, ConstraintTokenizer, OutputConstraint, constraint_from_proto
