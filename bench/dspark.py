@@ -39,13 +39,13 @@ from ced_jax.engine import Engine, SamplingBatch, StateShapes  # noqa: E402
 from ced_jax.model.dspark import confident_prefix  # noqa: E402
 
 
-def _engine(model, batch: int, context: int, dspark: bool):
+def _engine(model, batch: int, context: int, with_draft: bool):
     page = session_page_size(model.cfg)
     context = -(-context // page) * page
     shapes = StateShapes(
         max_slots=batch, page_size=page, num_pages=batch * context // page, max_context=context
     )
-    return Engine(model.loaded, shapes, dspark=dspark), cache_lib.contiguous_page_tables(
+    return Engine(model.loaded, shapes, with_draft=with_draft), cache_lib.contiguous_page_tables(
         batch, shapes.pages_per_slot
     )
 
@@ -60,7 +60,7 @@ def _prefill(engine, tables, prompts: np.ndarray) -> np.ndarray:
 
 def run_plain(model, prompts: np.ndarray, steps: int):
     b, n = prompts.shape
-    engine, tables = _engine(model, b, n + steps + 8, dspark=False)
+    engine, tables = _engine(model, b, n + steps + 8, with_draft=False)
     token = _prefill(engine, tables, prompts)
     out = [token]
     slots, active = np.arange(b, dtype=np.int32), np.ones(b, bool)
@@ -86,7 +86,7 @@ def run_dspark(model, prompts: np.ndarray, steps: int, k: int, confidence: float
     """`steps` speculative steps with up to k drafts per row; with `confidence` T each row verifies
     `confident_prefix` of its drafts and the step runs the narrowest width that holds them all."""
     b, n = prompts.shape
-    engine, tables = _engine(model, b, n + steps * (k + 1) + 8, dspark=True)
+    engine, tables = _engine(model, b, n + steps * (k + 1) + 8, with_draft=True)
     token = _prefill(engine, tables, prompts)
     out = [[int(t)] for t in token]
     positions = np.full(b, n, np.int32)

@@ -85,7 +85,7 @@ def measure(name: str, page_size: int) -> dict:
         "before_snapshot_bytes_per_token": before / page_size,
         "before_snapshot_with_dspark_bytes_per_token": (before + rings) / page_size,
         "replay_tokens": replay_tokens(cfg, page_size),
-        "replay_tokens_dspark": replay_tokens(cfg, page_size, dspark=True),
+        "replay_tokens_dspark": replay_tokens(cfg, page_size, with_draft=True),
     }
 
 

@@ -101,7 +101,7 @@ def decode_one(model, rows: _Rows, sampling: _Sampling, images, token_types, dsp
     # Power-of-two context buckets: a new prompt or output length reuses the compiled programs.
     # (A speculative step writes up to `dspark` positions past the sequence before it knows
     # which are kept.)
-    session = model.new_session(1, bucket(len(ids) + max_tokens + dspark, floor=256), dspark=dspark > 0)
+    session = model.new_session(1, bucket(len(ids) + max_tokens + dspark, floor=256), with_draft=dspark > 0)
     chunk = model.prefill_chunk
     split = prefill_split(model.cfg, len(ids), prefill_mode)
     parts = [(s, e, True) for s, e in pieces(0, split, chunk)]  # CED's encoder pass
@@ -271,8 +271,6 @@ class _Rows:
                 result["text"] = self.text[r] if self.incremental else self.model.decode_text(self.tokens[r])
             out.append(result)
         return out
-
-
 
 
 def check_prefill_mode(mode: str) -> None:

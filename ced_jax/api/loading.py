@@ -87,7 +87,7 @@ def load(
                 f"(`ced-jax describe {name}` works without weights)"
             )
         with_dspark = _want_dspark(dspark, cfg, f"preset {name!r}", lambda: None)
-        flat = embedded_params(name, dspark=with_dspark)
+        flat = embedded_params(name, with_draft=with_dspark)
         hasher = EngramHasher.from_token_map_file(cfg, ASSETS / "tiny" / "engram_token_map.json")
         return Model(
             cfg,

@@ -44,6 +44,7 @@ from ced_jax.api.session import Session
 from ced_jax.api.summary import describe
 from ced_jax.checkpoint import place
 from ced_jax.checkpoint.digest import arrays_digest, directory_digest
+from ced_jax.checkpoint.mapping import DSPARK_PREFIX
 from ced_jax.checkpoint.weight_layout import apply_weight_layout, check_compatible, default_weight_layout
 from ced_jax.config import ModelConfig
 from ced_jax.engine import LoadedModel
@@ -85,8 +86,8 @@ class Model:
             bf16_as_f32 = jax.default_backend() == "cpu"
         rules = sharding.get_rules(rules)
         # DSpark stages (`mtp.*` paths) go to params["mtp"]: see `place.dspark_to_device`.
-        draft = {k: v for k, v in flat_params.items() if k.startswith(place.DSPARK_PREFIX)}
-        backbone = {k: v for k, v in flat_params.items() if not k.startswith(place.DSPARK_PREFIX)}
+        draft = {k: v for k, v in flat_params.items() if k.startswith(DSPARK_PREFIX)}
+        backbone = {k: v for k, v in flat_params.items() if not k.startswith(DSPARK_PREFIX)}
         self.engram_placement = check_placement(engram_placement)
         store = place.place_engram(cfg, backbone, engram_placement, engram_store)
         shardings = None if mesh is None else place.flat_param_shardings(cfg, backbone, mesh, rules)
@@ -140,7 +141,7 @@ class Model:
     impl = property(lambda self: str(self.loaded.impl))  # the kernel choice as text, as given
     programs = property(lambda self: self.loaded.programs)
     draft_programs = property(lambda self: self.loaded.draft_programs)
-    dspark = property(lambda self: self.loaded.dspark)
+    dspark = property(lambda self: self.loaded.has_draft_stages)
 
     @property
     def params(self) -> dict:
@@ -176,10 +177,10 @@ class Model:
         return describe(self.cfg)
 
     # ------------------------------------------------------------------ running
-    def new_session(self, batch: int, max_len: int, *, dspark: bool = False) -> Session:
-        """`batch` sequences of up to `max_len` tokens on one engine; dspark: a speculative engine
+    def new_session(self, batch: int, max_len: int, *, with_draft: bool = False) -> Session:
+        """`batch` sequences of up to `max_len` tokens on one engine; with_draft: a speculative engine
         (`Session.speculative_step`)."""
-        return Session(self, batch, max_len, dspark=dspark)
+        return Session(self, batch, max_len, with_draft=with_draft)
 
     def logits(
         self,

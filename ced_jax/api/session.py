@@ -17,7 +17,7 @@ class Session:
     """`batch` sequences advancing together (all start at position 0) on an `Engine` of `batch` slots
     with contiguous page tables: the same state, programs and sampler as the server."""
 
-    def __init__(self, model, batch: int, max_len: int, *, dspark: bool = False):
+    def __init__(self, model, batch: int, max_len: int, *, with_draft: bool = False):
         """model: the `ced_jax.api.model.Model` whose loaded parameters and programs the engine runs (not
         annotated: that module makes sessions, so this one does not import it)."""
         if batch < 1 or max_len < 1:
@@ -35,7 +35,7 @@ class Session:
         shapes = StateShapes(
             max_slots=self.rows, page_size=page, num_pages=self.rows * (context // page), max_context=context
         )
-        self.engine = Engine(model.loaded, shapes, dspark=dspark)
+        self.engine = Engine(model.loaded, shapes, with_draft=with_draft)
         self.slots = np.arange(self.rows, dtype=np.int32)
         self.page_tables = cache_lib.contiguous_page_tables(self.rows, shapes.pages_per_slot)
         self.positions = np.zeros(self.rows, np.int32)

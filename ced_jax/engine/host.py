@@ -46,10 +46,10 @@ class LoadedModel:
     def draft_programs(self) -> Programs:
         """The programs of speculative engines: the prefill also inserts the DSpark context, and
         `speculative_decode` exists."""
-        return Programs.shared(self.cfg, mesh=self.mesh, rules=self.rules, dspark=True)
+        return Programs.shared(self.cfg, mesh=self.mesh, rules=self.rules, with_draft=True)
 
     @property
-    def dspark(self) -> bool:
+    def has_draft_stages(self) -> bool:
         """Whether the DSpark draft stages are loaded (params["mtp"])."""
         return "mtp" in self.params
 
@@ -79,20 +79,22 @@ class Engine:
     slot), run by a model's `Programs`. Clients say which slots and pages a call uses; the engine
     checks nothing about scheduling (that is the client's job) but keeps the history in step."""
 
-    def __init__(self, model: LoadedModel, shapes: StateShapes, *, dspark: bool = False):
-        """dspark: a speculative engine (`speculative_decode`; prefill inserts the DSpark context);
+    def __init__(self, model: LoadedModel, shapes: StateShapes, *, with_draft: bool = False):
+        """with_draft: a speculative engine (`speculative_decode`; prefill inserts the DSpark context);
         the model must carry the DSpark stages."""
         self.model, self.cfg, self.shapes = model, model.cfg, shapes
-        if dspark and "mtp" not in model.params:
-            raise ValueError("dspark: the model has no DSpark stages loaded (load it with its mtp.* tensors)")
-        self.dspark = dspark
+        if with_draft and not model.has_draft_stages:
+            raise ValueError(
+                "with_draft: the model has no DSpark stages loaded (load it with its mtp.* tensors)"
+            )
+        self.with_draft = with_draft
         self.impl = model.impl
-        self.programs: Programs = model.draft_programs if dspark else model.programs
+        self.programs: Programs = model.draft_programs if with_draft else model.programs
         self.hasher = model.hasher
         # Engram tables on the host (placement "host"): each step's rows are gathered here.
         self.engram_store = model.engram_store
         self.mesh, self.rules = model.mesh, model.rules
-        self.state = new_state(self.cfg, shapes, self.mesh, self.rules, dspark=dspark)
+        self.state = new_state(self.cfg, shapes, self.mesh, self.rules, with_draft=with_draft)
         self.history = self.empty_history(shapes.max_slots)
         layout = sharding.make_layout(self.mesh, self.rules)
         # Data-parallel attention (`dp_ep`): row block d of every call must use slots and pages of
@@ -416,8 +418,8 @@ class Engine:
         sampling.token_bitmask: i32 [B, K+1, W] (mask j for the token after j accepted drafts), None =
         unconstrained. The Engram history moves past the fed tokens that were kept. Returns the
         host `SpeculativeOutput`."""
-        if not self.dspark:
-            raise ValueError("speculative_decode: this engine was built without dspark=True")
+        if not self.with_draft:
+            raise ValueError("speculative_decode: this engine was built without with_draft=True")
         drafts = np.asarray(drafts, np.int32)
         b, width = drafts.shape
         if not 1 <= width <= self.cfg.dspark_block_size:

@@ -95,19 +95,19 @@ def state_shardings(state, mesh, rules):
 
 
 def new_state(
-    cfg: ModelConfig, shapes: StateShapes, mesh=None, rules=None, *, dspark: bool = False
+    cfg: ModelConfig, shapes: StateShapes, mesh=None, rules=None, *, with_draft: bool = False
 ) -> PagedCache:
     """A zeroed state; on a mesh built in place, already laid out (no host copy, global across processes).
-    dspark: with the DSpark stages' context rings and each slot's last drafts' distributions."""
+    with_draft: with the DSpark stages' context rings and each slot's last drafts' distributions."""
     make = partial(
         cache_lib.init_paged_cache,
         cfg,
         max_slots=shapes.max_slots,
         page_size=shapes.page_size,
         num_pages=shapes.num_pages,
-        draft_stages=cfg.num_nextn_predict_layers if dspark else 0,
-        draft_vocab=cfg.vocab_size if dspark else 0,
-        draft_block=cfg.dspark_block_size if dspark else 0,
+        draft_stages=cfg.num_nextn_predict_layers if with_draft else 0,
+        draft_vocab=cfg.vocab_size if with_draft else 0,
+        draft_block=cfg.dspark_block_size if with_draft else 0,
     )
     if mesh is None:
         return make()
@@ -132,9 +132,9 @@ def _replicated(tree, mesh):
     return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
 
 
-def step(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules, dspark):
+def step(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules, with_draft):
     """`forward` over a chunk of every row: (new state, (logits [B, T, V], aux)). batch.images: image
-    spans (`forward`), None = text only (its own executable). dspark: also insert the chunk's context
+    spans (`forward`), None = text only (its own executable). with_draft: also insert the chunk's context
     into the DSpark stages' rings. options.stop_at_layer: `forward`'s (CED prefill's encoder pass:
     logits None, no DSpark context)."""
     meta, images = batch.meta, batch.images
@@ -150,13 +150,13 @@ def step(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rul
         token_types=None if images is None else images.token_types,
         span_embeds=None if images is None else images.span_embeds,
         capture_blocks=options.capture_blocks,
-        capture_main_hidden=dspark and not stopped,
+        capture_main_hidden=with_draft and not stopped,
         index_keys=options.index_keys,
         impl=options.impl,
         layout=sharding.make_layout(mesh, rules),
         stop_at_layer=options.stop_at_layer,
     )
-    if dspark and not stopped:
+    if with_draft and not stopped:
         state = _insert_context(params, cfg, state, meta, aux.pop("main_hidden"))
     return _pin(state, mesh, rules), (_replicated(logits, mesh), _replicated(aux, mesh))
 
@@ -193,7 +193,7 @@ def decode(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, r
     return _pin(state, mesh, rules), _replicated(out, mesh)
 
 
-def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> int:
+def replay_tokens(cfg: ModelConfig, page_size: int, *, with_draft: bool = False) -> int:
     """Tokens a prefix-cache hit at a page boundary b replays before b (encoder SWA bounded replay,
     spec 4.2, made exact): prefilling [b - H, b) again with window_floor b - H and write_from b
     rebuilds every per-slot buffer as a cold run left it at b, while the pages before b (the cached
@@ -216,7 +216,7 @@ def replay_tokens(cfg: ModelConfig, page_size: int, *, dspark: bool = False) -> 
     away can round away), but nothing guarantees it."""
     window = cfg.sliding_window
     tokens = cfg.num_layers * (window - 1)
-    if dspark and cfg.dspark_target_layer_ids:
+    if with_draft and cfg.dspark_target_layer_ids:
         tokens = max(tokens, max(cfg.dspark_target_layer_ids) * (window - 1) + window)
     return -(-tokens // page_size) * page_size
 
@@ -252,7 +252,7 @@ def _take_tokens(a, offset, width):
     return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
 
 
-def prefill_batch(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules, dspark):
+def prefill_batch(params, state, batch: StepBatch, *, options: RunOptions, cfg, mesh, rules, with_draft):
     """Prefill R rows at once: row r is a chunk batch.tokens[r] (i32 [R, C], C a multiple of
     page_size, meta.lens[r] valid, 0 for an idle row) of slot meta.slots[r] (distinct) starting at
     meta.start[r] (page aligned) through meta.page_tables[r]. `options.step_tokens` of every row per
@@ -327,9 +327,9 @@ def prefill_batch(params, state, batch: StepBatch, *, options: RunOptions, cfg, 
         params_k = _loop_params(params, k)
         logits, state, aux = forward(
             params_k, cfg, page_tokens, state, meta, page_rows, token_types=page_types,
-            span_embeds=page_spans, capture_main_hidden=dspark, impl=impl, layout=layout,
+            span_embeds=page_spans, capture_main_hidden=with_draft, impl=impl, layout=layout,
         )  # fmt: skip
-        if dspark:
+        if with_draft:
             state = _insert_context(params_k, cfg, state, meta, aux["main_hidden"])
         i = n - 1 - offset  # each row's last token, if it is in this step
         here = (lens > 0) & (i >= 0) & (i < lens)
@@ -400,32 +400,32 @@ class Programs:
     `program(params, state, batch, options=RunOptions(...)) -> (state, out)`, the state donated, the
     options static (one executable per value)."""
 
-    def __init__(self, cfg: ModelConfig, *, mesh=None, rules=None, dspark: bool = False):
-        """dspark: the programs of a speculative engine (prefill and step insert DSpark context;
+    def __init__(self, cfg: ModelConfig, *, mesh=None, rules=None, with_draft: bool = False):
+        """with_draft: the programs of a speculative engine (prefill and step insert DSpark context;
         `speculative_decode` exists); the model must carry the stages (params['mtp'])."""
         static = dict(cfg=cfg, mesh=mesh, rules=rules)
         jit = lambda fn: jax.jit(fn, static_argnames=("options",), donate_argnames=("state",))  # noqa: E731
-        self.dspark = dspark
-        self.step = jit(partial(step, **static, dspark=dspark))
+        self.with_draft = with_draft
+        self.step = jit(partial(step, **static, with_draft=with_draft))
         self.decode = jit(partial(decode, **static))
-        self.prefill_batch = jit(partial(prefill_batch, **static, dspark=dspark))
-        self.speculative_decode = jit(partial(speculative_decode, **static)) if dspark else None
+        self.prefill_batch = jit(partial(prefill_batch, **static, with_draft=with_draft))
+        self.speculative_decode = jit(partial(speculative_decode, **static)) if with_draft else None
         self.read_pages = jax.jit(page_io.read_pages)
         self.write_pages = jax.jit(partial(write_pages, mesh=mesh, rules=rules), donate_argnames=("state",))
 
     @classmethod
-    def shared(cls, cfg: ModelConfig, *, mesh=None, rules=None, dspark: bool = False) -> Programs:
+    def shared(cls, cfg: ModelConfig, *, mesh=None, rules=None, with_draft: bool = False) -> Programs:
         """The `Programs` for these static choices while any model holds them: a second model of the
         same config reuses the compiled executables instead of tracing and compiling again. Held
         weakly, so the executables go with the last model (a long-lived process that loads many
         configs, a test session, must not keep every one). The parameters and state are arguments,
         so their shapes, dtypes and weight layout still pick the executable."""
         frozen_rules = None if rules is None else tuple(sorted((k, repr(v)) for k, v in rules.items()))
-        key = (cfg, mesh, frozen_rules, dspark)
+        key = (cfg, mesh, frozen_rules, with_draft)
         with _SHARED_LOCK:
             programs = _SHARED.get(key)
             if programs is None:
-                programs = _SHARED[key] = cls(cfg, mesh=mesh, rules=rules, dspark=dspark)
+                programs = _SHARED[key] = cls(cfg, mesh=mesh, rules=rules, with_draft=with_draft)
         return programs
 
 

@@ -185,16 +185,16 @@ def tiny_dspark_params(path: str | Path = TINY_DSPARK_FILE, seed: int = TINY_SEE
     return random_params(cfg, seed, ("dspark",))
 
 
-def tiny_params(*, dspark: bool = True) -> dict[str, np.ndarray]:
+def tiny_params(*, with_draft: bool = True) -> dict[str, np.ndarray]:
     """The weights of the embedded `tiny` preset (deterministic: `TINY_SEED`), with its DSpark
-    stages (`tiny_dspark_params`) unless `dspark=False`."""
+    stages (`tiny_dspark_params`) unless `with_draft=False`."""
     flat = random_params(preset("tiny"), TINY_SEED, TEXT_GROUPS)
-    if dspark:
+    if with_draft:
         flat.update(tiny_dspark_params())
     return flat
 
 
-def tiny_spec_params(*, dspark: bool = True) -> dict[str, np.ndarray]:
+def tiny_spec_params(*, with_draft: bool = True) -> dict[str, np.ndarray]:
     """The weights of the embedded `tiny-spec` preset: `tiny`'s, except the embedding (scaled by
     `TINY_SPEC_EMBED_SCALE`) and the head (row `perm[t]` = embedding row t x `TINY_SPEC_HEAD_SCALE`,
     `perm` a fixed random permutation of the vocabulary), plus its own DSpark stages
@@ -214,7 +214,7 @@ def tiny_spec_params(*, dspark: bool = True) -> dict[str, np.ndarray]:
     head[perm] = embed * TINY_SPEC_HEAD_SCALE
     flat["embed.weight"] = (embed * TINY_SPEC_EMBED_SCALE).astype(ml_dtypes.bfloat16)
     flat["head.weight"] = head.astype(ml_dtypes.bfloat16)
-    if dspark:
+    if with_draft:
         flat.update(tiny_dspark_params(TINY_SPEC_DSPARK_FILE))
     return flat
 
@@ -225,7 +225,7 @@ EMBEDDED_PRESETS = {
 }
 
 
-def embedded_params(name: str, *, dspark: bool) -> dict[str, np.ndarray]:
-    """The weights of an embedded preset (`EMBEDDED_PRESETS`), with its DSpark stages if `dspark`."""
+def embedded_params(name: str, *, with_draft: bool) -> dict[str, np.ndarray]:
+    """The weights of an embedded preset (`EMBEDDED_PRESETS`), with its DSpark stages if `with_draft`."""
     params, _ = EMBEDDED_PRESETS[name]
-    return params(dspark=dspark)
+    return params(with_draft=with_draft)

@@ -28,7 +28,7 @@ shapes, dtypes or shardings warm-up did not cover compiles, and shows in `compil
   `speculative_decode` program for each draft width w (K alone; every 1..K with
   `dspark_confidence`, so a step whose rows all want fewer drafts runs a narrower one) and each
   decode batch size, rows bucketed like decode; its results come back already on the host. With
-  K > 0 the engine is built with `dspark=True`, so prefill and the plain decode step (used when a
+  K > 0 the engine is built with `with_draft=True`, so prefill and the plain decode step (used when a
   row is within K of max_context) also insert the DSpark context.
 Every program above is compiled once per page-table width (`ServeConfig.decode_context_buckets`),
 and a call's page tables are cut to the smallest width that holds its rows' last position: the
@@ -383,7 +383,7 @@ class JaxEngine:
             StateShapes(
                 max_slots=max_slots, page_size=page_size, num_pages=num_pages, max_context=max_context
             ),
-            dspark=bool(self.dspark_widths),
+            with_draft=bool(self.dspark_widths),
         )
         # Data-parallel attention (`dp_ep`): slots, pages and every step's rows form one equal block
         # per device; a row runs in its slot's block (`_place_rows`, `_PrefillRows.build`).
@@ -415,7 +415,7 @@ class JaxEngine:
             vocab_size=cfg.vocab_size,
             eos_token_ids=(cfg.eos_token_id,),
             max_logprobs=max_logprobs,
-            replay_tokens=replay_tokens(cfg, page_size, dspark=bool(self.dspark_widths)),
+            replay_tokens=replay_tokens(cfg, page_size, with_draft=bool(self.dspark_widths)),
             history_tokens=0 if self.hasher is None else self.hasher.max_ngram_size - 1,
             model_name=cfg.name,
             hidden_size=cfg.hidden_size if getattr(model, "vision", None) is not None else 0,

@@ -30,7 +30,7 @@ Four ledgers per device, each from the real layout rather than a bytes-per-param
 With DSpark speculative decoding (`dspark` K > 0, `serve --dspark K`): the weights ledger adds the
 draft stages' parameters (`our_param_specs(cfg, ("dspark",))`, in their storage dtypes), whole on
 every device as the runtime replicates them; the KV ledger is the state of `new_state(...,
-dspark=True)`: each slot's draft context rings (num_nextn_predict_layers x sliding_window x
+with_draft=True)`: each slot's draft context rings (num_nextn_predict_layers x sliding_window x
 fp8_entry_bytes(head_dim)) and its stored draft logits (dspark_block_size x vocab f32), split with
 the slots; the decode activations are those of the verify step, K + 1 tokens per sequence. The
 draft stages' own forward (dspark_block_size positions per slot through SWA-only blocks) is not
@@ -142,16 +142,16 @@ def weight_ledger(
     rules: sharding.Rules,
     engram_on_host: bool,
     *,
-    dspark: bool = False,
+    with_draft: bool = False,
 ) -> dict:
     """Per-device and total resident weight bytes (by dtype and by part) under `rules` on `mesh`.
-    dspark: also the DSpark draft stages, whole on every device (the runtime replicates them:
+    with_draft: also the DSpark draft stages, whole on every device (the runtime replicates them:
     `ced_jax.checkpoint.place.dspark_to_device`)."""
     per_device_dtype: dict[str, int] = defaultdict(int)
     per_device_part: dict[str, int] = defaultdict(int)
     total_dtype: dict[str, int] = defaultdict(int)
     host = 0
-    for _path, shape, itemsize, stored, part in _dspark_tensors(cfg) if dspark else ():
+    for _path, shape, itemsize, stored, part in _dspark_tensors(cfg) if with_draft else ():
         nbytes = math.prod(shape) * itemsize
         total_dtype[stored] += nbytes
         per_device_dtype[stored] += nbytes
@@ -375,11 +375,11 @@ def _sequences_per_device(mesh: dict[str, int], rules: sharding.Rules, max_seqs:
 
 # ---------------------------------------------------------------------- KV
 def engine_state(
-    cfg: ModelConfig, *, max_slots: int, page_size: int, max_context: int, dspark: bool = False
+    cfg: ModelConfig, *, max_slots: int, page_size: int, max_context: int, with_draft: bool = False
 ) -> cache_lib.PagedCache:
     """The serving engine's device state for these shapes, every sequence's pages included, as
     ShapeDtypeStructs: `jax.eval_shape` of the `init_paged_cache` that `JaxEngine` runs (through
-    `ced_jax.engine.new_state`; dspark: with the draft stages' context rings and each slot's draft
+    `ced_jax.engine.new_state`; with_draft: with the draft stages' context rings and each slot's draft
     logits, as a speculative engine's state has them)."""
     num_pages = max_slots * (max_context // page_size)
     return jax.eval_shape(
@@ -388,9 +388,9 @@ def engine_state(
             max_slots=max_slots,
             page_size=page_size,
             num_pages=num_pages,
-            draft_stages=cfg.num_nextn_predict_layers if dspark else 0,
-            draft_vocab=cfg.vocab_size if dspark else 0,
-            draft_block=cfg.dspark_block_size if dspark else 0,
+            draft_stages=cfg.num_nextn_predict_layers if with_draft else 0,
+            draft_vocab=cfg.vocab_size if with_draft else 0,
+            draft_block=cfg.dspark_block_size if with_draft else 0,
         )
     )
 
@@ -420,13 +420,15 @@ def kv_ledger(
     max_seqs: int,
     context: int,
     page_size: int = SERVE.page_size,
-    dspark: bool = False,
+    with_draft: bool = False,
 ) -> dict:
     """The engine's state for `max_seqs` slots of `context` tokens (rounded up to whole pages, as a
-    server's max_context is), in total and per device; dspark: a speculative engine's (draft rings
+    server's max_context is), in total and per device; with_draft: a speculative engine's (draft rings
     and draft logits per slot)."""
     max_context = -(-context // page_size) * page_size
-    state = engine_state(cfg, max_slots=max_seqs, page_size=page_size, max_context=max_context, dspark=dspark)
+    state = engine_state(
+        cfg, max_slots=max_seqs, page_size=page_size, max_context=max_context, with_draft=with_draft
+    )
     per_seq = {  # every buffer holds max_seqs equal shares (num_pages: max_context's pages per slot)
         "compressed": cache_lib.buffer_bytes((state.kv, state.index_k)) // max_seqs,
         "swa_rings": cache_lib.buffer_bytes(state.window) // max_seqs,
@@ -480,7 +482,7 @@ def evaluate(
     """The four ledgers of one mesh and placement, and whether they fit (`dspark`: K drafts per
     step, 0 = off; `long_prefill_step`: `activation_ledger`'s)."""
     table = sharding.get_rules(rules)
-    weights = weight_ledger(cfg, mesh, table, engram_on_host, dspark=dspark > 0)
+    weights = weight_ledger(cfg, mesh, table, engram_on_host, with_draft=dspark > 0)
     acts = activation_ledger(
         cfg,
         mesh,
@@ -493,7 +495,7 @@ def evaluate(
         long_prefill_step=long_prefill_step,
     )
     kv = kv_ledger(
-        cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size, dspark=dspark > 0
+        cfg, mesh, table, max_seqs=max_seqs, context=context, page_size=page_size, with_draft=dspark > 0
     )
     overhead = overhead_bytes(hw.device_bytes)
     per_device = weights["per_device"] + acts["per_device"] + kv["per_device"] + overhead

@@ -49,7 +49,7 @@ def _mapped(a) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny():
-    return preset("tiny"), tiny_params(dspark=False)
+    return preset("tiny"), tiny_params(with_draft=False)
 
 
 def test_layer_on_gathered_rows_is_bit_identical(tiny):

@@ -78,9 +78,9 @@ def load():
 # under them (with `generation`, `training`, `testing`) import none of the three.
 CED_JAX_GROUPS = {
     "core": (
-        "ced_jax.config", "ced_jax.options", "ced_jax.sharding", "ced_jax.quant", "ced_jax.invariant", "ced_jax.sampling",
-        "ced_jax.cache", "ced_jax.engram_hash", "ced_jax.engram_store", "ced_jax.text_ids",
-        "ced_jax.compile_cache", "ced_jax.chat", "ced_jax.trees", "ced_jax.inputs",
+        "ced_jax.config", "ced_jax.options", "ced_jax.sharding", "ced_jax.quant", "ced_jax.invariant",
+        "ced_jax.sampling", "ced_jax.cache", "ced_jax.engram_hash", "ced_jax.engram_store",
+        "ced_jax.text_ids", "ced_jax.compile_cache", "ced_jax.chat", "ced_jax.trees", "ced_jax.inputs",
     ),
     "layers": ("ced_jax.model.layers",),
     "model": ("ced_jax.model", "ced_jax.vision"),

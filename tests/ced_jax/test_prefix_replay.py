@@ -24,10 +24,10 @@ def tiny():
     return ced_jax.load("tiny")
 
 
-def _engine(model, page=PAGE, dspark=False):
+def _engine(model, page=PAGE, with_draft=False):
     context = 2 * WIDTH
     shapes = StateShapes(max_slots=2, page_size=page, num_pages=3 * context // page, max_context=context)
-    return Engine(model.loaded, shapes, dspark=dspark)
+    return Engine(model.loaded, shapes, with_draft=with_draft)
 
 
 def _prefill(engine, slot, tokens, start, n, table, **kw):
@@ -62,17 +62,17 @@ def _pages(engine):
     return [np.asarray(b).copy() for kind in (engine.state.kv, engine.state.index_k) for b in kind.values()]
 
 
-def _run_cold(model, tokens, page=PAGE, dspark=False, decode=True):
-    engine = _engine(model, page, dspark)
+def _run_cold(model, tokens, page=PAGE, with_draft=False, decode=True):
+    engine = _engine(model, page, with_draft)
     table = np.arange(engine.shapes.pages_per_slot, dtype=np.int32)
     first = _prefill(engine, 0, tokens, 0, len(tokens), table)
     return first, _decode(engine, 0, int(first[0]), table) if decode else [], engine
 
 
-def _run_hit(model, tokens, replay, page=PAGE, dspark=False, decode=True):
+def _run_hit(model, tokens, replay, page=PAGE, with_draft=False, decode=True):
     """Slot 0 prefills the first CACHED tokens into its pages; slot 1 takes those pages, replays
     [CACHED - replay, CACHED) and prefills the rest of the prompt in the same call, then decodes."""
-    engine = _engine(model, page, dspark)
+    engine = _engine(model, page, with_draft)
     per_slot = engine.shapes.pages_per_slot
     owner = np.arange(per_slot, dtype=np.int32)
     _prefill(engine, 0, tokens, 0, CACHED, owner)
@@ -121,15 +121,15 @@ def _rings(engine, slot, name):
 def test_a_replay_rebuilds_dsparks_context_rings(tiny):
     """DSpark's context rings hold the target layers' inputs at the W positions before the prompt's
     end: a prompt that ends 3 tokens past the hit still reads 5 replayed positions from them. The
-    replay of `replay_tokens(..., dspark=True)` rebuilds them and every SWA ring bit for bit; a
+    replay of `replay_tokens(..., with_draft=True)` rebuilds them and every SWA ring bit for bit; a
     one-page replay does not."""
     cfg = tiny.cfg
     # The deepest target is layer 7's input: 7 x (8 - 1) + 8 = 57 > 8 x (8 - 1) = 56; in pages, 64.
-    assert max(cfg.dspark_target_layer_ids) == 7 and replay_tokens(cfg, PAGE, dspark=True) == 64
+    assert max(cfg.dspark_target_layer_ids) == 7 and replay_tokens(cfg, PAGE, with_draft=True) == 64
     tokens = np.random.default_rng(1303).integers(3, cfg.vocab_size, CACHED + 3).astype(np.int32)
-    cold_first, _, cold = _run_cold(tiny, tokens, dspark=True, decode=False)
-    for replay, exact in ((replay_tokens(cfg, PAGE, dspark=True), True), (PAGE, False)):
-        first, _, hit = _run_hit(tiny, tokens, replay, dspark=True, decode=False)
+    cold_first, _, cold = _run_cold(tiny, tokens, with_draft=True, decode=False)
+    for replay, exact in ((replay_tokens(cfg, PAGE, with_draft=True), True), (PAGE, False)):
+        first, _, hit = _run_hit(tiny, tokens, replay, with_draft=True, decode=False)
         for name in ("window", "draft_window"):
             same = [np.array_equal(_rings(hit, 1, name)[k], r) for k, r in _rings(cold, 0, name).items()]
             assert all(same) == exact, (replay, name, same)

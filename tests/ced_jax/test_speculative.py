@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +43,7 @@ def _engine(model, slots: int, context: int = 128) -> tuple[Engine, np.ndarray]:
     shapes = StateShapes(
         max_slots=slots, page_size=page, num_pages=slots * context // page, max_context=context
     )
-    engine = Engine(model.loaded, shapes, dspark=True)
+    engine = Engine(model.loaded, shapes, with_draft=True)
     return engine, cache_lib.contiguous_page_tables(slots, shapes.pages_per_slot)
 
 
@@ -145,7 +147,7 @@ def test_known_drafts_accept_and_stop(model):
     prompt = _prompt(7, 20)
     plain = model.generate(prompt, max_tokens=24, stop_at_eos=False)["token_ids"]
     k = 4
-    session = model.new_session(1, 256, dspark=True)
+    session = model.new_session(1, 256, with_draft=True)
     logits, _ = session.step(np.array([prompt]))
     first = int(np.argmax(logits[0, -1]))
     assert first == plain[0]
@@ -223,16 +225,11 @@ def test_rejection_sampling_follows_the_target(model):
 def test_engine_refuses_without_stages(model):
     shapes = StateShapes(max_slots=1, page_size=16, num_pages=8, max_context=128)
     params = {k: v for k, v in model.params.items() if k != "mtp"}
-
-    class NoStages:
-        cfg, hasher, mesh, rules = model.cfg, model.hasher, model.mesh, model.rules
-
-    no_stages = NoStages()
-    no_stages.params = params
+    no_stages = dataclasses.replace(model.loaded, params=params)
     with pytest.raises(ValueError, match="no DSpark stages"):
-        Engine(no_stages, shapes, dspark=True)
+        Engine(no_stages, shapes, with_draft=True)
     engine = Engine(model.loaded, shapes)
-    with pytest.raises(ValueError, match="dspark=True"):
+    with pytest.raises(ValueError, match="with_draft=True"):
         engine.speculative_decode(
             [0], [1], np.zeros((1, 2), np.int32), [0], [0], [True], np.zeros((1, 8), np.int32),
             SamplingBatch.broadcast(1), max_logprobs=0,

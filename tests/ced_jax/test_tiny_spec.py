@@ -24,8 +24,8 @@ from ced_jax.training import dspark_train as tr
 
 
 def test_tiny_spec_is_tiny_but_its_embedding_and_head():
-    tiny = rw.tiny_params(dspark=False)
-    spec = rw.tiny_spec_params(dspark=False)
+    tiny = rw.tiny_params(with_draft=False)
+    spec = rw.tiny_spec_params(with_draft=False)
     assert sorted(tiny) == sorted(spec)
     changed = sorted(k for k in tiny if tiny[k].tobytes() != spec[k].tobytes())
     assert changed == ["embed.weight", "head.weight"]

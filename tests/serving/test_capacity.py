@@ -224,7 +224,7 @@ def test_cli_plan(capsys):
 
 # ---------------------------------------------------------------------- DSpark (serve --dspark K)
 def test_dspark_state_is_the_speculative_engines_state(flash):
-    """With DSpark the KV ledger is `new_state(..., dspark=True)` of the engine: its bytes equal
+    """With DSpark the KV ledger is `new_state(..., with_draft=True)` of the engine: its bytes equal
     `jax.eval_shape` of it, and the difference to the plain state is each slot's draft rings
     (stages x window x SWA entry) and stored draft logits (block x vocab f32), split with the slots."""
     import jax
@@ -236,11 +236,11 @@ def test_dspark_state_is_the_speculative_engines_state(flash):
     mesh = {"data": 2, "expert": 4, "tensor": 1}
     seqs, context, page = 8, 8192, 16
     plain = kv_ledger(flash, mesh, EP, max_seqs=seqs, context=context, page_size=page)
-    spec = kv_ledger(flash, mesh, EP, max_seqs=seqs, context=context, page_size=page, dspark=True)
+    spec = kv_ledger(flash, mesh, EP, max_seqs=seqs, context=context, page_size=page, with_draft=True)
     shapes = StateShapes(
         max_slots=seqs, page_size=page, num_pages=seqs * context // page, max_context=context
     )
-    engine = jax.eval_shape(lambda: new_state(flash, shapes, dspark=True))
+    engine = jax.eval_shape(lambda: new_state(flash, shapes, with_draft=True))
     assert spec["total"] == cache_lib.buffer_bytes(engine)
     assert plain["total"] == cache_lib.buffer_bytes(jax.eval_shape(lambda: new_state(flash, shapes)))
     rings = flash.num_nextn_predict_layers * flash.sliding_window * formats.fp8_entry_bytes(flash.head_dim)
@@ -267,7 +267,7 @@ def test_dspark_weights_are_the_stages_on_every_device(flash):
         ({"data": 1, "expert": 1, "tensor": 8}, sharding.TP_RULES),
     ):
         plain = weight_ledger(flash, mesh, rules, engram_on_host=True)
-        spec = weight_ledger(flash, mesh, rules, engram_on_host=True, dspark=True)
+        spec = weight_ledger(flash, mesh, rules, engram_on_host=True, with_draft=True)
         assert spec["per_device"] - plain["per_device"] == stages  # replicated, whatever the mesh
         assert spec["per_device_by_part"]["dspark_stages"] == stages
         assert spec["resident_total"] - plain["resident_total"] == stages

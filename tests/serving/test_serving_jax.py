@@ -535,7 +535,7 @@ def test_another_checkpoint_of_the_config_never_reads_the_disk_tiers_kv(engine, 
     from serving.scheduling.scheduler import Scheduler
     from serving.scheduling.streams import collect
 
-    flat = embedded_params("tiny", dspark=False)
+    flat = embedded_params("tiny", with_draft=False)
     for layer in (0, 1):
         name = f"layers.{layer}.attn.kv_norm.weight"
         flat[name] = (flat[name].astype(np.float32) * 1.5).astype(flat[name].dtype)
