@@ -7,7 +7,7 @@ Layout (request flow top to bottom; docs/architecture.md has the layer table):
   continuous batching, chunked prefill, stop handling, on its own thread), request checks, event
   streams, the page allocator and prefix cache, the host / disk KV tiers.
 - `engine/`: the interface a device engine implements (`protocol.py`), `jax_engine.py` over
-  `ced_jax.engine`, the multi-host proxy; `testing/`: a hand-computable mock engine.
+  `ced_jax.engine`, the multi-host hand-over (`multihost.py`); `testing/`: a hand-computable mock engine.
 - `config.py`: ServeConfig, the one declaration of serving shapes and limits with their defaults and
   flags (`ced-jax serve`'s parser is generated from it).
 - `planning/`: the `ced-jax plan` memory planner and the compiled proof; `client.py`: the Python
