@@ -1184,7 +1184,7 @@ def _package_version() -> str:
 # ---------------------------------------------------------------------- command line
 def run(args: argparse.Namespace) -> int:
     """Run a conversion from the parsed `ced-jax convert` / `convert_weights` arguments (defined in
-    ced_cli.main); prints a JSON summary on stdout."""
+    ced_cli.convert); prints a JSON summary on stdout."""
     prog = getattr(args, "prog", "convert_weights")
     options = ConvertOptions(
         include=None if getattr(args, "include", None) is None else tuple(args.include.split(",")),

@@ -120,7 +120,8 @@ def test_serve_flags_are_the_serve_configs_declared_flags():
     parser has each, defaults to the field's default, and a value given reaches the config."""
     import dataclasses
 
-    from ced_cli.main import _config_values, _serve_config, build_parser
+    from ced_cli.main import build_parser
+    from ced_cli.serve import config_values, serve_config
     from serving.config import serve_flags
 
     flags = serve_flags()
@@ -139,8 +140,8 @@ def test_serve_flags_are_the_serve_configs_declared_flags():
     argv = ["serve", "tiny", "--max-queued", "7", "--grace-period", "2.5", "--no-overlap-schedule",
             "--shared-prefix-cache"]  # fmt: skip
     args = parser.parse_args(argv)
-    values = _config_values(args)
-    config = _serve_config(args)
+    values = config_values(args)
+    config = serve_config(args)
     for name, (field, want) in given.items():
         assert values[field] == want and getattr(config, field) == want, name
     assert {f.name for f, _ in flags} <= {f.name for f in dataclasses.fields(config)}
