@@ -90,8 +90,9 @@ def _auto_context(args) -> int:
 
 
 def _check_serve_options(args) -> None:
-    """Each shape and limit by its flag (ServeConfig then checks how they combine). `auto` values are
-    resolved here, first."""
+    """The hand-written shape flags, by flag, before ServeConfig is built: `auto` is resolved here,
+    first (from --max-slots and --page-size, checked for it), and the lists are parsed and stated
+    against --max-slots and --max-context. The values of generated flags are ServeConfig's to check."""
     check_mesh_and_hosts(args)
     if args.max_context == "auto":
         args.max_context = _auto_context(args)
@@ -103,10 +104,7 @@ def _check_serve_options(args) -> None:
         ("--max-context", args.max_context, 1),
         ("--num-pages", args.num_pages, 1),
         ("--prefill-chunk", args.prefill_chunk, 1),
-        ("--max-running", args.max_running, 1),
-        ("--max-queued", args.max_queued, 0),
         ("--max-tokens-limit", args.max_tokens_limit, 1),
-        ("--grace-period", args.grace_period_s, 0.0),
     )
     for flag, value, minimum in at_least:
         check_at_least(flag, value, minimum)
@@ -115,13 +113,6 @@ def _check_serve_options(args) -> None:
         raise ValueError(f"--max-context {args.max_context} must be a multiple of --page-size {page}")
     if args.prefill_chunk % page:
         raise ValueError(f"--prefill-chunk {args.prefill_chunk} must be a multiple of --page-size {page}")
-    if args.num_pages is not None and args.num_pages * page < args.max_context:
-        raise ValueError(
-            f"--num-pages {args.num_pages} x --page-size {page} must hold one request of --max-context "
-            f"{args.max_context} tokens (at least {-(-args.max_context // page)} pages)"
-        )
-    if args.max_running is not None and args.max_running > args.max_slots:
-        raise ValueError(f"--max-running {args.max_running} must not exceed --max-slots {args.max_slots}")
     rows = _prefill_rows(args)
     if rows is not None and (list(rows) != sorted(set(rows)) or rows[0] < 1 or rows[-1] > args.max_slots):
         raise ValueError(
@@ -135,22 +126,6 @@ def _check_serve_options(args) -> None:
             "--no-batch-invariant"
         )
     _context_buckets(args)
-    if args.prefill_token_budget is not None and args.prefill_token_budget < page:
-        raise ValueError(
-            f"--prefill-token-budget must be >= --page-size {page} (a page per step at least), "
-            f"got {args.prefill_token_budget}"
-        )
-    step, long_chunk = args.long_prefill_step, args.long_prefill_chunk
-    if step < 1 or step % page:
-        raise ValueError(f"--long-prefill-step must be a positive multiple of --page-size {page}, got {step}")
-    if long_chunk and (
-        long_chunk % step or long_chunk <= args.prefill_chunk or long_chunk > args.max_context
-    ):
-        raise ValueError(
-            f"--long-prefill-chunk must be 0 (off) or a multiple of --long-prefill-step {step} above "
-            f"--prefill-chunk {args.prefill_chunk} and at most --max-context {args.max_context}, "
-            f"got {long_chunk}"
-        )
 
 
 def _context_buckets(args) -> tuple[int, ...] | None:
@@ -207,71 +182,20 @@ def _http_models(args):
         raise ValueError(f"--model-alias: {e}") from None
 
 
-def _http_limits(args):
-    """AdmissionLimits from --http-max-concurrent / --max-effort-concurrent / --max-effort-queue."""
-    from serving.admission import AdmissionLimits
+def _image_fetch(args, fetch):
+    """`fetch` (ServeConfig.http_image_fetch) with the hosts of --allow-image-urls: one flag for two
+    fields, whether URLs are fetched at all and from which hosts."""
+    import dataclasses
 
-    check_at_least("--http-max-concurrent", args.http_max_concurrent, 1)
-    if args.http_max_body_bytes is not None:
-        check_at_least("--http-max-body-bytes", args.http_max_body_bytes, 1)
-    check_at_least("--max-effort-concurrent", args.max_effort_concurrent, 1)
-    check_at_least("--max-effort-queue", args.max_effort_queue, 0)
-    check_at_least("--http-keepalive", args.http_keepalive_s, 0.0)
-    return AdmissionLimits(
-        max_concurrent=args.http_max_concurrent,
-        max_tier_concurrent=args.max_effort_concurrent,
-        max_tier_queue=args.max_effort_queue,
-    )
-
-
-def _image_options(args) -> dict:
-    """ServeConfig's image fields from --feature-cache-bytes, --max-images-per-request, --max-image-bytes,
-    --allow-image-urls / --image-url-* and --files-*, each checked by its flag."""
-    from serving.files import FilesConfig
-    from serving.image_fetch import ImageFetchConfig
-
-    check_at_least("--feature-cache-bytes", args.feature_cache_bytes, 0)
-    check_at_least("--max-images-per-request", args.max_images_per_request, 1)
-    check_at_least("--max-image-bytes", args.max_image_bytes, 1)
-    check_at_least("--image-url-max-bytes", args.image_url_max_bytes, 1)
-    check_at_least("--image-url-timeout", args.image_url_timeout, 0.001)
-    check_at_least("--files-max-file-bytes", args.files_max_file_bytes, 1)
-    check_at_least("--files-max-total-bytes", args.files_max_total_bytes, 1)
-    check_at_least("--files-max-per-identity", args.files_max_per_identity, 1)
-    check_at_least("--files-max-bytes-per-identity", args.files_max_bytes_per_identity, 1)
-    check_at_least("--files-ttl", args.files_ttl, 0.001)
-    hosts = ()
-    if args.allow_image_urls is not None:
-        hosts = tuple(h.strip() for h in args.allow_image_urls.split(","))
-        if not all(hosts):
-            raise ValueError(f"--allow-image-urls: expected HOST[,HOST...], got {args.allow_image_urls!r}")
+    if args.allow_image_urls is None:
+        return fetch
+    hosts = tuple(h.strip() for h in args.allow_image_urls.split(","))
+    if not all(hosts):
+        raise ValueError(f"--allow-image-urls: expected HOST[,HOST...], got {args.allow_image_urls!r}")
     try:
-        fetch = ImageFetchConfig(
-            allow_image_urls=bool(hosts),
-            allowed_hosts=hosts,
-            max_bytes=args.image_url_max_bytes,
-            timeout_s=args.image_url_timeout,
-        )
+        return dataclasses.replace(fetch, allow_image_urls=True, allowed_hosts=hosts)
     except ValueError as e:
         raise ValueError(f"--allow-image-urls: {e}") from None
-    if args.files_max_file_bytes > args.files_max_total_bytes:
-        raise ValueError(
-            f"--files-max-file-bytes {args.files_max_file_bytes} exceeds --files-max-total-bytes "
-            f"{args.files_max_total_bytes}"
-        )
-    if args.files_max_file_bytes > args.files_max_bytes_per_identity:
-        raise ValueError(
-            f"--files-max-file-bytes {args.files_max_file_bytes} exceeds --files-max-bytes-per-identity "
-            f"{args.files_max_bytes_per_identity}"
-        )
-    files = FilesConfig(
-        max_file_bytes=args.files_max_file_bytes,
-        max_total_bytes=args.files_max_total_bytes,
-        max_files_per_identity=args.files_max_per_identity,
-        max_bytes_per_identity=args.files_max_bytes_per_identity,
-        ttl_s=args.files_ttl,
-    )
-    return dict(http_files=files, http_image_fetch=fetch)
 
 
 def _check_port_option(option: str, port: int, off: int | None = None) -> None:
@@ -305,20 +229,17 @@ def serve_config(args):
     _check_port_option("--metrics-port", args.metrics_port, off=-1)
     if args.http_port != 0:  # 0 (or -1) turns the HTTP API off
         _check_port_option("--http-port", args.http_port, off=-1)
-    check_at_least("--max-prompt-bytes", args.max_prompt_bytes, 1)
-    check_at_least("--max-tokenize-bytes", args.max_tokenize_bytes, 1)
-    for flag in ("--prepare-workers", "--image-fetch-workers", "--tokenize-workers"):
-        check_at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
+    values = config_values(args)
+    values["http_image_fetch"] = _image_fetch(args, values["http_image_fetch"])
     chunk = args.prefill_chunk
     config = ServeConfig(
-        **config_values(args),
+        **values,
         max_context=args.max_context,
         prefill_buckets=(chunk,),
         prefill_rows=_prefill_rows(args),  # None: ServeConfig's default for these shapes
         decode_context_buckets=_context_buckets(args),  # likewise
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(_serve_defaults().default_max_tokens, args.max_tokens_limit),
-        enable_prefix_cache=not args.no_prefix_cache,
         prefill_mode=args.prefill_mode,
         api_keys=api_keys,
         port=args.port,
@@ -326,9 +247,7 @@ def serve_config(args):
         metrics_host=args.host,
         http_port=None if args.http_port <= 0 else args.http_port,
         http_models=_http_models(args),
-        http_limits=_http_limits(args),
-        **_image_options(args),
-    )  # validates the shapes before anything is loaded
+    )  # validates every value before anything is loaded
     # Before the model loads: a busy, unwritable or foreign directory fails at once.
     if config.kv_disk_dir is not None:
         from serving.scheduling.kv_tiers import DiskTier
@@ -341,41 +260,58 @@ def serve_config(args):
 
 
 def add_config_flags(groups: dict) -> None:
-    """One flag per `ServeConfig` field that declares one (`serving.config.Flag`): its name, help,
-    section and metavar from the declaration, its type and default from the field; the value lands
-    under the field's name (`config_values`)."""
+    """One flag per config field that declares one (`serving.flags.Flag`; fields of ServeConfig and of
+    the configs nested in it, `serving.config.serve_flags`): its name, help, section and metavar from the
+    declaration, its type and default from the field; the value lands under the field's path, e.g.
+    "max_slots" or "http_files.ttl_s" (`config_values`)."""
     from serving.config import serve_flags
 
-    for field, flag in serve_flags():
+    for path, field, flag in serve_flags():
         kind = field.type.replace(" | None", "")
-        kw = {"dest": field.name, "default": field.default, "help": flag.help}
-        if flag.metavar:
-            kw["metavar"] = flag.metavar
+        kw = {"dest": ".".join(path), "default": field.default, "help": flag.help}
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
         else:
             kw["type"] = {"int": int, "float": float, "str": str}[kind]
+            # argparse would spell a dotted dest; the flag's own name reads as it always did.
+            kw["metavar"] = flag.metavar or flag.name[2:].replace("-", "_").upper()
         groups[flag.group].add_argument(flag.name, **kw)
 
 
 def config_values(args) -> dict:
-    """The `ServeConfig` fields the serve flags set directly (`add_config_flags`)."""
-    from serving.config import serve_flags
+    """The `ServeConfig` fields the serve flags set directly (`add_config_flags`); a nested config
+    (http_limits, http_image_fetch, http_files) is ServeConfig's default with its flags' values, built
+    (and so checked) here."""
+    import dataclasses
 
-    return {field.name: getattr(args, field.name) for field, _ in serve_flags()}
+    from serving.config import ServeConfig, serve_flags
+
+    values, nested = {}, {}
+    for path, _, _ in serve_flags():
+        value = getattr(args, ".".join(path))
+        if len(path) == 1:
+            values[path[0]] = value
+        else:
+            nested.setdefault(path[0], {})[path[1]] = value
+    defaults = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    for name, fields in nested.items():
+        values[name] = dataclasses.replace(defaults[name], **fields)
+    return values
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
     """The flags of `serve`, shared by `compile` (the same flags build the same programs)."""
     p.add_argument("model", help="preset name (tiny) or checkpoint directory")
-    from serving.config import ADMISSION, FLAG_GROUPS, IMAGES, SCHEDULING, SERVER, SHAPES, TENANTS
+    from serving.flags import ADMISSION, FLAG_GROUPS, IMAGES, SCHEDULING, SERVER, SHAPES, TENANTS
 
     serve = _serve_defaults()  # every default below is ServeConfig's (serving/config.py)
     groups = {name: p.add_argument_group(name) for name in FLAG_GROUPS}
     add_config_flags(groups)
-    # The flags that set a field in a form of their own ("auto", a list, another unit) or several
-    # fields together.
+    # The flags below are not generated from a field: each sets a value in a form of its own ("auto"
+    # sized from the model and memory, a list checked against other flags, an "off" port), sets
+    # several fields together, or is one declaration shared with other commands.
     g = groups[SHAPES]
+    # auto: sized from the model, the device memory and other flags (_auto_context), before ServeConfig.
     g.add_argument(
         "--max-context",
         type=_int_or_auto("--max-context"),
@@ -384,9 +320,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "sequences (an accelerator's memory to 90 %% after weights and activations, on CPU 256 MiB of KV, "
         "or --num-pages), at most the model's own context",
     )
+    # One chunk length: ServeConfig.prefill_buckets is a tuple of them (this command compiles one).
     g.add_argument(
         "--prefill-chunk", type=int, default=max(serve.prefill_buckets), help="prompt tokens per prefill call"
     )
+    # Lists, parsed here and checked against --max-slots / --max-context (which the buckets end with).
     g.add_argument(
         "--prefill-rows",
         help="requests prefilled together: the row counts of the compiled prefill programs, ascending "
@@ -404,16 +342,18 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "--max-context; each width is another set of compiled programs",
     )
     g = groups[SCHEDULING]
+    # One declaration with `logits` and `generate` (ced_cli.options), whose default differs.
     add_prefill_mode_option(g, serve.prefill_mode, per_request=True)
     g = groups[ADMISSION]
+    # auto: --max-context; also bounds ServeConfig.default_max_tokens (serve_config).
     g.add_argument(
         "--max-tokens-limit",
         type=_int_or_auto("--max-tokens-limit"),
         default="auto",
         help="largest accepted max_tokens; auto: --max-context",
     )
-    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt pages")
     g = groups[TENANTS]
+    # Both build ServeConfig.api_keys (a key, or a file of keys and tenant names); one or the other.
     g.add_argument(
         "--api-key",
         help="require this API key on every call (gRPC metadata or HTTP header: authorization: Bearer KEY, "
@@ -425,8 +365,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "the file has one key per line, optionally followed by a name (the tenant's identity)",
     )
     g = groups[SERVER]
-    # The command listens on the well-known ports; ServeConfig's own default (0, any free port) suits
-    # servers started in-process (tests, benchmarks), which must not collide.
+    # The command listens on the well-known ports, and -1 (or 0 for HTTP) turns one off (None in the
+    # config); ServeConfig's own default (0, any free port) suits servers started in-process (tests,
+    # benchmarks), which must not collide.
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     g.add_argument(
         "--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free, -1: off)"
@@ -438,25 +379,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         help="HTTP API port: OpenAI Chat Completions / Completions / Responses and Anthropic Messages, as "
         "DeepSeek's hosted API (0 or -1: off)",
     )
-    limits = serve.http_limits
-    g.add_argument(
-        "--http-max-concurrent",
-        type=int,
-        default=limits.max_concurrent,
-        help="HTTP requests in flight; beyond: 429 with Retry-After (the hosted API's limit by default)",
-    )
-    g.add_argument(
-        "--max-effort-concurrent",
-        type=int,
-        default=limits.max_tier_concurrent,
-        help="HTTP requests at reasoning effort max running at once (their own tier)",
-    )
-    g.add_argument(
-        "--max-effort-queue",
-        type=int,
-        default=limits.max_tier_queue,
-        help="effort-max requests waiting for their tier; beyond: 429",
-    )
+    # Repeatable, each parsed into an alias of ServeConfig.http_models.
     g.add_argument(
         "--model-alias",
         action="append",
@@ -464,34 +387,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "force the mode (repeatable; deepseek-v4-flash, deepseek-chat, deepseek-reasoner, ... by default)",
     )
     g = groups[IMAGES]
-    fetch, files = serve.http_image_fetch, serve.http_files
+    # Two fields of http_image_fetch: whether URLs are fetched, and from which hosts (_image_fetch).
     g.add_argument(
         "--allow-image-urls",
         metavar="HOST[,HOST...]",
         help="HTTP API: fetch image URLs from these hosts (host or host:port); default: URLs are refused",
-    )
-    g.add_argument("--image-url-max-bytes", type=int, default=fetch.max_bytes, help="one fetched image")
-    g.add_argument("--image-url-timeout", type=float, default=fetch.timeout_s, help="seconds per fetch")
-    g.add_argument(
-        "--files-max-file-bytes", type=int, default=files.max_file_bytes, help="Files API: one upload"
-    )
-    g.add_argument(
-        "--files-max-total-bytes",
-        type=int,
-        default=files.max_total_bytes,
-        help="Files API: bytes of files held for all identities together (in memory)",
-    )
-    g.add_argument(
-        "--files-max-bytes-per-identity",
-        type=int,
-        default=files.max_bytes_per_identity,
-        help="Files API: bytes of files one identity (API key) may hold",
-    )
-    g.add_argument(
-        "--files-max-per-identity", type=int, default=files.max_files_per_identity, help="Files API: files"
-    )
-    g.add_argument(
-        "--files-ttl", type=float, default=files.ttl_s, help="Files API: seconds a file lives after upload"
     )
     add_impl_options(p)
     add_mesh_options(p)
