@@ -1,4 +1,4 @@
-"""`convert_weights` / `ced-jax convert` once its arguments are parsed (the parser is ced_cli.main's)."""
+"""`convert_weights` / `ced-jax convert` once its arguments are parsed (the parser is ced_cli.convert's)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conversion.save_noise import closed_loop_tracebacks_dropped
 
 def run(args: argparse.Namespace) -> int:
     """Run a conversion from the parsed `ced-jax convert` / `convert_weights` arguments (defined in
-    ced_cli.main); prints a JSON summary on stdout."""
+    ced_cli.convert); prints a JSON summary on stdout."""
     prog = getattr(args, "prog", "convert_weights")
     options = ConvertOptions(
         include=None if getattr(args, "include", None) is None else tuple(args.include.split(",")),

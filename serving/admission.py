@@ -38,6 +38,8 @@ from typing import Literal, NoReturn
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from serving.flags import SERVER, flag, named
+
 Tier = Literal["default", "max"]
 TIERS: tuple[str, ...] = ("default", "max")
 REASONS: tuple[str, ...] = ("concurrency", "queue_full", "queue_timeout")
@@ -47,11 +49,23 @@ REASONS: tuple[str, ...] = ("concurrency", "queue_full", "queue_timeout")
 class AdmissionLimits:
     """Concurrency limits of the HTTP API (a frozen config; `ServeConfig` nests it)."""
 
-    max_concurrent: int = 2500  # requests in flight, all tiers (the hosted API's deepseek-flash limit)
+    max_concurrent: int = flag(
+        2500,
+        "--http-max-concurrent",
+        "HTTP requests in flight; beyond: 429 with Retry-After (the hosted API's limit by default)",
+        group=SERVER,
+    )  # all tiers (the hosted API's deepseek-flash limit)
     # Effort-max requests running at once. A max-effort answer can think for 100K+ tokens, minutes of
     # decode here, so the default keeps most of the decode batch (ServeConfig.max_slots = 32) for the rest.
-    max_tier_concurrent: int = 8
-    max_tier_queue: int = 64  # effort-max requests waiting; more are refused at once
+    max_tier_concurrent: int = flag(
+        8,
+        "--max-effort-concurrent",
+        "HTTP requests at reasoning effort max running at once (their own tier)",
+        group=SERVER,
+    )
+    max_tier_queue: int = flag(
+        64, "--max-effort-queue", "effort-max requests waiting for their tier; beyond: 429", group=SERVER
+    )  # more are refused at once
     max_tier_queue_timeout_s: float | None = 600.0  # None: wait as long as the client does
     # Retry-After (whole seconds, RFC 9110) when the global limit is full: slots free as answers finish.
     retry_after_s: int = 1
@@ -61,9 +75,12 @@ class AdmissionLimits:
     def __post_init__(self):
         for name in ("max_concurrent", "max_tier_concurrent"):
             if getattr(self, name) < 1:
-                raise ValueError(f"admission limits: {name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"admission limits: {named(self, name)} must be >= 1, got {getattr(self, name)}"
+                )
         if self.max_tier_queue < 0:
-            raise ValueError(f"admission limits: max_tier_queue must be >= 0, got {self.max_tier_queue}")
+            queue = named(self, "max_tier_queue")
+            raise ValueError(f"admission limits: {queue} must be >= 0, got {self.max_tier_queue}")
         for name in ("retry_after_s", "max_tier_retry_after_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

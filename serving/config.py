@@ -19,6 +19,7 @@ from serving.accounting import PricingConfig
 from serving.admission import AdmissionLimits
 from serving.engine.protocol import EngineSpec, check_shapes
 from serving.files import MIB, FilesConfig
+from serving.flags import ADMISSION, IMAGES, SCHEDULING, SERVER, SHAPES, TENANTS, Flag, flag, named
 from serving.image_fetch import ImageFetchConfig, ImageInputConfig
 from serving.model_names import ModelNames
 from serving.tenants import ApiKeys
@@ -37,36 +38,21 @@ INVARIANT_DECODE_ROWS = 8
 LONG_PREFILL_CHUNK = 2048
 
 
-# The sections of `ced-jax serve --help`, in order.
-SHAPES = "shapes (static: compiled at start-up)"
-SCHEDULING = "scheduling"
-ADMISSION = "admission"
-TENANTS = "tenants"
-SERVER = "server"
-IMAGES = "images (a model with a vision tower; gRPC and HTTP alike)"
-FLAG_GROUPS = (SHAPES, SCHEDULING, ADMISSION, TENANTS, SERVER, IMAGES)
-
-
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """A `ServeConfig` field's `ced-jax serve` flag: the CLI's parser and the config it builds are
-    generated from these (`ced_cli`), so a flag is declared once, beside its field. The flag's type
-    and default are the field's; a bool field with default True also gets its --no- form."""
-
-    name: str
-    help: str
-    group: str
-    metavar: str | None = None
-
-
-def flag(default, name: str, help: str, *, group: str, metavar: str | None = None):
-    """A field with its `Flag` (see above)."""
-    return dataclasses.field(default=default, metadata={"flag": Flag(name, help, group, metavar)})
-
-
-def serve_flags() -> list[tuple[dataclasses.Field, Flag]]:
-    """(field, flag) of every `ServeConfig` field that the serve command sets directly, in order."""
-    return [(f, f.metadata["flag"]) for f in dataclasses.fields(ServeConfig) if "flag" in f.metadata]
+def serve_flags() -> list[tuple[tuple[str, ...], dataclasses.Field, Flag]]:
+    """(path, field, flag) of every value the serve command sets directly, in order: a `ServeConfig`
+    field (path: its name), or a field of a config nested in one (path: the two names, e.g.
+    ("http_files", "ttl_s")), at the place of the ServeConfig field."""
+    found = []
+    for f in dataclasses.fields(ServeConfig):
+        if "flag" in f.metadata:
+            found.append(((f.name,), f, f.metadata["flag"]))
+        elif dataclasses.is_dataclass(f.default):
+            found += [
+                ((f.name, inner.name), inner, inner.metadata["flag"])
+                for inner in dataclasses.fields(f.default)
+                if "flag" in inner.metadata
+            ]
+    return found
 
 
 def default_long_prefill_chunk(max_context: int) -> int:
@@ -245,7 +231,7 @@ class ServeConfig:
         group=SCHEDULING,
         metavar="TOKENS",
     )  # a multiple of page_size (on tiny: 256 beat 128 and 512)
-    enable_prefix_cache: bool = True
+    enable_prefix_cache: bool = flag(True, "--prefix-cache", "reuse cached prompt pages", group=ADMISSION)
     # Speculative decoding (DSpark, a model with draft stages): drafts verified per decode step, 0 =
     # off; at most the model's dspark_block_size. `dspark_confidence` T (None = off): a row verifies
     # the longest prefix of its drafts whose running product of sigmoid(confidence) stays >= T, at
@@ -351,8 +337,8 @@ class ServeConfig:
     )  # one image's encoded bytes (the Files API's upload limit too)
     # The Files API store (serving/files.py), shared by the HTTP API's /files and gRPC's
     # ImageInput.file_id; and fetching image URLs in HTTP requests (off unless hosts are allowed).
-    http_files: FilesConfig = FilesConfig()
     http_image_fetch: ImageFetchConfig = ImageFetchConfig()
+    http_files: FilesConfig = FilesConfig()
 
     # Server.
     host: str = flag("127.0.0.1", "--host", "address the gRPC server and /metrics listen on", group=SERVER)
@@ -369,7 +355,6 @@ class ServeConfig:
         group=SERVER,
     )
     http_models: ModelNames = ModelNames()  # served name and aliases (serving/model_names.py)
-    http_limits: AdmissionLimits = AdmissionLimits()  # 2500 concurrent; the effort-max tier (limits.py)
     # A request body's bytes, checked as it arrives (before parsing; beyond: 413). None: the gRPC
     # limits' equivalent, 4 x max_prompt_bytes (JSON escapes) + 1 MiB, plus base64 images
     # (max_images_per_request x max_image_bytes x 4/3) on a model that takes them.
@@ -404,6 +389,7 @@ class ServeConfig:
         group=SERVER,
         metavar="S",
     )  # after SIGTERM, in-flight streams get this long to finish
+    http_limits: AdmissionLimits = AdmissionLimits()  # 2500 concurrent; the effort-max tier (limits.py)
     # Threads of the pools that work before the scheduler (serving/work_pools.py): request preparation
     # (HTTP parsing, rendering, tokenizing; gRPC prompts and images), image URL downloads, and Tokenize
     # calls. A tenant runs at most half of a pool's threads at once; further jobs wait their turn.
@@ -489,13 +475,16 @@ class ServeConfig:
             )
         if self.prefill_token_budget is None:
             object.__setattr__(self, "prefill_token_budget", 2 * self.page_size * r[-1])
+        page = f"{named(self, 'page_size')} {self.page_size}"
         if self.prefill_token_budget < self.page_size:
-            budget = self.prefill_token_budget
-            raise ValueError(f"prefill_token_budget must be >= page_size ({self.page_size}), got {budget}")
+            raise ValueError(
+                f"{named(self, 'prefill_token_budget')} must be >= {page} (a page per step at least), "
+                f"got {self.prefill_token_budget}"
+            )
         step = self.long_prefill_step
         if step < 1 or step % self.page_size:
             raise ValueError(
-                f"long_prefill_step must be a positive multiple of page_size ({self.page_size}), got {step}"
+                f"{named(self, 'long_prefill_step')} must be a positive multiple of {page}, got {step}"
             )
         if self.long_prefill_chunk is None:
             object.__setattr__(self, "long_prefill_chunk", default_long_prefill_chunk(self.max_context))
@@ -504,8 +493,9 @@ class ServeConfig:
             long_chunk % step or long_chunk <= self.prefill_buckets[-1] or long_chunk > self.max_context
         ):
             raise ValueError(
-                f"long_prefill_chunk must be 0 (off) or a multiple of long_prefill_step ({step}) above the "
-                f"prefill chunk ({self.prefill_buckets[-1]}) and at most max_context ({self.max_context}), "
+                f"{named(self, 'long_prefill_chunk')} must be 0 (off) or a multiple of "
+                f"{named(self, 'long_prefill_step')} {step} above the prefill chunk (--prefill-chunk) "
+                f"{self.prefill_buckets[-1]} and at most max_context (--max-context) {self.max_context}, "
                 f"got {long_chunk}"
             )
         positive = (
@@ -522,29 +512,37 @@ class ServeConfig:
         )
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{named(self, name)} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.http_keepalive_s < math.inf:  # NaN and inf too
             raise ValueError(
-                f"http_keepalive_s must be a finite number >= 0 (0: off), got {self.http_keepalive_s}"
+                f"{named(self, 'http_keepalive_s')} must be a finite number >= 0 (0: off), "
+                f"got {self.http_keepalive_s}"
             )
         if self.http_max_body_bytes is not None and self.http_max_body_bytes < 1:
-            raise ValueError(f"http_max_body_bytes must be >= 1 or None, got {self.http_max_body_bytes}")
+            body = named(self, "http_max_body_bytes")
+            raise ValueError(f"{body} must be >= 1 or None, got {self.http_max_body_bytes}")
         if self.num_pages * self.page_size < self.max_context:
-            raise ValueError("num_pages * page_size must hold at least one request of max_context tokens")
+            raise ValueError(
+                f"{named(self, 'num_pages')} {self.num_pages} x {named(self, 'page_size')} {self.page_size} "
+                f"must hold one request of max_context (--max-context) {self.max_context} tokens (at least "
+                f"{-(-self.max_context // self.page_size)} pages)"
+            )
         if self.max_running is not None and not 1 <= self.max_running <= self.max_slots:
             raise ValueError(
-                f"max_running must be in 1..max_slots ({self.max_slots}), got {self.max_running}"
+                f"{named(self, 'max_running')} must be >= 1 and at most {named(self, 'max_slots')} "
+                f"{self.max_slots}, got {self.max_running}"
             )
         if self.feature_cache_bytes < 0:
-            raise ValueError(
-                f"feature_cache_bytes must be >= 0 (0: no cache), got {self.feature_cache_bytes}"
-            )
-        if self.max_queued < 0 or self.max_logprobs < 0:
-            raise ValueError("max_queued and max_logprobs must be >= 0")
+            cache = named(self, "feature_cache_bytes")
+            raise ValueError(f"{cache} must be >= 0 (0: no cache), got {self.feature_cache_bytes}")
+        for name in ("max_queued", "max_logprobs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{named(self, name)} must be >= 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
-            raise ValueError(f"grace_period_s must be a finite number >= 0, got {self.grace_period_s}")
+            grace = named(self, "grace_period_s")
+            raise ValueError(f"{grace} must be a finite number >= 0, got {self.grace_period_s}")
         if not isinstance(self.dspark, int) or self.dspark < 0:
             raise ValueError(f"dspark (--dspark) must be an integer >= 0 (0: off), got {self.dspark!r}")
         t = self.dspark_confidence

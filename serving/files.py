@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable
+
+from serving.flags import IMAGES, flag, named
 
 MIB = 1024 * 1024
 
@@ -43,23 +46,38 @@ IMAGE_PURPOSES = ("vision", "user_data", "assistants")
 class FilesConfig:
     """Limits of the Files API (`ced-jax serve --files-*`)."""
 
-    max_file_bytes: int = 20 * MIB  # one upload
-    max_total_bytes: int = 512 * MIB  # bytes of files held for all identities together
-    max_bytes_per_identity: int = 128 * MIB  # bytes of files one identity holds (deduplicated or not)
-    max_files_per_identity: int = 1000
-    ttl_s: float = 3600.0  # a file's lifetime after upload (hosted Files APIs keep files longer; a local
-    # server's memory is the budget, and the seeds' table has a TTL per file)
+    max_file_bytes: int = flag(20 * MIB, "--files-max-file-bytes", "Files API: one upload", group=IMAGES)
+    max_total_bytes: int = flag(
+        512 * MIB,
+        "--files-max-total-bytes",
+        "Files API: bytes of files held for all identities together (in memory)",
+        group=IMAGES,
+    )
+    max_bytes_per_identity: int = flag(
+        128 * MIB,
+        "--files-max-bytes-per-identity",
+        "Files API: bytes of files one identity (API key) may hold",
+        group=IMAGES,
+    )  # deduplicated or not
+    max_files_per_identity: int = flag(1000, "--files-max-per-identity", "Files API: files", group=IMAGES)
+    # A file's lifetime after upload (hosted Files APIs keep files longer; a local server's memory is the
+    # budget, and the seeds' table has a TTL per file).
+    ttl_s: float = flag(3600.0, "--files-ttl", "Files API: seconds a file lives after upload", group=IMAGES)
 
     def __post_init__(self):
         for name in ("max_file_bytes", "max_total_bytes", "max_bytes_per_identity", "max_files_per_identity"):
             if getattr(self, name) < 1:
-                raise ValueError(f"FilesConfig.{name}: must be >= 1, got {getattr(self, name)}")
-        if not self.ttl_s > 0:
-            raise ValueError(f"FilesConfig.ttl_s: must be > 0, got {self.ttl_s}")
-        if self.max_file_bytes > self.max_total_bytes:
-            raise ValueError("FilesConfig.max_file_bytes: exceeds max_total_bytes")
-        if self.max_file_bytes > self.max_bytes_per_identity:
-            raise ValueError("FilesConfig.max_file_bytes: exceeds max_bytes_per_identity")
+                raise ValueError(f"FilesConfig.{named(self, name)}: must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise ValueError(
+                f"FilesConfig.{named(self, 'ttl_s')}: must be a finite number > 0, got {self.ttl_s}"
+            )
+        for limit in ("max_total_bytes", "max_bytes_per_identity"):
+            if self.max_file_bytes > getattr(self, limit):
+                raise ValueError(
+                    f"FilesConfig.{named(self, 'max_file_bytes')} {self.max_file_bytes}: exceeds "
+                    f"{named(self, limit)} {getattr(self, limit)}"
+                )
 
 
 class FileError(ValueError):

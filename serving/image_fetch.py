@@ -18,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.client
+import math
 import socket
 import ssl
 import threading
 import time
 from urllib.parse import urljoin, urlsplit
+
+from serving.flags import IMAGES, flag, named
 
 MIB = 1024 * 1024
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -49,15 +52,18 @@ class ImageFetchConfig:
 
     allow_image_urls: bool = False
     allowed_hosts: tuple[str, ...] = ()
-    max_bytes: int = 20 * MIB
-    timeout_s: float = 10.0
+    max_bytes: int = flag(20 * MIB, "--image-url-max-bytes", "one fetched image", group=IMAGES)
+    timeout_s: float = flag(10.0, "--image-url-timeout", "seconds per fetch", group=IMAGES)
     max_redirects: int = 3
 
     def __post_init__(self):
         if self.max_bytes < 1:
-            raise ValueError(f"ImageFetchConfig.max_bytes: must be >= 1, got {self.max_bytes}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"ImageFetchConfig.timeout_s: must be > 0, got {self.timeout_s}")
+            raise ValueError(
+                f"ImageFetchConfig.{named(self, 'max_bytes')}: must be >= 1, got {self.max_bytes}"
+            )
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            timeout = named(self, "timeout_s")
+            raise ValueError(f"ImageFetchConfig.{timeout}: must be a finite number > 0, got {self.timeout_s}")
         if self.max_redirects < 0:
             raise ValueError(f"ImageFetchConfig.max_redirects: must be >= 0, got {self.max_redirects}")
         for h in self.allowed_hosts:

@@ -116,19 +116,21 @@ def test_generate_tiny(capsys):
 
 
 def test_serve_flags_are_the_serve_configs_declared_flags():
-    """Issue 32: a serve flag is declared once, on its `ServeConfig` field (`serving.config.flag`): the
-    parser has each, defaults to the field's default, and a value given reaches the config."""
+    """Issue 32: a serve flag is declared once, on its `ServeConfig` field or a nested config's
+    (`serving.flags.flag`): the parser has each, defaults to the field's default, and a value given
+    reaches the config."""
     import dataclasses
 
-    from ced_cli.main import _config_values, _serve_config, build_parser
-    from serving.config import serve_flags
+    from ced_cli.main import build_parser
+    from ced_cli.serve import config_values, serve_config
+    from serving.config import ServeConfig, serve_flags
 
     flags = serve_flags()
-    assert len(flags) >= 25
+    assert len(flags) >= 40
     parser = build_parser()
     args = parser.parse_args(["serve", "tiny"])
-    for field, flag in flags:
-        assert getattr(args, field.name) == field.default, flag.name
+    for path, field, flag in flags:
+        assert getattr(args, ".".join(path)) == field.default, flag.name
     given = {  # a value other than the default for one field of each kind
         "--max-queued": ("max_queued", 7),
         "--grace-period": ("grace_period_s", 2.5),
@@ -139,11 +141,18 @@ def test_serve_flags_are_the_serve_configs_declared_flags():
     argv = ["serve", "tiny", "--max-queued", "7", "--grace-period", "2.5", "--no-overlap-schedule",
             "--shared-prefix-cache"]  # fmt: skip
     args = parser.parse_args(argv)
-    values = _config_values(args)
-    config = _serve_config(args)
+    values = config_values(args)
+    config = serve_config(args)
     for name, (field, want) in given.items():
         assert values[field] == want and getattr(config, field) == want, name
-    assert {f.name for f, _ in flags} <= {f.name for f in dataclasses.fields(config)}
+    assert {path[0] for path, _, _ in flags} <= {f.name for f in dataclasses.fields(config)}
+    # A flag of a nested config (files, image fetching, HTTP limits) reaches its field there.
+    config = serve_config(
+        parser.parse_args(["serve", "tiny", "--files-ttl", "60", "--max-effort-queue", "3"])
+    )
+    assert (config.http_files.ttl_s, config.http_limits.max_tier_queue) == (60, 3)
+    assert config.http_files.max_file_bytes == ServeConfig().http_files.max_file_bytes
+    assert not serve_config(parser.parse_args(["serve", "tiny", "--no-prefix-cache"])).enable_prefix_cache
 
 
 def test_serve_bad_options_exit_2_before_loading(capsys):

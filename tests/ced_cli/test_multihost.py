@@ -22,7 +22,7 @@ which is one element of its final hidden vector one bf16 ulp apart (-1.2266 vs -
 The subprocesses run with the suite's persistent compilation cache. Only process 0 writes entries
 (and the key differs per process), so process 0 loads its programs in seconds while process 1
 compiles for a minute; gloo gives up on a peer after 30 s (`Gloo context initialization failed`),
-so the CLI puts a barrier of all processes after every compile (`ced_cli.main._lockstep`,
+so the CLI puts a barrier of all processes after every compile (`ced_cli.options.lockstep_compiles`,
 serving/engine/multihost.py), and process 0 waits there for its peer.
 """
 

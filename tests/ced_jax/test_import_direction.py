@@ -180,7 +180,7 @@ def test_ced_jax_layers():
 SERVING_GROUPS = {
     "base": (
         "serving", "serving.errors", "serving.engine.protocol", "serving.json_limits", "serving.proto",
-        "serving.cli_help",
+        "serving.cli_help", "serving.flags",
     ),
     "features": (
         "serving.accounting", "serving.admission", "serving.model_names", "serving.files", "serving.tenants",

@@ -238,11 +238,11 @@ def test_http_front_end_shares_the_pipeline_and_the_file_store(server, tmp_path,
 
 
 def test_serve_image_flags_reach_the_config():
-    from ced_cli.main import _config_values, _image_options, build_parser
+    from ced_cli.main import build_parser
+    from ced_cli.serve import serve_config
 
     def options(*flags: str) -> ServeConfig:
-        args = build_parser().parse_args(["serve", "tiny", *flags])
-        return ServeConfig(**_config_values(args), **_image_options(args))
+        return serve_config(build_parser().parse_args(["serve", "tiny", *flags]))
 
     default = options()
     assert (default.feature_cache_bytes, default.max_images_per_request, default.max_image_bytes) == (
