@@ -1,5 +1,10 @@
 """Host-side continuous batching over a static-shape paged engine (pure Python/numpy, no JAX).
 
+This module keeps the request lifecycle and the step loop that dispatches to the engine; its parts
+live beside it: `validation.py` (a request's checks), `placement.py` (the pages and slot an admitted
+request takes, segment yields), `prefix.py` (the prefix cache over the device pages and the KV
+tiers), `speculation.py` (DSpark drafts).
+
 Request lifecycle (one request = one `_Seq`):
 1. `submit` (any thread): checks the in-flight limit (running + queued, else `AdmissionError`
    "queue_full" -> RESOURCE_EXHAUSTED), a duplicate id and shutdown, then puts the request in the inbox.
