@@ -2,8 +2,8 @@
 
 This module keeps the request lifecycle and the step loop that dispatches to the engine; its parts
 live beside it: `validation.py` (a request's checks), `placement.py` (the pages and slot an admitted
-request takes, segment yields), `prefix.py` (the prefix cache over the device pages and the KV
-tiers), `speculation.py` (DSpark drafts).
+request takes, segment yields), `prefill.py` (a step's prefill chunks), `prefix.py` (the prefix
+cache over the device pages and the KV tiers), `speculation.py` (DSpark drafts).
 
 Request lifecycle (one request = one `_Seq`):
 1. `submit` (any thread): checks the in-flight limit (running + queued, else `AdmissionError`
@@ -128,8 +128,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -156,12 +156,12 @@ from serving.requests import (
 from serving.scheduling.kv_tiers import TieredKV
 from serving.scheduling.pages import ROOT_KEY
 from serving.scheduling.placement import FreeSlots, reserved_pages, yield_order
-from serving.scheduling.prefix import TieredPrefixCache, images_in
+from serving.scheduling.prefill import chunk_images, plan_prefill
+from serving.scheduling.prefix import TieredPrefixCache
 from serving.scheduling.speculation import DraftBook, check_emitted
 from serving.scheduling.streams import RequestStream
 from serving.scheduling.validation import check_request, constraint_matcher
 from serving.text import Released, StreamText, Tokenizer
-from serving.vision import RequestImage
 
 log = logging.getLogger(__name__)
 
@@ -635,55 +635,11 @@ class Scheduler:
         if blocks:
             seq.registered = end_block
 
-    def _plan_prefill(self) -> list[tuple[_Seq, int]]:
-        """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
-        first, each chunk at most the largest bucket, together at most `prefill_token_budget` tokens
-        while a stream is decoding (none: every row's largest chunk, or the oldest request's long text
-        prompt alone in a chunk of up to `long_prefill_chunk`). The budget is handed out a page
-        per request in turn, so the chunks end up about equally long: a batched prefill runs as many
-        page iterations as its longest chunk has pages. Every chunk but a prompt's last ends on a page
-        boundary (the next one must start on one)."""
-        ps, max_chunk = self.spec.page_size, self.spec.max_chunk
-        rows = max(self.config.prefill_rows)
-        budget = self.config.prefill_token_budget
-        decoding = any(s is not None and s.decoding for s in self._slots)
-        long_chunk = self.spec.long_prefill_chunk
-        if long_chunk and not decoding and self._prefilling:
-            # Nobody waits: the oldest request's long text prompt goes alone in large chunks
-            # (EngineSpec.long_prefill_chunk; a multiple of page_size, so the next starts on a page).
-            seq = self._prefilling[0]
-            left = len(seq.prompt) - seq.prefilled
-            if left > max_chunk and not seq.images:
-                return [(seq, seq.prefilled + min(left, long_chunk))]
-        if not decoding:
-            budget = max(budget, rows * max_chunk)
-        seqs = self._prefilling[:rows]
-        blocks = self.spec.kv_blocks
-        if blocks > 1:  # data-parallel attention: each device block runs rows / blocks of them
-            per_slot, per_rows = self.spec.max_slots // blocks, rows // blocks
-            taken: Counter[int] = Counter()
-            seqs = []
-            for seq in self._prefilling:
-                if taken[seq.slot // per_slot] < per_rows:
-                    taken[seq.slot // per_slot] += 1
-                    seqs.append(seq)
-        ends = [s.prefilled for s in seqs]
-        progress = True
-        while progress and budget > 0:
-            progress = False
-            for i, seq in enumerate(seqs):
-                n = len(seq.prompt)
-                take = min(ps, n - ends[i], seq.prefilled + max_chunk - ends[i])
-                if take <= 0 or take > budget:
-                    continue
-                ends[i] += take
-                budget -= take
-                progress = True
-        return [(seq, end) for seq, end in zip(seqs, ends, strict=True) if end > seq.prefilled]
-
     def _prefill_dispatch(self):
         """Plans and dispatches this step's prefill; None when no request is prefilling."""
-        plan = self._plan_prefill()
+        decoding = any(s is not None and s.decoding for s in self._slots)
+        rows, budget = max(self.config.prefill_rows), self.config.prefill_token_budget
+        plan = plan_prefill(self._prefilling, decoding, self.spec, rows, budget)
         if not plan:
             return None
         self._fill_masks()
@@ -696,8 +652,8 @@ class Scheduler:
         start = seq.prefilled
         decoder_from = seq.decoder_from
         h = spec.history_tokens
-        types, span_embeds = _chunk_images(seq.images, start, end, spec.hidden_size)
-        history_types, _ = _chunk_images(seq.images, max(0, start - h), start, spec.hidden_size)
+        types, span_embeds = chunk_images(seq.images, start, end, spec.hidden_size)
+        history_types, _ = chunk_images(seq.images, max(0, start - h), start, spec.hidden_size)
         return PrefillChunk(
             slot=seq.slot,
             token_ids=seq.prompt[start:end],
@@ -991,18 +947,3 @@ class Scheduler:
         m.pages_cached.set(self.pool.num_cached)
         m.compiles_after_warmup.set(self.engine.compiles_after_warmup)
         self.prefix.export_gauges(m)
-
-
-def _chunk_images(images: Sequence[RequestImage], start: int, end: int, width: int):
-    """(token_types i32 [end - start], span_embeds f32 [end - start, width]) of a chunk's positions,
-    or (None, None) when no span reaches into it."""
-    spans = images_in(images, start, end)
-    if not spans:
-        return None, None
-    types = np.full(end - start, -1, np.int32)
-    rows = np.zeros((end - start, width), np.float32)
-    for im in spans:
-        a, b = max(start, im.start), min(end, im.end)
-        types[a - start : b - start] = im.token_types[a - im.start : b - im.start]
-        rows[a - start : b - start] = im.span_embeds[a - im.start : b - im.start]
-    return types, rows
