@@ -262,7 +262,7 @@ class Scheduler:
         )
         self._bitmask = self._sampling.token_bitmask
         self._masks_due: list[_Seq] = []  # constrained requests whose row needs their next token's mask
-        self._dspark = config.dspark
+        self._dspark = config.dspark  # K: drafts a row may verify, positions it may write past its token
         self._drafts = DraftBook(spec, config.dspark, config.dspark_confidence)
         self._constraint_tokenizer, self._no_constraints = constraint_tokenizer, ""
         if constraint_tokenizer is None:
