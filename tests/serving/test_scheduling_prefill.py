@@ -45,6 +45,13 @@ def test_a_long_text_prompt_goes_alone_in_a_long_chunk():
     assert _ends(plan_prefill([a, b], True, spec, rows=4, token_budget=8)) == [("a", 4), ("b", 4)]
 
 
+def test_each_device_block_prefills_its_share_of_the_rows():
+    # Data-parallel attention over 2 blocks: slots 0, 1 on block 0, 2, 3 on block 1; 2 rows, 1 each.
+    a, b, c = _seq("a", 8, slot=0), _seq("b", 8, slot=1), _seq("c", 8, slot=2)
+    spec = _spec(kv_blocks=2)
+    assert _ends(plan_prefill([a, b, c], False, spec, rows=2, token_budget=8)) == [("a", 8), ("c", 8)]
+
+
 def test_chunk_images_fill_only_the_positions_a_span_covers():
     types = np.array([0, 1, 3], np.int32)
     im = RequestImage(5, types, np.arange(6, dtype=np.float32).reshape(3, 2), b"h" * 32)  # [5, 8)
