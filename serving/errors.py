@@ -1,6 +1,4 @@
-"""The errors a request can meet before it runs, at the bottom of `serving` (every layer raises them).
-
-`serving.scheduling.scheduler` re-exports both, where callers have always found them."""
+"""The errors a request can meet before it runs, at the bottom of `serving` (every layer raises them)."""
 
 from __future__ import annotations
 

@@ -40,10 +40,11 @@ from google.protobuf.message import DecodeError
 from serving.config import ServeConfig
 from serving.constraints import constraint_from_proto
 from serving.engine.protocol import SamplingParams
+from serving.errors import AdmissionError, InvalidRequest
 from serving.files import FileError, FileLease, FileStore
 from serving.proto import ced_pb2, ced_pb2_grpc
 from serving.requests import FinishReason, GenerationRequest, StreamEvent
-from serving.scheduling.scheduler import AdmissionError, InvalidRequest, Scheduler
+from serving.scheduling.scheduler import Scheduler
 from serving.tenants import Unauthenticated
 from serving.text import Tokenizer
 from serving.vision import ImageInputError, ImagePipeline

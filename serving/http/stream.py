@@ -25,10 +25,11 @@ from collections.abc import AsyncIterator
 
 import deepseek_recipe as d
 
+from serving.errors import AdmissionError, InvalidRequest
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Prepared
 from serving.http.errors import ApiError
 from serving.requests import FinishReason, GenerationRequest, Usage
-from serving.scheduling.scheduler import AdmissionError, InvalidRequest, Scheduler
+from serving.scheduling.scheduler import Scheduler
 
 RESPONSE_CLASS = {
     CHAT: d.ChatCompletionResponse,

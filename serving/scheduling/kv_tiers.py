@@ -30,8 +30,9 @@ fingerprint 16 | key 16 | parent 16 | scope tag 16 | n_tokens u32 | extra_len u3
 tokens i32[n_tokens] | extra | payload. The key must equal `block_key(parent, scope, tokens, extra)`
 and the file's name (`<key hex>.kvb`).
 
-How the server uses it (`serving/scheduling/scheduler.py`, module docstring "KV tiers"; the engine side is
-`Engine.read_pages` / `write_pages`, `EngineSpec.kv_page_bytes` and `Engine.kv_fingerprint()`):
+How the server uses it (`serving/scheduling/scheduler.py`, module docstring "KV tiers", through
+`serving/scheduling/prefix.py`; the engine side is `Engine.read_pages` / `write_pages`,
+`EngineSpec.kv_page_bytes` and `Engine.kv_fingerprint()`):
 1. Start-up: `TieredKV(HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fingerprint))`,
    the fingerprint from `PageLayout.fingerprint(weights_id)` (weights_id names the checkpoint: tiny
    and tiny-spec share a config).

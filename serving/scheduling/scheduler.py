@@ -1,5 +1,10 @@
 """Host-side continuous batching over a static-shape paged engine (pure Python/numpy, no JAX).
 
+This module keeps the request lifecycle and the step loop that dispatches to the engine; its parts
+live beside it: `validation.py` (a request's checks), `placement.py` (the pages and slot an admitted
+request takes, segment yields), `prefill.py` (a step's prefill chunks), `prefix.py` (the prefix
+cache over the device pages and the KV tiers), `speculation.py` (DSpark drafts).
+
 Request lifecycle (one request = one `_Seq`):
 1. `submit` (any thread): checks the in-flight limit (running + queued, else `AdmissionError`
    "queue_full" -> RESOURCE_EXHAUSTED), a duplicate id and shutdown, then puts the request in the inbox.
@@ -123,14 +128,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
 from ced_jax.inputs import SamplingBatch
 from serving.config import ServeConfig
-from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
+from serving.constraints import ConstraintMatcher, ConstraintTokenizer
 from serving.engine.protocol import (
     DecodeBatch,
     EngineProtocol,
@@ -138,7 +143,7 @@ from serving.engine.protocol import (
     SampledToken,
     mask_words,
 )
-from serving.errors import AdmissionError, InvalidRequest
+from serving.errors import AdmissionError
 from serving.metrics import Metrics
 from serving.requests import (
     FinishReason,
@@ -148,12 +153,15 @@ from serving.requests import (
     TokenLogprobs,
     Usage,
 )
-from serving.scheduling.kv_tiers import DiskTier, HostTier, TieredKV
-from serving.scheduling.pages import ROOT_KEY, CacheEntry, PagePool, scope_tag
+from serving.scheduling.kv_tiers import TieredKV
+from serving.scheduling.pages import ROOT_KEY
+from serving.scheduling.placement import FreeSlots, reserved_pages, yield_order
+from serving.scheduling.prefill import chunk_images, plan_prefill
+from serving.scheduling.prefix import TieredPrefixCache
+from serving.scheduling.speculation import DraftBook, check_emitted
 from serving.scheduling.streams import RequestStream
-from serving.scheduling.validation import check_request
+from serving.scheduling.validation import check_request, constraint_matcher
 from serving.text import Released, StreamText, Tokenizer
-from serving.vision import RequestImage
 
 log = logging.getLogger(__name__)
 
@@ -238,29 +246,13 @@ class Scheduler:
         self._inflight: tuple[np.ndarray, object, list[tuple[int, _Seq, int]]] | None = None
         self.overlap_dropped_rows = 0  # rows of overlapped steps whose request had left its slot
         self.clock = clock
-        # KV tiers (module docstring, 6): blocks the device cache evicts are collected here and
-        # demoted right after the allocation that evicted them.
-        self.tiers: TieredKV | None = None
-        if config.kv_tiers:
-            disk = None
-            if config.kv_disk_dir is not None:
-                disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, engine.kv_fingerprint())
-            self.tiers = TieredKV(HostTier(config.kv_host_bytes), disk)
-        self._evicted: list[CacheEntry] = []
-        self._promotions_seen = 0
-        self._disk_events_seen: dict[str, int] = {}
-        self.pool = PagePool(
-            spec.num_pages,
-            spec.page_size,
-            enable_prefix_cache=config.enable_prefix_cache,
-            on_evict=self._evicted.append if self.tiers is not None else None,
-            blocks=spec.kv_blocks,
-        )
+        self.prefix = TieredPrefixCache(engine, config, metrics)
+        self.pool = self.prefix.pool
         self._eos = frozenset(spec.eos_token_ids)
         S, P = spec.max_slots, spec.pages_per_slot
         self.page_tables = np.zeros((S, P), np.int32)
         self._slots: list[_Seq | None] = [None] * S
-        self._free_slots = list(range(S))
+        self._free_slots = FreeSlots(S, spec.kv_blocks)
         self._tokens = np.zeros(S, np.int32)
         self._positions = np.zeros(S, np.int32)
         # Each slot's sampling parameters and next token's mask (all ones = unconstrained): the rows of
@@ -270,14 +262,8 @@ class Scheduler:
         )
         self._bitmask = self._sampling.token_bitmask
         self._masks_due: list[_Seq] = []  # constrained requests whose row needs their next token's mask
-        # DSpark: the draft widths usable at K = config.dspark, and each slot's drafts for its next
-        # step (the previous step's next_drafts; `_draft_count` 0 = none yet, right after prefill).
-        self._dspark = config.dspark
-        self._draft_widths = tuple(w for w in spec.dspark_widths if w <= config.dspark)
-        kmax = max(spec.dspark_max_drafts, 1)
-        self._drafts = np.zeros((S, kmax), np.int32)
-        self._draft_confidence = np.zeros((S, kmax), np.float32)
-        self._draft_count = np.zeros(S, np.int32)
+        self._dspark = config.dspark  # K: drafts a row may verify, positions it may write past its token
+        self._drafts = DraftBook(spec, config.dspark, config.dspark_confidence)
         self._constraint_tokenizer, self._no_constraints = constraint_tokenizer, ""
         if constraint_tokenizer is None:
             make = getattr(tokenizer, "constraint_tokenizer", None)
@@ -310,19 +296,7 @@ class Scheduler:
     def _validate(self, req: GenerationRequest) -> tuple[int, ConstraintMatcher | None]:
         """`validate`, and the matcher of the request's constraint (compiling it is its check)."""
         max_tokens = check_request(req, self.config, self.spec)
-        if req.constraint is None:
-            return max_tokens, None
-        if not isinstance(req.constraint, OutputConstraint):
-            raise InvalidRequest("constraint", "must be a serving.constraints.OutputConstraint")
-        if self._constraint_tokenizer is None:
-            raise InvalidRequest(
-                "constraint",
-                f"this server cannot enforce output constraints: no tokenizer.json{self._no_constraints}",
-            )
-        try:
-            return max_tokens, self._constraint_tokenizer.matcher(req.constraint)
-        except ConstraintError as e:
-            raise InvalidRequest(f"constraint.{e.field}", e.message) from None
+        return max_tokens, constraint_matcher(req, self._constraint_tokenizer, self._no_constraints)
 
     def submit(self, req: GenerationRequest, sink: Sink) -> object:
         """Queues a request; raises InvalidRequest or AdmissionError at once, never blocks.
@@ -420,30 +394,22 @@ class Scheduler:
             self._thread = None
         self.close_tiers()
 
+    @property
+    def tiers(self) -> TieredKV | None:
+        """The KV tiers below the device prefix cache (None without them, or once closed)."""
+        return self.prefix.tiers
+
     def close_tiers(self) -> None:
         """Persists the KV tiers (the scheduler must not be stepping): every block the device
         cache holds is demoted, host blocks are written to disk (a warm restart finds them), the
         writes are waited for and the disk directory is released. Idempotent."""
-        tiers, self.tiers = self.tiers, None
-        if tiers is None:
-            return
-        try:
-            if tiers.disk is not None:
-                self._demote(tiers, self.pool.cached_entries())
-                tiers.spill()
-        finally:
-            tiers.close()
+        self.prefix.close()
 
     def offload_prefix_cache(self) -> int:
         """Demotes every block of the device prefix cache to the KV tiers and empties the device cache;
         returns how many blocks moved. Call it between steps (not while the scheduler thread runs):
         running requests keep their pages, which are only no longer offered to others."""
-        if self.tiers is None:
-            raise ValueError("offload_prefix_cache: no KV tiers (kv_host_bytes / kv_disk_dir)")
-        entries = self.pool.cached_entries()
-        self._demote(self.tiers, entries)
-        self.pool.clear_cache()
-        return len(entries)
+        return self.prefix.offload()
 
     # ---- scheduler thread ---------------------------------------------------------------------
 
@@ -470,11 +436,8 @@ class Scheduler:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         self._waiting.extend(inbox)
-        if self.tiers is not None and self.tiers.disk is not None:
-            for seq in inbox:  # read its disk blocks into host memory while it queues
-                _, chain = self._tier_match(seq)
-                if chain:
-                    self.tiers.prefetch([b.key for b in chain])
+        for seq in inbox:  # read its disk blocks into host memory while it queues
+            self.prefix.prefetch(seq.prompt, seq.images, seq.cache_scope)
         for seq in aborts:
             self._finish(seq, FinishReason.ABORT)  # a no-op if it finished meanwhile
         now = self.clock()
@@ -576,12 +539,10 @@ class Scheduler:
             seq = self._waiting[0]
             n = len(seq.prompt)
             block = self._pick_block(seq)
-            entries, chain = self._tier_match(seq, block)
+            entries, chain = self.prefix.match(seq.prompt, seq.images, seq.cache_scope, block)
             hit_pages = [e.page for e in entries]
-            # KV is written for every position but the last sampled token's; with DSpark the engine
-            # may write up to K positions past a row's last token (module docstring).
             left = seq.max_tokens - seq.generated
-            total = min(-(-(n + left - 1 + self._dspark) // ps), self.spec.pages_per_slot)
+            total = reserved_pages(n, left, self._dspark, ps, self.spec.pages_per_slot)
             self.pool.acquire(hit_pages)
             need = total - len(hit_pages)
             available = self.pool.num_available if block is None else self.pool.num_available_in(block)
@@ -589,12 +550,10 @@ class Scheduler:
                 self.pool.release(hit_pages)
                 break  # strict FIFO: the head waits for pages rather than being overtaken
             seq.pages = hit_pages + self.pool.allocate(need, block)
-            if self._evicted:  # their pages are rewritten by this step's prefill: read them first
-                self._demote(self.tiers, self._evicted)
-                self._evicted.clear()
-            restored = self._restore(chain, seq.pages[len(hit_pages) :])
+            self.prefix.demote_evicted()  # their pages are rewritten by this step's prefill: read them first
+            restored = self.prefix.restore(chain, seq.pages[len(hit_pages) :])
             self._waiting.popleft()
-            slot = self._take_slot(block)
+            slot = self._free_slots.take(block)
             seq.slot = slot
             self._slots[slot] = seq
             self.page_tables[slot] = 0
@@ -621,90 +580,14 @@ class Scheduler:
                 self.metrics.observe_prefix(seq.cached_tokens, n)
                 self.metrics.prompt_tokens.inc(n)
 
-    def _device_match(self, seq: _Seq) -> list[CacheEntry]:
-        """The device cache's entries for the prompt's leading blocks (never the block holding the
-        last prompt token: its logits are needed)."""
-        ps, n = self.spec.page_size, len(seq.prompt)
-        extras = [_block_extra(seq.images, i * ps, ps) for i in range(n // ps)]
-        match = self.pool.match(
-            seq.prompt, max_blocks=(n - 1) // ps, scope=seq.cache_scope, block_extras=extras
-        )
-        return list(match.entries)
-
     def _pick_block(self, seq: _Seq) -> int | None:
         """Under data-parallel attention (`EngineSpec.kv_blocks` > 1) the device block the request
-        runs on: the block holding its cached prefix if that block has a free slot, else the block
-        with a free slot and the most available pages. None with one block."""
-        blocks = self.spec.kv_blocks
-        if blocks == 1:
+        runs on (`FreeSlots.pick_block`); None with one block."""
+        if self.spec.kv_blocks == 1:
             return None
-        per = self.spec.max_slots // blocks
-        open_blocks = sorted({s // per for s in self._free_slots})
-        entries = self._device_match(seq)
-        if entries and self.pool.block_of(entries[0].page) in open_blocks:
-            return self.pool.block_of(entries[0].page)
-        return max(open_blocks, key=lambda b: (self.pool.num_available_in(b), -b))
-
-    def _take_slot(self, block: int | None) -> int:
-        """The lowest free slot (of `block`, under data-parallel attention)."""
-        if block is None:
-            return self._free_slots.pop(0)
-        per = self.spec.max_slots // self.spec.kv_blocks
-        slot = next(s for s in self._free_slots if s // per == block)
-        self._free_slots.remove(slot)
-        return slot
-
-    def _tier_match(self, seq: _Seq, block: int | None = None):
-        """(the device cache's entries for the prompt's leading blocks, the lower tiers' blocks that
-        continue them). Never the block holding the last prompt token (its logits are needed). With
-        `block` (data-parallel attention) only the leading entries whose pages are in that device
-        block count: a slot reads only its own device's pages."""
-        ps, n = self.spec.page_size, len(seq.prompt)
-        extras = [_block_extra(seq.images, i * ps, ps) for i in range(n // ps)]
-        entries = self._device_match(seq)
-        if block is not None:
-            inside = [self.pool.block_of(e.page) == block for e in entries]
-            entries = entries[: inside.index(False) if False in inside else len(entries)]
-        if self.tiers is None:
-            return entries, []
-        parent = entries[-1].key if entries else ROOT_KEY
-        chain = self.tiers.chain(
-            parent, scope_tag(seq.cache_scope), seq.prompt, ps,
-            start_block=len(entries), max_blocks=(n - 1) // ps, block_extras=extras,
-        )  # fmt: skip
-        return entries, chain
-
-    def _demote(self, tiers: TieredKV, entries: Sequence[CacheEntry]) -> None:
-        """Copies the blocks' pages out of the engine into the host tier."""
-        blobs = self.engine.read_pages([e.page for e in entries])
-        for e, blob in zip(entries, blobs, strict=True):
-            tiers.demote(e.key, e.parent, e.tokens, blob, scope=e.scope, extra=e.extra)
-        if self.metrics is not None:
-            self.metrics.kv_tier_demotions.inc(len(entries))
-
-    def _restore(self, chain, pages: Sequence[int]) -> list[bytes]:
-        """Writes the lower tiers' blocks `chain` (in order, up to the first one no tier holds any
-        more) into `pages` (held by the caller) and registers them; returns their keys."""
-        blobs, tiers = [], []
-        for meta in chain:
-            found = self.tiers.lookup(meta.key)
-            if found is None:
-                break
-            blobs.append(found[0])
-            tiers.append(found[1])
-        if not blobs:
-            return []
-        self.engine.write_pages(pages[: len(blobs)], blobs)
-        keys = []
-        for meta, page in zip(chain, pages, strict=False):
-            if len(keys) == len(blobs):
-                break
-            key = self.pool.register_restored(meta.parent, meta.scope, meta.tokens, page, extra=meta.extra)
-            keys.append(key)
-        if self.metrics is not None:
-            for tier in tiers:
-                self.metrics.kv_tier_hits.labels(tier=tier).inc()
-        return keys
+        entries = self.prefix.device_match(seq.prompt, seq.images, seq.cache_scope)
+        prefix_block = self.pool.block_of(entries[0].page) if entries else None
+        return self._free_slots.pick_block(prefix_block, self.pool.num_available_in)
 
     def _yield_segments(self, now: float) -> None:
         """Flow control (module docstring, 2): while requests wait that admission could not place,
@@ -714,10 +597,8 @@ class Scheduler:
         if not segment or not self._waiting:
             return
         running = [s for s in self._slots if s is not None and s.decoding]
-        due = [s for s in running if s.generated - s.segment_from >= segment]
-        due.sort(key=lambda s: s.generated - s.segment_from, reverse=True)
         yielded: list[_Seq] = []
-        for seq in due:
+        for seq in yield_order(running, segment):
             if all(w in yielded for w in self._waiting):
                 return
             self._yield_slot(seq)
@@ -741,68 +622,24 @@ class Scheduler:
         """Registers the full blocks of a decoding request's prompt + output in the prefix cache
         (positions before its last sampled token hold KV), so a later request continuing the
         conversation, or the request itself after a yield, reuses them; returns prompt + output."""
-        ps = self.spec.page_size
         ids = np.concatenate([seq.prompt[: seq.prompt_len], np.asarray(seq.output_ids, np.int32)])
-        for i in range(seq.registered, seq.pos // ps):
-            seq.parent_key = self.pool.register(
-                seq.parent_key,
-                ids[i * ps : (i + 1) * ps],
-                seq.pages[i],
-                scope=seq.cache_scope,
-                extra=_block_extra(seq.images, i * ps, ps),
-            )
-            seq.registered = i + 1
+        self._register_blocks(seq, ids, seq.pos // self.spec.page_size)
         return ids
 
-    def _plan_prefill(self) -> list[tuple[_Seq, int]]:
-        """(request, chunk end) of this step's prefill: at most max(prefill_rows) requests, oldest
-        first, each chunk at most the largest bucket, together at most `prefill_token_budget` tokens
-        while a stream is decoding (none: every row's largest chunk, or the oldest request's long text
-        prompt alone in a chunk of up to `long_prefill_chunk`). The budget is handed out a page
-        per request in turn, so the chunks end up about equally long: a batched prefill runs as many
-        page iterations as its longest chunk has pages. Every chunk but a prompt's last ends on a page
-        boundary (the next one must start on one)."""
-        ps, max_chunk = self.spec.page_size, self.spec.max_chunk
-        rows = max(self.config.prefill_rows)
-        budget = self.config.prefill_token_budget
-        decoding = any(s is not None and s.decoding for s in self._slots)
-        long_chunk = self.spec.long_prefill_chunk
-        if long_chunk and not decoding and self._prefilling:
-            # Nobody waits: the oldest request's long text prompt goes alone in large chunks
-            # (EngineSpec.long_prefill_chunk; a multiple of page_size, so the next starts on a page).
-            seq = self._prefilling[0]
-            left = len(seq.prompt) - seq.prefilled
-            if left > max_chunk and not seq.images:
-                return [(seq, seq.prefilled + min(left, long_chunk))]
-        if not decoding:
-            budget = max(budget, rows * max_chunk)
-        seqs = self._prefilling[:rows]
-        blocks = self.spec.kv_blocks
-        if blocks > 1:  # data-parallel attention: each device block runs rows / blocks of them
-            per_slot, per_rows = self.spec.max_slots // blocks, rows // blocks
-            taken: Counter[int] = Counter()
-            seqs = []
-            for seq in self._prefilling:
-                if taken[seq.slot // per_slot] < per_rows:
-                    taken[seq.slot // per_slot] += 1
-                    seqs.append(seq)
-        ends = [s.prefilled for s in seqs]
-        progress = True
-        while progress and budget > 0:
-            progress = False
-            for i, seq in enumerate(seqs):
-                n = len(seq.prompt)
-                take = min(ps, n - ends[i], seq.prefilled + max_chunk - ends[i])
-                if take <= 0 or take > budget:
-                    continue
-                ends[i] += take
-                budget -= take
-                progress = True
-        return [(seq, end) for seq, end in zip(seqs, ends, strict=True) if end > seq.prefilled]
+    def _register_blocks(self, seq: _Seq, ids: np.ndarray, end_block: int) -> None:
+        """Registers the request's full blocks of `ids` it has not registered yet, up to `end_block`."""
+        blocks = range(seq.registered, end_block)
+        seq.parent_key = self.prefix.register(
+            seq.parent_key, ids, seq.pages, blocks, seq.cache_scope, seq.images
+        )
+        if blocks:
+            seq.registered = end_block
 
     def _prefill_dispatch(self):
         """Plans and dispatches this step's prefill; None when no request is prefilling."""
-        plan = self._plan_prefill()
+        decoding = any(s is not None and s.decoding for s in self._slots)
+        rows, budget = max(self.config.prefill_rows), self.config.prefill_token_budget
+        plan = plan_prefill(self._prefilling, decoding, self.spec, rows, budget)
         if not plan:
             return None
         self._fill_masks()
@@ -815,8 +652,8 @@ class Scheduler:
         start = seq.prefilled
         decoder_from = seq.decoder_from
         h = spec.history_tokens
-        types, span_embeds = _chunk_images(seq.images, start, end, spec.hidden_size)
-        history_types, _ = _chunk_images(seq.images, max(0, start - h), start, spec.hidden_size)
+        types, span_embeds = chunk_images(seq.images, start, end, spec.hidden_size)
+        history_types, _ = chunk_images(seq.images, max(0, start - h), start, spec.hidden_size)
         return PrefillChunk(
             slot=seq.slot,
             token_ids=seq.prompt[start:end],
@@ -839,21 +676,12 @@ class Scheduler:
             self._prefilled(seq, end, result)
 
     def _prefilled(self, seq: _Seq, end: int, result) -> None:
-        ps = self.spec.page_size
         n = len(seq.prompt)
         seq.prefilled = end
-        for i in range(seq.registered, end // ps):
-            seq.parent_key = self.pool.register(
-                seq.parent_key,
-                seq.prompt[i * ps : (i + 1) * ps],
-                seq.pages[i],
-                scope=seq.cache_scope,
-                extra=_block_extra(seq.images, i * ps, ps),
-            )
-            seq.registered = i + 1
+        self._register_blocks(seq, seq.prompt, end // self.spec.page_size)
         if end == n:
             self._prefilling.remove(seq)
-            self._draft_count[seq.slot] = 0  # no drafts before the first speculative step
+            self._drafts.forget(seq.slot)  # no drafts before the first speculative step
             seq.decoding = True
             seq.pos = n - 1  # so that the first token lands at n
             self._on_token(seq, result.token)
@@ -865,7 +693,13 @@ class Scheduler:
         if not active.any():
             return None
         if self._dspark:
-            width, n_drafts = self._plan_drafts(active)
+            ps = self.spec.page_size
+            rows = [
+                (slot, seq.max_tokens - seq.generated, len(seq.pages) * ps - 1 - seq.pos)
+                for slot in np.flatnonzero(active)
+                for seq in (self._slots[slot],)
+            ]
+            width, n_drafts = self._drafts.plan(rows)
             if width:
                 return self._speculative_dispatch(active, width, n_drafts)
         self._fill_masks()
@@ -885,33 +719,13 @@ class Scheduler:
             rows.temperature.copy(), rows.top_p.copy(), rows.top_k.copy(), rows.seed.copy(), token_bitmask
         )
 
-    def _plan_drafts(self, active: np.ndarray) -> tuple[int, np.ndarray]:
-        """(width, n_drafts [S]) of a speculative step: each active row's drafts to verify (module
-        docstring) and the narrowest compiled width that holds them all; width 0 = a plain step
-        (a row's pages cannot hold even the narrowest width)."""
-        spec, K, T = self.spec, self._dspark, self.config.dspark_confidence
-        n_drafts = np.zeros(spec.max_slots, np.int32)
-        cap = K
-        for slot in np.flatnonzero(active):
-            seq = self._slots[slot]
-            k = min(K, int(self._draft_count[slot]), seq.max_tokens - seq.generated - 1)
-            if T is not None and k > 0:
-                k = confident_length(self._draft_confidence[slot, :k], T)
-            n_drafts[slot] = k
-            # The engine may write up to `width` positions past the last token: within the pages.
-            cap = min(cap, len(seq.pages) * spec.page_size - 1 - seq.pos)
-        wanted = max(1, int(n_drafts.max()))
-        fits = [w for w in self._draft_widths if w <= cap]
-        width = next((w for w in fits if w >= wanted), fits[-1] if fits else 0)
-        return width, np.minimum(n_drafts, width)
-
     def _speculative_dispatch(self, active: np.ndarray, width: int, n_drafts: np.ndarray):
         """A decode step that verifies each row's `n_drafts` drafts (cut where its grammar forbids
         one) over a [S, width] draft block. Its drafts and tokens are the previous step's results,
         so it is only built once that step is back on the host (`step` finishes a decode before the
         next dispatch); a speculative step can never be dispatched ahead of its predecessor."""
         S, W = self.spec.max_slots, mask_words(self.spec.vocab_size)
-        drafts = np.ascontiguousarray(self._drafts[:, :width])
+        drafts = self._drafts.block(width)
         # Decoding rows get their masks here (with the drafts'); the [S, W] rows are for prefill.
         self._masks_due = [s for s in self._masks_due if not s.decoding]
         bitmask = None
@@ -940,14 +754,13 @@ class Scheduler:
         if result.emitted is None:
             for slot in slots:
                 self._on_token(self._slots[slot], result.row(int(slot)))
-            self._draft_count[slots] = 0  # a plain step drafts nothing
+            self._drafts.forget(slots)  # a plain step drafts nothing
             if self.metrics is not None:
                 self.metrics.observe_decode_step([1] * len(slots))
             return
         emitted = [int(result.emitted[slot]) for slot in slots]
         for slot, e in zip(slots, emitted, strict=True):
-            if not 1 <= e <= int(n_drafts[slot]) + 1:
-                raise RuntimeError(f"slot {slot}: the engine emitted {e} tokens for {n_drafts[slot]} drafts")
+            check_emitted(slot, e, int(n_drafts[slot]))
             seq = self._slots[slot]
             seq.accepted_drafts += e - 1
             for tok in result.tokens(int(slot)):
@@ -955,10 +768,7 @@ class Scheduler:
                 if seq.done:  # finished mid-block: the tokens after it are dropped
                     break
             else:
-                kmax = result.next_drafts.shape[1]
-                self._drafts[slot, :kmax] = result.next_drafts[slot]
-                self._draft_confidence[slot, :kmax] = result.next_confidence[slot]
-                self._draft_count[slot] = kmax
+                self._drafts.keep(slot, result.next_drafts[slot], result.next_confidence[slot])
         if self.metrics is not None:
             self.metrics.observe_decode_step(emitted, [int(n_drafts[slot]) for slot in slots])
 
@@ -1093,11 +903,10 @@ class Scheduler:
             slot = seq.slot
             self.engine.release(slot)
             self._slots[slot] = None
-            self._free_slots.append(slot)
-            self._free_slots.sort()
+            self._free_slots.give_back(slot)
             self.page_tables[slot] = 0
             self._bitmask[slot] = -1
-            self._draft_count[slot] = 0
+            self._drafts.forget(slot)
             seq.slot = None
             if seq in self._prefilling:
                 self._prefilling.remove(seq)
@@ -1137,65 +946,4 @@ class Scheduler:
         m.pages_free.set(self.pool.num_free)
         m.pages_cached.set(self.pool.num_cached)
         m.compiles_after_warmup.set(self.engine.compiles_after_warmup)
-        if self.tiers is not None:
-            for name, value in self.tiers.gauges().items():
-                tier, what = name.split("_", 1)
-                if what in ("pages", "bytes"):
-                    (m.kv_tier_pages if what == "pages" else m.kv_tier_bytes).labels(tier=tier).set(value)
-                elif tier == "disk":  # the tier's running counts, exported as counters
-                    event = _DISK_EVENTS[what]
-                    delta = value - self._disk_events_seen.get(event, 0)
-                    if delta > 0:
-                        m.kv_disk_events.labels(event=event).inc(delta)
-                        self._disk_events_seen[event] = value
-            stats = self.tiers.stats
-            new = stats.promotions - self._promotions_seen
-            self._promotions_seen = stats.promotions
-            for seconds in list(stats.promotion_latency_s)[-new:] if new > 0 else ():
-                m.kv_promotion_seconds.observe(seconds)
-
-
-_DISK_EVENTS = {
-    "corrupt_removed": "corrupt",
-    "refused_removed": "refused",
-    "stale_temp_removed": "stale_temp",
-    "evictions": "evicted",
-    "write_errors": "write_error",
-}
-
-
-def confident_length(confidence: np.ndarray, threshold: float) -> int:
-    """How many drafts a row verifies under `dspark_confidence`: the longest prefix of its drafts
-    whose running product of sigmoid(confidence) stays >= threshold, at least 1 (the verify program
-    has a draft position anyway). The rule of `ced_jax.model.dspark.confident_prefix`, here without JAX."""
-    odds = 1.0 / (1.0 + np.exp(-np.asarray(confidence, np.float64)))
-    return max(1, int(np.sum(np.cumprod(odds) >= threshold)))  # the product only falls
-
-
-def _overlapping(images: Sequence[RequestImage], start: int, end: int) -> list[RequestImage]:
-    return [im for im in images if im.start < end and im.end > start]
-
-
-def _block_extra(images: Sequence[RequestImage], start: int, size: int) -> bytes:
-    """The prefix-cache key extra of the block [start, start + size): the content hash and place of
-    every image span it overlaps (pages.block_key), b"" for a text block. (The hash fixes the
-    span's length and types: they follow from the pre-processed image.)"""
-    return b"".join(
-        im.content_hash + np.int64(im.start - start).tobytes()
-        for im in _overlapping(images, start, start + size)
-    )
-
-
-def _chunk_images(images: Sequence[RequestImage], start: int, end: int, width: int):
-    """(token_types i32 [end - start], span_embeds f32 [end - start, width]) of a chunk's positions,
-    or (None, None) when no span reaches into it."""
-    spans = _overlapping(images, start, end)
-    if not spans:
-        return None, None
-    types = np.full(end - start, -1, np.int32)
-    rows = np.zeros((end - start, width), np.float32)
-    for im in spans:
-        a, b = max(start, im.start), min(end, im.end)
-        types[a - start : b - start] = im.token_types[a - im.start : b - im.start]
-        rows[a - start : b - start] = im.span_embeds[a - im.start : b - im.start]
-    return types, rows
+        self.prefix.export_gauges(m)

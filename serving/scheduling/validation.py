@@ -1,6 +1,6 @@
 """The checks a request passes before it is queued (`Scheduler.validate`): every field against the
-serve config's limits and the engine's shapes, and its image spans against the prompt. A failure is an
-`InvalidRequest` naming the field."""
+serve config's limits and the engine's shapes, its image spans against the prompt, and its output
+constraint (compiled). A failure is an `InvalidRequest` naming the field."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 
 from ced_jax.options import PREFILL_MODES
 from serving.config import ServeConfig
+from serving.constraints import ConstraintError, ConstraintMatcher, ConstraintTokenizer, OutputConstraint
 from serving.engine.protocol import EngineSpec
 from serving.errors import InvalidRequest
 from serving.requests import GenerationRequest
@@ -65,6 +66,25 @@ def check_request(req: GenerationRequest, cfg: ServeConfig, spec: EngineSpec) ->
     max_tokens = cfg.default_max_tokens if req.max_tokens is None else req.max_tokens
     # The sequence (prompt + output) must fit in max_context; beyond it finish with LENGTH.
     return min(max_tokens, spec.max_context - n)
+
+
+def constraint_matcher(
+    req: GenerationRequest, constraint_tokenizer: ConstraintTokenizer | None, unavailable: str = ""
+) -> ConstraintMatcher | None:
+    """The grammar matcher of the request's `constraint` (compiling it is its check), None without one.
+    unavailable: why there is no `constraint_tokenizer`, for the refusal's message."""
+    if req.constraint is None:
+        return None
+    if not isinstance(req.constraint, OutputConstraint):
+        raise InvalidRequest("constraint", "must be a serving.constraints.OutputConstraint")
+    if constraint_tokenizer is None:
+        raise InvalidRequest(
+            "constraint", f"this server cannot enforce output constraints: no tokenizer.json{unavailable}"
+        )
+    try:
+        return constraint_tokenizer.matcher(req.constraint)
+    except ConstraintError as e:
+        raise InvalidRequest(f"constraint.{e.field}", e.message) from None
 
 
 def check_images(req: GenerationRequest, ids: np.ndarray, spec: EngineSpec) -> None:

@@ -174,9 +174,10 @@ def test_ced_jax_layers():
 
 
 # Inside serving: request errors and the engine protocol at the bottom; the features (constraints,
-# text, tenants, files, ...) on them; the serve config; the scheduler and the engine implementations
-# (siblings that meet only through the protocol), the planner and the test doubles; the front ends
-# (HTTP, the gRPC service); the server.
+# text, tenants, files, ...) on them; the serve config; the scheduler's parts (pages, KV tiers, prefix,
+# placement, speculation, validation, streams: none imports the scheduler) and on them the scheduler,
+# the engine implementations (siblings of both that meet them only through the protocol), the planner
+# and the test doubles; the front ends (HTTP, the gRPC service); the server.
 SERVING_GROUPS = {
     "base": (
         "serving", "serving.errors", "serving.engine.protocol", "serving.json_limits", "serving.proto",
@@ -190,6 +191,7 @@ SERVING_GROUPS = {
     "config": ("serving.config",),
     "engines": ("serving.engine",),
     "scheduling": ("serving.scheduling",),
+    "scheduler": ("serving.scheduling.scheduler",),
     "planning": ("serving.planning",),
     "doubles": ("serving.testing.mock_engine",),
     "http": ("serving.http",),
@@ -203,10 +205,11 @@ SERVING_MAY_IMPORT = {
     "config": _BELOW_CONFIG,
     "engines": _BELOW_CONFIG | {"engines"},
     "scheduling": _BELOW_CONFIG | {"scheduling"},
+    "scheduler": _BELOW_CONFIG | {"scheduling", "scheduler"},
     "planning": _BELOW_CONFIG | {"planning"},
     "doubles": _BELOW_CONFIG | {"doubles"},
-    "http": _BELOW_CONFIG | {"scheduling", "http"},
-    "grpc": _BELOW_CONFIG | {"scheduling", "grpc"},
+    "http": _BELOW_CONFIG | {"scheduling", "scheduler", "http"},
+    "grpc": _BELOW_CONFIG | {"scheduling", "scheduler", "grpc"},
     "server": set(SERVING_GROUPS),
 }
 

@@ -20,8 +20,8 @@ from ced_jax.config import ASSETS
 from ced_jax.engine import SamplingBatch
 from ced_jax.sampling import jitted_sample
 from serving.constraints import ConstraintError, ConstraintTokenizer, OutputConstraint, constraint_from_proto
+from serving.errors import InvalidRequest
 from serving.proto import ced_pb2
-from serving.scheduling.scheduler import InvalidRequest
 from serving.testing.mock_engine import ByteTokenizer
 
 TOKENIZER = ASSETS / "tiny" / "tokenizer.json"

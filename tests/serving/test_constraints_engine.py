@@ -25,9 +25,10 @@ from serving.config import ServeConfig
 from serving.constraints import OutputConstraint
 from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.engine.protocol import SamplingParams
+from serving.errors import InvalidRequest
 from serving.proto import ced_pb2, ced_pb2_grpc
 from serving.requests import FinishReason, GenerationRequest
-from serving.scheduling.scheduler import InvalidRequest, Scheduler
+from serving.scheduling.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -12,9 +12,10 @@ import pytest
 from serving_helpers import http_converter, make_engine_and_config, request, run_until_idle
 
 from serving.config import ServeConfig
+from serving.errors import InvalidRequest
 from serving.http.convert import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from serving.http.errors import ApiError
-from serving.scheduling.scheduler import InvalidRequest, Scheduler
+from serving.scheduling.scheduler import Scheduler
 from serving.testing.mock_engine import ByteTokenizer
 from tests.conftest import GOLDEN_TINY_V
 

@@ -23,8 +23,9 @@ import ced_jax
 from serving.config import ServeConfig
 from serving.engine.jax_engine import JaxEngine, ModelTokenizer
 from serving.engine.protocol import SamplingParams
+from serving.errors import InvalidRequest
 from serving.requests import GenerationRequest
-from serving.scheduling.scheduler import InvalidRequest, Scheduler
+from serving.scheduling.scheduler import Scheduler
 from serving.vision import ImageInputError, ImagePipeline, RequestImage
 
 pytestmark = pytest.mark.timeout(900)

@@ -208,7 +208,7 @@ def test_confidence_chooses_the_length_and_narrows_steps():
 
 def test_confident_length_is_the_engines_rule():
     from ced_jax.model.dspark import confident_prefix
-    from serving.scheduling.scheduler import confident_length
+    from serving.scheduling.speculation import confident_length
 
     conf = np.random.default_rng(3).normal(0.0, 3.0, (200, 4)).astype(np.float32)
     for t in (0.05, 0.3, 0.5, 0.9):

@@ -8,9 +8,10 @@ from serving_helpers import GREEDY, make_engine_and_config, request, run_until_i
 
 from serving.config import LONG_PREFILL_CHUNK, ServeConfig
 from serving.engine.protocol import SamplingParams
+from serving.errors import AdmissionError, InvalidRequest
 from serving.metrics import Metrics
 from serving.requests import FinishReason, StreamEvent, TokenLogprobs, Usage
-from serving.scheduling.scheduler import AdmissionError, InvalidRequest, Scheduler
+from serving.scheduling.scheduler import Scheduler
 from serving.scheduling.streams import RequestStream, collect
 from serving.testing.mock_engine import ByteTokenizer, MockRule, mock_greedy_stream
 
