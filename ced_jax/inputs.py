@@ -43,3 +43,16 @@ class ImageInputs:
 
     token_types: Any
     span_embeds: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftInputs:
+    """A speculative step's drafts: drafts i32 [B, w] (each row's previous next_drafts) and n_drafts
+    i32 [B] in 0..w, how many of a row's drafts the step verifies."""
+
+    drafts: Any
+    n_drafts: Any
+
+    @property
+    def width(self) -> int:
+        return int(np.shape(self.drafts)[1])

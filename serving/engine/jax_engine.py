@@ -802,7 +802,7 @@ class JaxEngine:
             raise ValueError(f"drafts: width {width} is not one of the compiled {self.dspark_widths}")
         active = np.asarray(batch.active, bool)
         positions = np.asarray(batch.positions, np.int32)
-        n_drafts = np.where(active, np.asarray(batch.n_drafts, np.int32), 0)
+        n_drafts = np.where(active, np.asarray(batch.drafts.n_drafts, np.int32), 0)
         for s in np.flatnonzero(active):
             if not self._decoding[s] or self._pos[s] != positions[s]:
                 raise ValueError(f"slot {s}: decode at {positions[s]}, state is at {self._pos[s]}")
@@ -824,7 +824,7 @@ class JaxEngine:
         pages = self._table_width(int(positions[active].max()) + width if n_active else 0)
         self.decode_widths_used[pages] += 1
         out = self._speculative_rows(
-            slots, tokens[slots].astype(np.int32), take(batch.drafts, np.int32),
+            slots, tokens[slots].astype(np.int32), take(batch.drafts.drafts, np.int32),
             n_drafts[slots].astype(np.int32), positions[slots], active[slots],
             take(batch.page_tables, np.int32)[:, :pages], _rows_of(batch.sampling, slots),
         )  # fmt: skip

@@ -101,7 +101,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ced_jax.inputs import SamplingBatch
+from ced_jax.inputs import DraftInputs, SamplingBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -294,14 +294,14 @@ class DecodeBatch:
     # Each row's temperature, top_p, top_k, seed [S] and token_bitmask i32[S, W] (with drafts
     # [S, w + 1, W]; None = all ones), numpy: what the engine's programs take, as they take it.
     sampling: SamplingBatch
-    # Speculative decoding (module docstring): both or neither; None = a plain decode step.
-    drafts: np.ndarray | None = None  # i32[S, w], w in EngineSpec.dspark_widths
-    n_drafts: np.ndarray | None = None  # i32[S], 0..w: how many of a row's drafts to verify
+    # Speculative decoding (module docstring): drafts [S, w] with w in EngineSpec.dspark_widths and
+    # n_drafts [S]; None = a plain decode step.
+    drafts: DraftInputs | None = None
 
     @property
     def draft_width(self) -> int:
         """w, the drafts per row this step may verify (0 = a plain decode step)."""
-        return 0 if self.drafts is None else int(np.shape(self.drafts)[1])
+        return 0 if self.drafts is None else self.drafts.width
 
 
 def mask_words(vocab_size: int) -> int:

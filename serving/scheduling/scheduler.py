@@ -133,7 +133,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ced_jax.inputs import SamplingBatch
+from ced_jax.inputs import DraftInputs, SamplingBatch
 from serving.config import ServeConfig
 from serving.constraints import ConstraintMatcher, ConstraintTokenizer
 from serving.engine.protocol import (
@@ -743,10 +743,9 @@ class Scheduler:
             positions=self._positions.copy(),
             page_tables=self.page_tables.copy(),
             sampling=self._sampling_rows(bitmask),
-            drafts=drafts,
-            n_drafts=np.where(active, n_drafts, 0).astype(np.int32),
+            drafts=DraftInputs(drafts, np.where(active, n_drafts, 0).astype(np.int32)),
         )
-        return active, self._dispatched(self.engine.decode_async(batch)), batch.n_drafts
+        return active, self._dispatched(self.engine.decode_async(batch)), batch.drafts.n_drafts
 
     def _decode_finish(self, active: np.ndarray, pending, n_drafts: np.ndarray | None = None) -> None:
         result = self._result(pending)

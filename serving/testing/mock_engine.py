@@ -336,7 +336,7 @@ class MockEngine:
         S, w, kmax, N = spec.max_slots, batch.draft_width, spec.dspark_max_drafts, spec.max_logprobs
         if w not in spec.dspark_widths:
             raise ValueError(f"draft width {w} is not one of the engine's {spec.dspark_widths}")
-        drafts, n_drafts = np.asarray(batch.drafts, np.int32), np.asarray(batch.n_drafts, np.int32)
+        drafts, n_drafts = (np.asarray(a, np.int32) for a in (batch.drafts.drafts, batch.drafts.n_drafts))
         W = mask_words(spec.vocab_size)
         sp = batch.sampling
         masks = sp.token_bitmask
