@@ -9,22 +9,11 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels._backend import resolve_backend
 from pallas_kernels.grouped_matmul import kernel_tpu, kernel_triton
 from pallas_kernels.grouped_matmul.common import TileConfig
 
 KERNELS = {"tpu": kernel_tpu.gmm, "gpu": kernel_triton.gmm}
-
-
-def resolve_backend(backend: str | None, interpret) -> str:
-    """'tpu' or 'gpu' for an explicit or default backend; raises on a CPU without interpret."""
-    if backend is None:
-        platform = jax.default_backend()
-        if platform == "cpu" and not interpret:
-            raise NotImplementedError("Pallas kernels need a TPU or GPU; on CPU pass interpret=True")
-        backend = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
-    if backend not in KERNELS:
-        raise NotImplementedError(f"backend={backend!r}; choose one of {sorted(KERNELS)}")
-    return backend
 
 
 def gmm(

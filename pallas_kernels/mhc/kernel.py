@@ -1,11 +1,11 @@
 """The Pallas mHC mixing over the per-backend kernels; see
-`pallas_kernels.grouped_matmul.kernel.resolve_backend` for the backend choice. No fallback."""
+`pallas_kernels._backend.resolve_backend` for the backend choice. No fallback."""
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels.grouped_matmul.kernel import resolve_backend
+from pallas_kernels._backend import resolve_backend
 from pallas_kernels.mhc import kernel_tpu, kernel_triton
 from pallas_kernels.mhc.common import TileConfig
 

@@ -1,7 +1,7 @@
 """The Pallas paged sparse attention: decode and prefill entry points over the per-backend kernels.
 
 backend "tpu" runs `kernel_tpu` (Mosaic), "gpu" runs `kernel_triton`; None picks the default
-backend's (see `pallas_kernels.grouped_matmul.kernel.resolve_backend`). No fallback: unsupported
+backend's (see `pallas_kernels._backend.resolve_backend`). No fallback: unsupported
 shapes raise NotImplementedError while tracing.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.grouped_matmul.kernel import resolve_backend
+from pallas_kernels._backend import resolve_backend
 from pallas_kernels.sparse_attention import kernel_tpu, kernel_triton
 from pallas_kernels.sparse_attention.common import TileConfig
 

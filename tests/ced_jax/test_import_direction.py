@@ -248,6 +248,49 @@ def test_conversion_layers():
     assert layer_violations("conversion", CONVERSION_GROUPS, CONVERSION_MAY_IMPORT) == []
 
 
+# Inside pallas_kernels: the codecs, tile helpers and backend choice at the bottom; in each kernel
+# package its contract (`common`), then the reference and the two backends, then the entry point
+# (`kernel`), then the package; no kernel package imports another.
+KERNEL_PACKAGES = ("grouped_matmul", "indexer", "mhc", "sparse_attention")
+KERNEL_ROLES = (("common",), ("reference", "kernel_tpu", "kernel_triton"), ("kernel",), ("",))
+PALLAS_GROUPS = {
+    "base": ("pallas_kernels", "pallas_kernels.formats", "pallas_kernels._tiles", "pallas_kernels._backend")
+}
+PALLAS_MAY_IMPORT = {"base": {"base"}}
+for _kernel in KERNEL_PACKAGES:
+    _below = {"base"}
+    for _level, _roles in enumerate(KERNEL_ROLES):
+        _name = f"{_kernel}.{_level}"
+        PALLAS_GROUPS[_name] = tuple(f"pallas_kernels.{_kernel}" + (f".{r}" if r else "") for r in _roles)
+        PALLAS_MAY_IMPORT[_name] = _below | {_name}
+        _below = _below | {_name}
+
+
+def test_pallas_kernels_layers():
+    assert layer_violations("pallas_kernels", PALLAS_GROUPS, PALLAS_MAY_IMPORT) == []
+
+
+# Inside ced_cli: the shared options at the bottom, then `serve` (whose flags `compile` reuses), then
+# the other commands, then `main`, which only dispatches.
+CED_CLI_GROUPS = {
+    "options": ("ced_cli", "ced_cli.options"),
+    "serve": ("ced_cli.serve",),
+    "commands": tuple(f"ced_cli.{c}" for c in ("convert", "describe", "generate", "logits", "plan",
+                                                "precompile", "train_draft")),
+    "main": ("ced_cli.main",),
+}  # fmt: skip
+CED_CLI_MAY_IMPORT = {
+    "options": {"options"},
+    "serve": {"options", "serve"},
+    "commands": {"options", "serve"},
+    "main": set(CED_CLI_GROUPS),
+}
+
+
+def test_ced_cli_layers():
+    assert layer_violations("ced_cli", CED_CLI_GROUPS, CED_CLI_MAY_IMPORT) == []
+
+
 def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
     import tests.ced_jax.test_import_direction as here
 
