@@ -111,7 +111,7 @@ def default_include(
     """The parts a conversion without an explicit include writes: the text model; the vision tower
     when the config has one (small beside the text model, needed to serve images); the DSpark stages
     when the config describes them and the index (`indexed`: its tensor names) lists their tensors,
-    which is when `ced_jax.load(dspark=None)` reads them from the HF directory, so the conversion
+    which is when `ced_jax.load(with_draft=None)` reads them from the HF directory, so the conversion
     loads the same by default. An index listing only some of them is a broken draft, not an absent
     one: a ConversionError naming a missing tensor (as `load` raises), not a silent text-only output."""
     parts = ["text"]

@@ -3,14 +3,15 @@
 Checkpoints are read by `ced_jax.checkpoint` (the released HF layout, or a directory written by
 `convert_weights`); the `tiny` preset's weights come from `ced_jax.testing.random_weights`.
 
-DSpark draft stages: `load(..., dspark=None)` reads them when the checkpoint has them (config
+DSpark draft stages: `load(..., with_draft=None)` reads them when the checkpoint has them (config
 `num_nextn_predict_layers` > 0 and the `mtp.*` tensors, or a converted checkpoint's `dspark` part),
 into `Model.params["mtp"]` (the tree `ced_jax.checkpoint.dspark.load_dspark_params` returns, storage dtypes
-kept, replicated on a mesh); `Model.dspark` says whether they are there.
+kept, replicated on a mesh); `Model.has_draft_stages` says whether they are there.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import jax
@@ -29,7 +30,7 @@ from ced_jax.checkpoint.hf_loader import CheckpointError, load_hf_checkpoint, re
 from ced_jax.checkpoint.mapping import hf_inventory
 from ced_jax.checkpoint.mesh_loader import load_hf_onto_mesh
 from ced_jax.checkpoint.weight_layout import check_compatible
-from ced_jax.config import ASSETS, PRESETS, ModelConfig, preset
+from ced_jax.config import ASSETS, PRESETS, ModelConfig, current_preset_name, preset
 from ced_jax.engram_hash import EngramHasher
 from ced_jax.engram_store import RAW_DIR, EngramStore, check_placement, has_raw
 from ced_jax.testing.random_weights import EMBEDDED_PRESETS, embedded_params
@@ -42,11 +43,12 @@ def load(
     prefill_chunk: int = 512,
     mesh: jax.sharding.Mesh | None = None,
     rules: str | dict = sharding.DEFAULT_RULES,
-    dspark: bool | None = None,
+    with_draft: bool | None = None,
     engram_placement: str | None = None,
     weight_layout: str | None = None,
     compilation_cache: bool = True,
     compilation_cache_dir: str | Path | None = None,
+    **old_names,
 ) -> Model:
     """A preset name ('tiny'), a Hugging Face checkpoint directory in the released format, or a
     directory written by `convert_weights` (read by ced_jax.checkpoint.converted).
@@ -57,10 +59,10 @@ def load(
     `ced_jax.checkpoint.mesh_loader` (each process reads the byte ranges of its devices' blocks), a
     converted one by Orbax restoring the params item into the target shardings. The Engram tables
     and the DSpark stages are read into host memory as without a mesh.
-    dspark: the DSpark draft stages (`Model.params["mtp"]`, `Model.dspark`). None: load them when
-    the checkpoint has them (config num_nextn_predict_layers > 0 and the `mtp.*` tensors present, or
-    a converted checkpoint's `dspark` part); True: required (a checkpoint without them is an error
-    naming what is missing); False: skip them.
+    with_draft: the DSpark draft stages (`Model.params["mtp"]`, `Model.has_draft_stages`). None: load
+    them when the checkpoint has them (config num_nextn_predict_layers > 0 and the `mtp.*` tensors
+    present, or a converted checkpoint's `dspark` part); True: required (a checkpoint without them is
+    an error naming what is missing); False: skip them.
     engram_placement: where the Engram tables live (`ced_jax.api.model`): "host" or "device"; None:
     `default_engram_placement`. A converted checkpoint's raw table files (`engram_raw/`, written by
     `convert_weights`) are memory-mapped for "host", its Orbax Engram item read otherwise.
@@ -70,15 +72,17 @@ def load(
     device when the experts fit in 1 GiB as f32, else "stored").
     compilation_cache / compilation_cache_dir: JAX's persistent compilation cache for this process
     (`ced_jax.compile_cache`): on by default, in the directory already in use or the per-user one
-    (`~/.cache/ced-jax/xla` on Linux), so a second process compiles nothing it compiled before."""
+    (`~/.cache/ced-jax/xla` on Linux), so a second process compiles nothing it compiled before.
+    old_names: `dspark=` for with_draft (deprecated: elsewhere dspark is the number of drafts per step)."""
+    with_draft = _renamed_with_draft(old_names, with_draft)
     compile_cache.configure(compilation_cache, compilation_cache_dir)
     if weight_layout is not None:
         check_compatible(weight_layout, mesh=mesh, impl=impl)
-    if dspark not in (None, True, False):
-        raise ValueError(f"dspark: expected None, True or False, got {dspark!r}")
+    if with_draft not in (None, True, False):
+        raise ValueError(f"with_draft: expected None, True or False, got {with_draft!r}")
     if engram_placement is not None:
         check_placement(engram_placement)
-    name = str(path_or_preset)
+    name = current_preset_name(str(path_or_preset))
     if name in PRESETS:
         cfg = preset(name)
         if name not in EMBEDDED_PRESETS:
@@ -86,8 +90,8 @@ def load(
                 f"preset {name!r} has no embedded weights; pass a checkpoint directory "
                 f"(`ced-jax describe {name}` works without weights)"
             )
-        with_dspark = _want_dspark(dspark, cfg, f"preset {name!r}", lambda: None)
-        flat = embedded_params(name, with_draft=with_dspark)
+        read_draft = _want_draft(with_draft, cfg, f"preset {name!r}", lambda: None)
+        flat = embedded_params(name, with_draft=read_draft)
         hasher = EngramHasher.from_token_map_file(cfg, ASSETS / "tiny" / "engram_token_map.json")
         return Model(
             cfg,
@@ -108,14 +112,14 @@ def load(
     placement = engram_placement or default_engram_placement(directory)
     store = None
     if is_converted_checkpoint(directory):  # convert_weights output: Orbax items + ced_manifest.json
-        with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _converted_dspark_gap(directory))
+        read_draft = _want_draft(with_draft, cfg, str(directory), lambda: _converted_dspark_gap(directory))
         raw = placement == "host" and has_raw(directory / RAW_DIR, cfg)
         if raw:  # memory-mapped: the Orbax Engram item is not read
             store = EngramStore.open_raw(directory / RAW_DIR, cfg)
         if mesh is None:
-            cfg, flat = load_flat(directory, parts=("dspark",) if with_dspark else (), engram=not raw)
+            cfg, flat = load_flat(directory, parts=("dspark",) if read_draft else (), engram=not raw)
         else:  # the params item restored by Orbax straight into its shardings
-            parts = ("dspark",) if with_dspark else ()
+            parts = ("dspark",) if read_draft else ()
             cfg, flat = load_onto_mesh(
                 directory,
                 mesh,
@@ -125,8 +129,8 @@ def load(
                 widen_bf16=jax.default_backend() == "cpu",
             )
     else:
-        with_dspark = _want_dspark(dspark, cfg, str(directory), lambda: _hf_dspark_gap(directory, cfg))
-        include = ("text", "dspark") if with_dspark else ("text",)
+        read_draft = _want_draft(with_draft, cfg, str(directory), lambda: _hf_dspark_gap(directory, cfg))
+        include = ("text", "dspark") if read_draft else ("text",)
         if mesh is None:
             flat, _report = load_hf_checkpoint(directory, cfg, include=include)
         else:  # each parameter read block by block into its sharding (Engram tables, DSpark: host)
@@ -176,29 +180,47 @@ def default_engram_placement(path_or_preset: str | Path) -> str:
     return "host"
 
 
-def _want_dspark(dspark: bool | None, cfg: ModelConfig, source: str, gap) -> bool:
+def _renamed_with_draft(old_names: dict, with_draft: bool | None) -> bool | None:
+    """`load(dspark=...)`, the old spelling of with_draft: still accepted, with a DeprecationWarning."""
+    unexpected = sorted(set(old_names) - {"dspark"})
+    if unexpected:
+        raise TypeError(f"load() got an unexpected keyword argument {unexpected[0]!r}")
+    if "dspark" not in old_names:
+        return with_draft
+    warnings.warn(
+        "load(dspark=...) is now load(with_draft=...) (dspark is the number of drafts per step in "
+        "generate and serve)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if with_draft is not None:
+        raise TypeError("load() got both with_draft and its old name dspark")
+    return old_names["dspark"]
+
+
+def _want_draft(with_draft: bool | None, cfg: ModelConfig, source: str, gap) -> bool:
     """Whether to load the DSpark stages. `gap()`: why the source lacks them although the config
     describes them (None when they are all there)."""
-    if dspark is False:
+    if with_draft is False:
         return False
     if cfg.num_nextn_predict_layers <= 0:
-        if dspark:
+        if with_draft:
             raise CheckpointError(
-                f"dspark=True: {source} has no DSpark stages (config.json text_config."
+                f"with_draft=True: {source} has no DSpark stages (config.json text_config."
                 "num_nextn_predict_layers is 0)"
             )
         return False
     why = gap()
     if why is None:
         return True
-    if dspark:
-        raise CheckpointError(f"dspark=True: {source}: {why}")
+    if with_draft:
+        raise CheckpointError(f"with_draft=True: {source}: {why}")
     return False
 
 
 def _hf_dspark_gap(directory: Path, cfg: ModelConfig) -> str | None:
     """None when the index lists every `mtp.*` tensor `cfg` describes; otherwise why not. A partial set
-    is a broken checkpoint, not an absent draft: it raises whatever `dspark` says."""
+    is a broken checkpoint, not an absent draft: it raises whatever `with_draft` says."""
     weight_map = read_index(directory)
     wanted = [n for n, s in hf_inventory(cfg).items() if s.group == "dspark"]
     missing = [n for n in wanted if n not in weight_map]
@@ -207,7 +229,7 @@ def _hf_dspark_gap(directory: Path, cfg: ModelConfig) -> str | None:
     if len(missing) < len(wanted):
         raise CheckpointError(
             f"{directory}: {len(missing)} of the {len(wanted)} DSpark tensors are missing from the index, "
-            f"e.g. {missing[:5]} (pass dspark=False to load without the draft stages)"
+            f"e.g. {missing[:5]} (pass with_draft=False to load without the draft stages)"
         )
     return (
         f"config.json describes {cfg.num_nextn_predict_layers} DSpark stages but the index lists none of "

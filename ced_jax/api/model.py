@@ -23,6 +23,7 @@ images (or explicit `token_types` / `span_embeds`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -141,7 +142,13 @@ class Model:
     impl = property(lambda self: str(self.loaded.impl))  # the kernel choice as text, as given
     programs = property(lambda self: self.loaded.programs)
     draft_programs = property(lambda self: self.loaded.draft_programs)
-    dspark = property(lambda self: self.loaded.has_draft_stages)
+    has_draft_stages = property(lambda self: self.loaded.has_draft_stages)
+
+    @property
+    def dspark(self) -> bool:
+        """The old name of `has_draft_stages` (elsewhere dspark is the number of drafts per step)."""
+        warnings.warn("Model.dspark is now Model.has_draft_stages", DeprecationWarning, stacklevel=2)
+        return self.has_draft_stages
 
     @property
     def params(self) -> dict:

@@ -28,7 +28,7 @@ Our parameter tree mirrors these names, with three differences (`our_target`):
   scale is consumed and has no path of its own;
 - `mtp.*` (DSpark) stages map like backbone layers (experts stacked over their own
   `dspark_n_routed_experts`, `mtp.{k}.attn.wo_a` dequantised); the loader reads them only when asked
-  (`include=("text", "dspark")`; `ced_jax.load(dspark=...)` puts them under params["mtp"]). Vision
+  (`include=("text", "dspark")`; `ced_jax.load(with_draft=...)` puts them under params["mtp"]). Vision
   tensors are not part of the text model's parameter tree, so the text loader skips them (the vision
   encoder reads its own group with `ced_jax.checkpoint.vision.load_vision_params`). `convert_weights` writes
   both into Orbax items of their own (`--include dspark`; vision by default when config.json has a
@@ -63,7 +63,7 @@ LOADABLE_GROUPS: tuple[Group, ...] = (*TEXT_GROUPS, "dspark")
 # (these notes say why in a load report).
 SKIP_NOTES: dict[str, str] = {
     "dspark": "DSpark draft stages (mtp.*): read only when asked for (include 'dspark', "
-    "ced_jax.load(dspark=None|True)); skipped",
+    "ced_jax.load(with_draft=None|True)); skipped",
     "vision": "the vision tower / aligner / image delimiters are not text-model parameters; "
     "ced_jax.checkpoint.vision.load_vision_params reads them for the vision encoder; skipped here",
 }

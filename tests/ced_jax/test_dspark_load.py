@@ -1,12 +1,12 @@
-"""`ced_jax.load(..., dspark=None|True|False)`: the DSpark draft stages under `Model.params["mtp"]`.
+"""`ced_jax.load(..., with_draft=None|True|False)`: the DSpark draft stages under `Model.params["mtp"]`.
 
 Every source must give the same tree as `ced_jax.checkpoint.dspark.load_dspark_params` on the same stages
 (names, dtypes, bytes): a released-layout HF directory (the vision/DSpark fixture, `--vision-golden
 DIR`, whose stages have their own expert count, 6 against the backbone's 8), its `convert_weights
 --include text,dspark` output, and the tiny preset (a synthetic checkpoint written from the preset's
 own seed is the same source). A shipped trained draft file replaces the tiny preset's random stages.
-dspark=True on a checkpoint without stages names what is missing; dspark=False skips them; a
-checkpoint without stages loads as before (Model.dspark False).
+with_draft=True on a checkpoint without stages names what is missing; with_draft=False skips them; a
+checkpoint without stages loads as before (Model.has_draft_stages False).
 """
 
 from __future__ import annotations
@@ -69,16 +69,16 @@ def fixture_stages(fixture_dir) -> dict:
 def test_hf_directory_loads_the_stages(fixture_dir, fixture_stages):
     cfg = ModelConfig.from_pretrained(fixture_dir)
     model = ced_jax.load(fixture_dir)
-    assert model.dspark
+    assert model.has_draft_stages
     assert_same_tree(model.params["mtp"], fixture_stages)
     # The stages' routed experts are their own set, stacked over dspark_n_routed_experts.
     w1 = model.params["mtp"]["0"]["ffn"]["experts"]["w1"]["weight"]
     assert w1.shape[0] == cfg.dspark_n_routed_experts
     assert model.params["layers"]["0"]["ffn"]["experts"]["w1"]["weight"].shape[0] == cfg.n_routed_experts
-    # dspark=True gives the same; dspark=False skips the stages and leaves the rest as it was.
-    assert_same_tree(ced_jax.load(fixture_dir, dspark=True).params["mtp"], fixture_stages)
-    without = ced_jax.load(fixture_dir, dspark=False)
-    assert not without.dspark and "mtp" not in without.params
+    # with_draft=True gives the same; with_draft=False skips the stages and leaves the rest as it was.
+    assert_same_tree(ced_jax.load(fixture_dir, with_draft=True).params["mtp"], fixture_stages)
+    without = ced_jax.load(fixture_dir, with_draft=False)
+    assert not without.has_draft_stages and "mtp" not in without.params
     assert_same_tree(without.params, {k: v for k, v in model.params.items() if k != "mtp"})
 
 
@@ -95,31 +95,32 @@ def _copy_with_index(src: Path, dst: Path, keep) -> Path:
 
 def test_hf_directory_without_the_stage_tensors(fixture_dir, tmp_path):
     stripped = _copy_with_index(fixture_dir, tmp_path / "stripped", lambda n: not n.startswith("mtp."))
-    assert not ced_jax.load(stripped).dspark  # None: the config describes stages, the tensors are gone
-    with pytest.raises(CheckpointError, match=r"dspark=True.*mtp\.0\."):
-        ced_jax.load(stripped, dspark=True)
-    # A partial set is a broken checkpoint, whatever dspark says (except False, which never looks).
+    # None: the config describes stages, the tensors are gone.
+    assert not ced_jax.load(stripped).has_draft_stages
+    with pytest.raises(CheckpointError, match=r"with_draft=True.*mtp\.0\."):
+        ced_jax.load(stripped, with_draft=True)
+    # A partial set is a broken checkpoint, whatever with_draft says (except False, which never looks).
     # The final norm is the last stage's alone (mtp.1 of tiny-v's two, mtp.2 of three: issue 37).
     victim = f"mtp.{ModelConfig.from_pretrained(fixture_dir).num_nextn_predict_layers - 1}.norm.weight"
     assert victim in json.loads((fixture_dir / INDEX_NAME).read_text())["weight_map"]
     partial = _copy_with_index(fixture_dir, tmp_path / "partial", lambda n: n != victim)
-    for dspark in (None, True):
+    for with_draft in (None, True):
         with pytest.raises(CheckpointError, match=re.escape(victim)):
-            ced_jax.load(partial, dspark=dspark)
-    assert not ced_jax.load(partial, dspark=False).dspark
+            ced_jax.load(partial, with_draft=with_draft)
+    assert not ced_jax.load(partial, with_draft=False).has_draft_stages
 
 
 def test_checkpoint_without_stages():
-    """tiny-a describes no DSpark stages: it loads as before, and dspark=True names the field."""
+    """tiny-a describes no DSpark stages: it loads as before, and with_draft=True names the field."""
     model = ced_jax.load(GOLDEN_TINY_A)
-    assert not model.dspark and "mtp" not in model.params
+    assert not model.has_draft_stages and "mtp" not in model.params
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers"):
-        ced_jax.load(GOLDEN_TINY_A, dspark=True)
+        ced_jax.load(GOLDEN_TINY_A, with_draft=True)
     cfg = ModelConfig.from_pretrained(GOLDEN_TINY_A)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         load_hf_checkpoint(GOLDEN_TINY_A, cfg, include=("text", "dspark"))
-    with pytest.raises(ValueError, match="dspark"):
-        ced_jax.load(GOLDEN_TINY_A, dspark="yes")
+    with pytest.raises(ValueError, match="with_draft"):
+        ced_jax.load(GOLDEN_TINY_A, with_draft="yes")
 
 
 # ------------------------------------------------------------------------ converted directory
@@ -127,9 +128,9 @@ def test_converted_directory(fixture_dir, fixture_stages, tmp_path):
     out = tmp_path / "converted"
     convert(fixture_dir, out, ConvertOptions(progress=False, include=("text", "dspark")))
     model = ced_jax.load(out)
-    assert model.dspark
+    assert model.has_draft_stages
     assert_same_tree(model.params["mtp"], fixture_stages)
-    assert not ced_jax.load(out, dspark=False).dspark
+    assert not ced_jax.load(out, with_draft=False).has_draft_stages
     # The same conversion written without its dspark part (manifest and items as a text-only run
     # leaves them): None loads the text model, True says how to convert.
     text_only = tmp_path / "text-only"
@@ -140,9 +141,9 @@ def test_converted_directory(fixture_dir, fixture_stages, tmp_path):
     manifest["items"].pop("dspark")
     manifest["leaves"] = {k: v for k, v in manifest["leaves"].items() if not k.startswith("mtp.")}
     (text_only / MANIFEST_NAME).write_text(json.dumps(manifest))
-    assert not ced_jax.load(text_only).dspark
+    assert not ced_jax.load(text_only).has_draft_stages
     with pytest.raises(CheckpointError, match="--include text,dspark"):
-        ced_jax.load(text_only, dspark=True)
+        ced_jax.load(text_only, with_draft=True)
 
 
 # ----------------------------------------------------------------------------------- tiny preset
@@ -158,7 +159,7 @@ def test_tiny_preset_stages(tiny_checkpoint):
     cfg = preset("tiny")
     assert cfg.num_nextn_predict_layers > 0
     model = ced_jax.load("tiny")
-    assert model.dspark
+    assert model.has_draft_stages
     # The preset's stages are the shipped trained draft (assets/tiny/dspark.safetensors) when it is
     # there, else the random ones the synthetic checkpoint holds.
     if TINY_DSPARK_FILE.is_file():
@@ -168,9 +169,22 @@ def test_tiny_preset_stages(tiny_checkpoint):
     # The noise id is a special token of the tiny tokenizer (no text decodes to it), as in v41-flash.
     assert model.tokenizer.id_to_token(cfg.dspark_noise_token_id) == "<｜System｜>"
     assert model.decode_text([cfg.dspark_noise_token_id]) == ""
-    without = ced_jax.load("tiny", dspark=False)
-    assert not without.dspark
+    without = ced_jax.load("tiny", with_draft=False)
+    assert not without.has_draft_stages
     assert_same_tree(without.params, {k: v for k, v in model.params.items() if k != "mtp"})
+
+
+def test_old_spellings_warn_and_still_work():
+    """`load(dspark=...)` and `Model.dspark`, the names before with_draft / has_draft_stages (dspark
+    is the number of drafts per step everywhere else), still work with a DeprecationWarning."""
+    with pytest.warns(DeprecationWarning, match="with_draft"):
+        without = ced_jax.load("tiny", dspark=False)
+    with pytest.warns(DeprecationWarning, match="has_draft_stages"):
+        assert without.dspark is False
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="both"):
+        ced_jax.load("tiny", dspark=False, with_draft=False)
+    with pytest.raises(TypeError, match="'draft'"):
+        ced_jax.load("tiny", draft=False)
 
 
 def test_tiny_preset_stages_on_a_mesh():

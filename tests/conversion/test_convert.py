@@ -772,7 +772,7 @@ def test_default_include_converts_what_load_reads(multimodal, tmp_path):
     assert m["options"]["include"] == ["text", "dspark", "vision"]
     assert set(m["items"]) == {"params", "engram", "dspark", "vision"} and m["tensors"]["ignored"] == []
     from_hf, from_converted = ced_jax.load(src), ced_jax.load(out)
-    assert from_hf.dspark and from_converted.dspark
+    assert from_hf.has_draft_stages and from_converted.has_draft_stages
     a, b = flatten(from_converted.params["mtp"]), flatten(from_hf.params["mtp"])
     assert sorted(a) == sorted(b)
     for path, want in b.items():
@@ -782,7 +782,7 @@ def test_default_include_converts_what_load_reads(multimodal, tmp_path):
 
 def test_default_include_without_listed_stages(multimodal, tmp_path, capsys):
     """The default follows the index: stages the config describes but the index does not list (a
-    checkpoint stripped of them) leave "dspark" out, as `ced_jax.load(dspark=None)` does; a config
+    checkpoint stripped of them) leave "dspark" out, as `ced_jax.load(with_draft=None)` does; a config
     without stages never gets it; an index listing only some stage tensors is refused by name."""
     from conversion.plan import default_include
 
