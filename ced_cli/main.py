@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from ced_cli import convert, describe, generate, logits, plan, precompile, serve, train_draft
+from ced_jax.config import RENAMED_PRESETS
 from serving.cli_help import DefaultsHelp
 
 
@@ -41,7 +42,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return client_main(argv[1:])
     args = build_parser().parse_args(argv)
+    _use_current_preset_name(args, f"ced-jax {args.command}")
     return _run(args, f"ced-jax {args.command}")
+
+
+def _use_current_preset_name(args, prog: str) -> None:
+    """A renamed preset given as the model runs under its new name, with one stderr line saying so
+    (a DeprecationWarning is not shown to a command's user)."""
+    new = RENAMED_PRESETS.get(getattr(args, "model", None))
+    if new is not None:
+        print(f"{prog}: preset {args.model!r} is now {new!r}; the old name will be removed", file=sys.stderr)
+        args.model = new
 
 
 def _run(args, prog: str) -> int:

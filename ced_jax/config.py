@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -648,11 +649,26 @@ def _tiny_hf() -> dict[str, Any]:
     return json.loads((ASSETS / "tiny" / "config.json").read_text())
 
 
-# tiny-spec: tiny's config; its weights differ (ced_jax.testing.random_weights.tiny_spec_params)
-PRESETS = {"v41-flash": _v41_flash_hf, "tiny": _tiny_hf, "tiny-spec": _tiny_hf}
+# tiny-draft: tiny's config; its weights differ (ced_jax.testing.random_weights.tiny_draft_preset_params)
+PRESETS = {"v41-flash": _v41_flash_hf, "tiny": _tiny_hf, "tiny-draft": _tiny_hf}
+# Old preset names, accepted for now with a DeprecationWarning naming the new one (the CLI prints it).
+RENAMED_PRESETS = {"tiny-spec": "tiny-draft"}
+
+
+def current_preset_name(name: str) -> str:
+    """`name`, or the new name of a renamed preset (warning the caller that the old one will go)."""
+    if name not in RENAMED_PRESETS:
+        return name
+    warnings.warn(
+        f"preset {name!r} is now {RENAMED_PRESETS[name]!r}; the old name will be removed",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return RENAMED_PRESETS[name]
 
 
 def preset(name: str) -> ModelConfig:
+    name = current_preset_name(name)
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return _from_hf(PRESETS[name](), name=name)

@@ -50,12 +50,12 @@ from pallas_kernels.formats import np_e2m1_codes, np_pack_nibbles, np_ue8m0_byte
 TINY_SEED = 1234  # the embedded tiny model's weights
 # A trained DSpark draft for the tiny preset, when shipped (else the stages are random draws).
 TINY_DSPARK_FILE = ASSETS / "tiny" / "dspark.safetensors"
-# The `tiny-spec` preset (`tiny_spec_params`): tiny's weights with a backbone whose greedy
+# The `tiny-draft` preset (`tiny_draft_preset_params`): tiny's weights with a backbone whose greedy
 # continuation a draft can learn, and its trained draft.
-TINY_SPEC_DSPARK_FILE = ASSETS / "tiny-spec" / "dspark.safetensors"
-TINY_SPEC_EMBED_SCALE = 2.5
-TINY_SPEC_HEAD_SCALE = 0.25
-TINY_SPEC_PERMUTATION_SEED = 0
+TINY_DRAFT_DSPARK_FILE = ASSETS / "tiny-draft" / "dspark.safetensors"
+TINY_DRAFT_EMBED_SCALE = 2.5
+TINY_DRAFT_HEAD_SCALE = 0.25
+TINY_DRAFT_PERMUTATION_SEED = 0
 FP8_MAX = np.float32(formats.FP8_MAX)  # float32, so amax / FP8_MAX is the README's float32 division
 FP4_MAX = np.float32(formats.FP4_MAX)
 AMAX_FLOOR = np.float32(2.0**-100)
@@ -194,11 +194,11 @@ def tiny_params(*, with_draft: bool = True) -> dict[str, np.ndarray]:
     return flat
 
 
-def tiny_spec_params(*, with_draft: bool = True) -> dict[str, np.ndarray]:
-    """The weights of the embedded `tiny-spec` preset: `tiny`'s, except the embedding (scaled by
-    `TINY_SPEC_EMBED_SCALE`) and the head (row `perm[t]` = embedding row t x `TINY_SPEC_HEAD_SCALE`,
+def tiny_draft_preset_params(*, with_draft: bool = True) -> dict[str, np.ndarray]:
+    """The weights of the embedded `tiny-draft` preset: `tiny`'s, except the embedding (scaled by
+    `TINY_DRAFT_EMBED_SCALE`) and the head (row `perm[t]` = embedding row t x `TINY_DRAFT_HEAD_SCALE`,
     `perm` a fixed random permutation of the vocabulary), plus its own DSpark stages
-    (`TINY_SPEC_DSPARK_FILE`, trained by `ced-jax train-draft`; random draws until it exists).
+    (`TINY_DRAFT_DSPARK_FILE`, trained by `ced-jax train-draft`; random draws until it exists).
 
     Why: tiny's random backbone is chaotic (its greedy next token is its most frequent successor 4 %
     of the time), so no draft can agree with it and speculative decoding cannot be measured on it. A
@@ -209,19 +209,19 @@ def tiny_spec_params(*, with_draft: bool = True) -> dict[str, np.ndarray]:
     cfg = preset("tiny")
     flat = random_params(cfg, TINY_SEED, TEXT_GROUPS)
     embed = flat["embed.weight"].astype(np.float32)
-    perm = np.random.default_rng(TINY_SPEC_PERMUTATION_SEED).permutation(cfg.vocab_size)
+    perm = np.random.default_rng(TINY_DRAFT_PERMUTATION_SEED).permutation(cfg.vocab_size)
     head = np.empty_like(embed)
-    head[perm] = embed * TINY_SPEC_HEAD_SCALE
-    flat["embed.weight"] = (embed * TINY_SPEC_EMBED_SCALE).astype(ml_dtypes.bfloat16)
+    head[perm] = embed * TINY_DRAFT_HEAD_SCALE
+    flat["embed.weight"] = (embed * TINY_DRAFT_EMBED_SCALE).astype(ml_dtypes.bfloat16)
     flat["head.weight"] = head.astype(ml_dtypes.bfloat16)
     if with_draft:
-        flat.update(tiny_dspark_params(TINY_SPEC_DSPARK_FILE))
+        flat.update(tiny_dspark_params(TINY_DRAFT_DSPARK_FILE))
     return flat
 
 
 EMBEDDED_PRESETS = {
     "tiny": (tiny_params, TINY_DSPARK_FILE),
-    "tiny-spec": (tiny_spec_params, TINY_SPEC_DSPARK_FILE),
+    "tiny-draft": (tiny_draft_preset_params, TINY_DRAFT_DSPARK_FILE),
 }
 
 

@@ -35,7 +35,7 @@ How the server uses it (`serving/scheduling/scheduler.py`, module docstring "KV 
 `EngineSpec.kv_page_bytes` and `Engine.kv_fingerprint()`):
 1. Start-up: `TieredKV(HostTier(kv_host_bytes), DiskTier(kv_disk_dir, kv_disk_bytes, fingerprint))`,
    the fingerprint from `PageLayout.fingerprint(weights_id)` (weights_id names the checkpoint: tiny
-   and tiny-spec share a config).
+   and tiny-draft share a config).
 2. Demotion: `PagePool(..., on_evict=...)` collects the evicted entries inside `pool.allocate`; right
    after it returns, before any engine call writes the pages it handed out, their pages are read out
    and `demote`d.

@@ -29,6 +29,14 @@ def test_describe_v41_flash(capsys):
     assert out["swa_bytes_per_sequence"] == 40 * 128 * 528
 
 
+def test_renamed_preset_runs_under_its_new_name(capsys, recwarn):
+    assert main(["describe", "tiny-spec"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["model"] == "tiny-draft"
+    assert err == "ced-jax describe: preset 'tiny-spec' is now 'tiny-draft'; the old name will be removed\n"
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]  # said once, on stderr
+
+
 def test_logits_capture_then_replay(tmp_path):
     g = load_file(str(GOLDEN_TINY_A / "expected.safetensors"))
     (tmp_path / "prompt.json").write_text(json.dumps(g["prompt_ids"][:40].tolist()))

@@ -236,15 +236,15 @@ def test_engine_refuses_without_stages(model):
         )  # fmt: skip
 
 
-@pytest.mark.slow  # compiles CED prefill, plain and speculative decoding of tiny-spec (minutes on 2 cores)
+@pytest.mark.slow  # compiles CED prefill, plain and speculative decoding of tiny-draft (minutes on 2 cores)
 def test_speculative_greedy_after_a_ced_prefill_is_plain_greedy():
     """DSpark with CED prefill (issue 15.5): the draft stages' context comes from the prompt's last
     window only (the decoder layers run only there), and greedy speculative decoding still emits the
-    plain greedy tokens of the same CED prefill; drafts are accepted (tiny-spec's draft agrees with
+    plain greedy tokens of the same CED prefill; drafts are accepted (tiny-draft's draft agrees with
     its backbone), so the speculative path is exercised."""
-    spec = ced_jax.load("tiny-spec")
-    prompt = _prompt(11, 5 * spec.cfg.sliding_window)
-    plain = spec.generate(prompt, max_tokens=40, stop_at_eos=False, prefill_mode="ced")
-    fast = spec.generate(prompt, max_tokens=40, stop_at_eos=False, prefill_mode="ced", dspark=4)
+    model = ced_jax.load("tiny-draft")
+    prompt = _prompt(11, 5 * model.cfg.sliding_window)
+    plain = model.generate(prompt, max_tokens=40, stop_at_eos=False, prefill_mode="ced")
+    fast = model.generate(prompt, max_tokens=40, stop_at_eos=False, prefill_mode="ced", dspark=4)
     assert fast["token_ids"] == plain["token_ids"]
     assert fast["dspark"]["accepted"] > 0

@@ -1,4 +1,4 @@
-"""The `tiny-spec` preset: tiny's backbone with a learnable greedy continuation, and its shipped
+"""The `tiny-draft` preset: tiny's backbone with a learnable greedy continuation, and its shipped
 DSpark draft, which agrees with that backbone (issue 15, point 4).
 
 The weights test is cheap (host numpy only). The agreement test (slow: it compiles the backbone's
@@ -23,24 +23,26 @@ from ced_jax.testing import random_weights as rw
 from ced_jax.training import dspark_train as tr
 
 
-def test_tiny_spec_is_tiny_but_its_embedding_and_head():
+def test_tiny_draft_is_tiny_but_its_embedding_and_head():
     tiny = rw.tiny_params(with_draft=False)
-    spec = rw.tiny_spec_params(with_draft=False)
-    assert sorted(tiny) == sorted(spec)
-    changed = sorted(k for k in tiny if tiny[k].tobytes() != spec[k].tobytes())
+    draft_preset = rw.tiny_draft_preset_params(with_draft=False)
+    assert sorted(tiny) == sorted(draft_preset)
+    changed = sorted(k for k in tiny if tiny[k].tobytes() != draft_preset[k].tobytes())
     assert changed == ["embed.weight", "head.weight"]
     embed = tiny["embed.weight"].astype(np.float32)
-    perm = np.random.default_rng(rw.TINY_SPEC_PERMUTATION_SEED).permutation(embed.shape[0])
-    head = spec["head.weight"].astype(np.float32)
-    np.testing.assert_array_equal(head[perm], embed * rw.TINY_SPEC_HEAD_SCALE)
-    assert ced_jax.load("tiny-spec", dspark=False).cfg.name == "tiny-spec"
+    perm = np.random.default_rng(rw.TINY_DRAFT_PERMUTATION_SEED).permutation(embed.shape[0])
+    head = draft_preset["head.weight"].astype(np.float32)
+    np.testing.assert_array_equal(head[perm], embed * rw.TINY_DRAFT_HEAD_SCALE)
+    assert ced_jax.load("tiny-draft", with_draft=False).cfg.name == "tiny-draft"
+    with pytest.warns(DeprecationWarning, match="'tiny-draft'"):  # the preset's old name
+        assert ced_jax.load("tiny-spec", with_draft=False).cfg.name == "tiny-draft"
 
 
 @pytest.mark.slow  # compiles the backbone's prefill/decode and the draft step (minutes on 2 cores)
-def test_shipped_tiny_spec_draft_agrees_with_its_backbone():
-    assert rw.TINY_SPEC_DSPARK_FILE.is_file(), "the trained tiny-spec draft is not shipped"
-    cfg = preset("tiny-spec")
-    model = ced_jax.load("tiny-spec", dspark=True)
+def test_shipped_draft_of_tiny_draft_agrees_with_its_backbone():
+    assert rw.TINY_DRAFT_DSPARK_FILE.is_file(), "the trained tiny-draft draft is not shipped"
+    cfg = preset("tiny-draft")
+    model = ced_jax.load("tiny-draft", with_draft=True)
     prompts = tr.random_prompts(cfg, 16, 16, seed=4242)
     held = tr.greedy_continuations(model, cfg, prompts, 48)
     embed, head = tr.backbone_embed_head(model)
@@ -49,7 +51,7 @@ def test_shipped_tiny_spec_draft_agrees_with_its_backbone():
     got = tr.measure_acceptance(shipped, cfg, embed, head, held)
     base = tr.measure_acceptance(random, cfg, embed, head, held)
     # The bigram ceiling: how often the greedy token after t is the permutation's image of t.
-    perm = np.random.default_rng(rw.TINY_SPEC_PERMUTATION_SEED).permutation(cfg.vocab_size)
+    perm = np.random.default_rng(rw.TINY_DRAFT_PERMUTATION_SEED).permutation(cfg.vocab_size)
     toks = held.tokens[:, held.prompt_len :]
     bigram = float((perm[toks[:, :-1]] == toks[:, 1:]).mean())
     shown = ("first_agreement", "mean_accepted", "per_position")
