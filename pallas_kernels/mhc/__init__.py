@@ -1,12 +1,7 @@
-"""mHC mixing (the per-site pre / post / Sinkhorn-normalised comb of `ced_jax.model.layers.mhc`) as one
-kernel per site. `reference` (pure jnp) and `kernel` (Pallas: `kernel_tpu`, `kernel_triton`) share
-one signature and `common.validate_inputs`; the contract is in `common`.
-
-Not used by the model yet: in interpret mode the kernels equal `ced_jax.model.layers.mhc.hc_mixes` compiled
-on its own and inside the library's programs, but inside the server's decode program on 8 CPU
-devices XLA:CPU's fusion choices move the reference's own projection by an ulp in some steps (up to
-1.4e-5 in the mixes), which the served pallas-against-reference gate sees as 0.2-nat log-prob
-differences (BENCHMARKS.md, "The mHC mixing as one kernel per site")."""
+"""mHC mixing (`ced_jax.model.layers.mhc`'s pre / post / Sinkhorn comb) as one kernel per site:
+`reference` (jnp) and `kernel` (Pallas) share one signature, whose contract is in `common`. Not used
+by the model yet: XLA:CPU moves the reference's projection by an ulp inside the server's decode
+program, which the pallas gate sees (BENCHMARKS.md, "The mHC mixing as one kernel per site")."""
 
 from pallas_kernels.mhc import reference
 from pallas_kernels.mhc.common import TileConfig, validate_inputs

@@ -1,2 +1,1 @@
-"""The engines the scheduler drives: the protocol (`protocol`), the JAX implementation (`jax_engine`)
-and the multi-host proxy (`multihost`)."""
+"""The engines the scheduler drives: `protocol`, `jax_engine` and the multi-host `multihost`."""
