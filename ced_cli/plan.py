@@ -4,7 +4,6 @@ per device; fits or not; a mesh), optionally proven by compiling the real progra
 from __future__ import annotations
 
 import json
-import math
 
 from ced_cli.options import check_at_least
 
@@ -71,19 +70,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _check_plan_options(args) -> None:
-    check_at_least("--devices", args.devices, 1)
-    if not (math.isfinite(args.device_memory) and args.device_memory > 0):
-        raise ValueError(f"--device-memory must be a finite number of GiB > 0, got {args.device_memory}")
-    check_at_least("--host-memory", args.host_memory, 0.0)
-    for flag, value in (
-        ("--max-seqs", args.max_seqs),
-        ("--context", args.context),
-        ("--prefill-bucket", args.prefill_bucket),
-        ("--page-size", args.page_size),
-    ):
-        check_at_least(flag, value, 1)
-    check_at_least("--dspark", args.dspark, 0)
+def _check_compile_options(args) -> None:
+    """The compiled proof's own options; the plan's values are checked by `Hardware` and `plan`, before
+    anything slow."""
     check_at_least("--compile-processes", args.compile_processes, 1)
     check_at_least("--compile-timeout", args.compile_timeout, 1)
     if args.compile and args.devices % args.compile_processes:
@@ -91,18 +80,16 @@ def _check_plan_options(args) -> None:
             f"--compile-processes {args.compile_processes} does not divide --devices {args.devices} "
             "(every process holds the same number of fake devices)"
         )
-    if args.mesh is not None:
-        from ced_jax.sharding import parse_mesh  # parsing only (its errors name --mesh)
-
-        parse_mesh(args.mesh)
 
 
 def run(args) -> int:
-    _check_plan_options(args)
     from ced_jax import sharding
     from ced_jax.config import PRESETS, ModelConfig, preset
     from serving.planning.capacity import Hardware, format_plan, plan
 
+    hardware = Hardware(args.devices, args.device_memory, args.host_memory)
+    mesh = None if args.mesh is None else sharding.parse_mesh(args.mesh)
+    _check_compile_options(args)
     cfg = preset(args.model) if args.model in PRESETS else ModelConfig.from_pretrained(args.model)
     workload = {  # what is not given here is a server's default (ServeConfig, through plan's defaults)
         name: value
@@ -117,8 +104,8 @@ def run(args) -> int:
     }
     result = plan(
         cfg,
-        Hardware(args.devices, args.device_memory, args.host_memory),
-        mesh=None if args.mesh is None else sharding.parse_mesh(args.mesh),
+        hardware,
+        mesh=mesh,
         rules=args.rules,
         **workload,
     )

@@ -456,9 +456,23 @@ class Hardware:
     device_memory_gib: float
     host_memory_gib: float | None = None  # per host; None: nothing may be offloaded
 
+    def __post_init__(self):
+        _check_number("devices (--devices)", self.devices, 1, integer=True)
+        _check_number("device_memory_gib (--device-memory)", self.device_memory_gib, 0, above=True)
+        if self.host_memory_gib is not None:
+            _check_number("host_memory_gib (--host-memory)", self.host_memory_gib, 0)
+
     @property
     def device_bytes(self) -> int:
         return int(self.device_memory_gib * GIB)
+
+
+def _check_number(name: str, value, minimum: float, *, integer: bool = False, above: bool = False) -> None:
+    """`value` is a number >= minimum (> with `above`): finite, an int where `integer` (not a bool)."""
+    kind = "an integer" if integer else "a finite number"
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not ok or not (value > minimum if above else value >= minimum):
+        raise ValueError(f"{name} must be {kind} {'>' if above else '>='} {minimum:g}, got {value!r}")
 
 
 def overhead_bytes(device_bytes: int) -> int:
@@ -610,10 +624,13 @@ def plan(
     """Evaluate `mesh` (or every candidate), recommend a mesh and Engram placement, and correct
     the naive BF16 estimate. Engram tables are tried in host memory (memory-mapped, the engine's
     default placement; within `host_memory_gib` when given) and on device. dspark: K draft tokens per decode step (`serve --dspark K`; 0 = off)."""
-    if hw.devices < 1 or hw.device_memory_gib <= 0:
-        raise ValueError("--devices must be >= 1 and --device-memory > 0")
-    if max_seqs < 1 or context < 1 or prefill_bucket < 1 or page_size < 1:
-        raise ValueError("--max-seqs, --context, --prefill-bucket and --page-size must be >= 1")
+    for name, value in (
+        ("max_seqs (--max-seqs)", max_seqs),
+        ("context (--context)", context),
+        ("prefill_bucket (--prefill-bucket)", prefill_bucket),
+        ("page_size (--page-size)", page_size),
+    ):
+        _check_number(name, value, 1, integer=True)
     _check_dspark(cfg, dspark)
     if mesh is not None and math.prod(mesh.values()) != hw.devices:
         raise ValueError(f"mesh {mesh} has {math.prod(mesh.values())} devices, --devices is {hw.devices}")
