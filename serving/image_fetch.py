@@ -57,7 +57,7 @@ class ImageFetchConfig:
         "HTTP API: fetch image URLs from these hosts (host or host:port); default: URLs are refused",
         group=IMAGES,
         metavar="HOST[,HOST...]",
-        parse=lambda text: tuple(h.strip() for h in text.split(",")),
+        parse=lambda hosts: tuple(h.strip() for h in hosts.split(",")),  # checked below
         also=(("allow_image_urls", True),),  # naming hosts turns fetching on
     )
     max_bytes: int = flag(20 * MIB, "--image-url-max-bytes", "one fetched image", group=IMAGES)
