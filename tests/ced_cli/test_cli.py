@@ -126,7 +126,7 @@ def test_serve_flags_are_the_serve_configs_declared_flags():
     from serving.config import ServeConfig, serve_flags
 
     flags = serve_flags()
-    assert len(flags) >= 53
+    assert len(flags) >= 54
     assert len({flag.name for _, _, flag in flags}) == len(flags)  # no flag twice
     parser = build_parser()
     args = parser.parse_args(["serve", "tiny"])
