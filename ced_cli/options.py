@@ -268,23 +268,12 @@ def model_config(model: str):
     return None
 
 
-def add_prefill_mode_option(p, default: str, *, per_request: bool = False) -> None:
+def add_prefill_mode_option(p, default: str) -> None:
+    """--prefill-mode of `logits` and `generate`, in the words of `serve`'s (ServeConfig.prefill_mode)."""
     from ced_jax.options import PREFILL_MODES
+    from serving.flags import PREFILL_MODE_HELP
 
-    p.add_argument(
-        "--prefill-mode",
-        choices=PREFILL_MODES,
-        default=default,
-        help="exact: every layer over every prompt token (the reference's numbers); ced: the causal "
-        "encoder-decoder prefill (spec 4.2), the encoder layers over the whole prompt and the decoder "
-        "layers only over its last sliding window (about half the prefill work on long prompts, not "
-        f"bit-identical). Default {default}"
-        + (
-            " (per request: GenerateRequest.prefill_mode, the HTTP body's prefill_mode)"
-            if per_request
-            else ""
-        ),
-    )
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=default, help=PREFILL_MODE_HELP)
 
 
 def check_compilation_cache_options(args) -> None:

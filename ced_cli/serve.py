@@ -10,7 +10,6 @@ from ced_cli.options import (
     add_compilation_cache_options,
     add_impl_options,
     add_mesh_options,
-    add_prefill_mode_option,
     check_at_least,
     check_compilation_cache_options,
     check_mesh_and_hosts,
@@ -32,38 +31,27 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _int_or_auto(flag: str):
-    """An argparse type: an int, or the string "auto" (resolved by _check_serve_options)."""
-
-    def parse(text: str):
-        if text == "auto":
-            return text
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
-
-    parse.__name__ = flag  # argparse names the type in its error
-    return parse
-
-
-def _auto_context(args) -> int:
+def _auto_context(args, values: dict) -> int:
     """--max-context auto (serving.planning.capacity.auto_max_context): from the model, the memory and
-    --num-pages."""
-    page = args.page_size
-    check_at_least("--max-slots", args.max_slots, 1)
-    check_at_least("--page-size", page, 1)
+    --num-pages (`values`: the parsed serve flags, `config_values`)."""
+    from serving.config import ServeConfig
+    from serving.flags import named
+
+    slots, page, pages = values["max_slots"], values["page_size"], values["num_pages"]
+    # Checked here too, as auto divides by them before ServeConfig sees them.
+    check_at_least(named(ServeConfig, "max_slots"), slots, 1)
+    check_at_least(named(ServeConfig, "page_size"), page, 1)
     cfg = model_config(args.model)
-    if cfg is None:
-        return _serve_defaults().max_context
-    if args.num_pages is not None:
-        check_at_least("--num-pages", args.num_pages, 1)
-        pool = args.num_pages * page // args.max_slots // page * page
+    if cfg is None:  # loading reports it
+        return ServeConfig().max_context
+    if pages is not None:
+        check_at_least(named(ServeConfig, "num_pages"), pages, 1)
+        pool = pages * page // slots // page * page
         context = min(cfg.max_position_embeddings // page * page, pool)
         if context < page:
             raise ValueError(
-                f"--max-context auto: --num-pages {args.num_pages} hold less than a page for each of "
-                f"--max-slots {args.max_slots} sequences; give --max-context"
+                f"--max-context auto: --num-pages {pages} hold less than a page for each of "
+                f"--max-slots {slots} sequences; give --max-context"
             )
         return context
     if args.coordinator is not None:
@@ -84,170 +72,30 @@ def _auto_context(args) -> int:
     mesh = sharding.parse_mesh(args.mesh) if args.mesh else dict.fromkeys(sharding.MESH_AXES, 1)
     return capacity.auto_max_context(
         cfg, device_bytes=device_bytes, mesh=mesh, rules=args.rules,
-        engram_on_host=args.engram_placement != "device", max_seqs=args.max_slots,
-        prefill_bucket=args.prefill_chunk, page_size=page, dspark=args.dspark,
+        engram_on_host=args.engram_placement != "device", max_seqs=slots,
+        prefill_bucket=values["prefill_buckets"][-1], page_size=page, dspark=values["dspark"],
     )  # fmt: skip
-
-
-def _check_serve_options(args) -> None:
-    """The hand-written shape flags, by flag, before ServeConfig is built: `auto` is resolved here,
-    first (from --max-slots and --page-size, checked for it), and the lists are parsed and stated
-    against --max-slots and --max-context. The values of generated flags are ServeConfig's to check."""
-    check_mesh_and_hosts(args)
-    if args.max_context == "auto":
-        args.max_context = _auto_context(args)
-    if args.max_tokens_limit == "auto":
-        args.max_tokens_limit = args.max_context
-    at_least = (
-        ("--max-slots", args.max_slots, 1),
-        ("--page-size", args.page_size, 1),
-        ("--max-context", args.max_context, 1),
-        ("--num-pages", args.num_pages, 1),
-        ("--prefill-chunk", args.prefill_chunk, 1),
-        ("--max-tokens-limit", args.max_tokens_limit, 1),
-    )
-    for flag, value, minimum in at_least:
-        check_at_least(flag, value, minimum)
-    page = args.page_size
-    if args.max_context % page:
-        raise ValueError(f"--max-context {args.max_context} must be a multiple of --page-size {page}")
-    if args.prefill_chunk % page:
-        raise ValueError(f"--prefill-chunk {args.prefill_chunk} must be a multiple of --page-size {page}")
-    rows = _prefill_rows(args)
-    if rows is not None and (list(rows) != sorted(set(rows)) or rows[0] < 1 or rows[-1] > args.max_slots):
-        raise ValueError(
-            f"--prefill-rows must be ascending row counts in 1..--max-slots ({args.max_slots}), "
-            f"got {args.prefill_rows}"
-        )
-    if rows is not None and len(rows) > 1 and args.batch_invariant:
-        raise ValueError(
-            f"--prefill-rows {args.prefill_rows}: several prefill sizes break --batch-invariant (a "
-            "request's output would depend on what is prefilled beside it); give one count, or add "
-            "--no-batch-invariant"
-        )
-    _context_buckets(args)
-
-
-def _context_buckets(args) -> tuple[int, ...] | None:
-    """--decode-context-buckets as a tuple of token counts ending at --max-context (None: not given)."""
-    if args.decode_context_buckets is None:
-        return None
-    try:
-        widths = tuple(int(x) for x in args.decode_context_buckets.split(","))
-    except ValueError:
-        raise ValueError(
-            "--decode-context-buckets must be comma-separated token counts such as 8192,65536, got "
-            f"{args.decode_context_buckets!r}"
-        ) from None
-    page = args.page_size
-    if list(widths) != sorted(set(widths)) or widths[0] < 1 or any(w % page for w in widths):
-        raise ValueError(
-            f"--decode-context-buckets must be ascending multiples of --page-size {page}, got "
-            f"{args.decode_context_buckets}"
-        )
-    if widths[-1] > args.max_context:
-        raise ValueError(
-            f"--decode-context-buckets {args.decode_context_buckets}: at most --max-context "
-            f"{args.max_context}"
-        )
-    return widths if widths[-1] == args.max_context else (*widths, args.max_context)
-
-
-def _prefill_rows(args) -> tuple[int, ...] | None:
-    """--prefill-rows as a tuple of ints (None: not given)."""
-    if args.prefill_rows is None:
-        return None
-    try:
-        return tuple(int(x) for x in args.prefill_rows.split(","))
-    except ValueError:
-        raise ValueError(
-            f"--prefill-rows must be comma-separated row counts such as 4 or 2,4, got {args.prefill_rows!r}"
-        ) from None
-
-
-def _serve_defaults():
-    """ServeConfig(): the one declaration of a server's shapes and limits and their defaults."""
-    from serving.config import ServeConfig
-
-    return ServeConfig()
-
-
-def _http_models(args):
-    """ModelNames with the --model-alias values (each NAME or NAME=thinking|non-thinking)."""
-    from serving.model_names import ModelNames, parse_alias
-
-    try:
-        return ModelNames(extra_aliases=tuple(parse_alias(v) for v in args.model_alias or ()))
-    except ValueError as e:
-        raise ValueError(f"--model-alias: {e}") from None
-
-
-def _image_fetch(args, fetch):
-    """`fetch` (ServeConfig.http_image_fetch) with the hosts of --allow-image-urls: one flag for two
-    fields, whether URLs are fetched at all and from which hosts."""
-    import dataclasses
-
-    if args.allow_image_urls is None:
-        return fetch
-    hosts = tuple(h.strip() for h in args.allow_image_urls.split(","))
-    if not all(hosts):
-        raise ValueError(f"--allow-image-urls: expected HOST[,HOST...], got {args.allow_image_urls!r}")
-    try:
-        return dataclasses.replace(fetch, allow_image_urls=True, allowed_hosts=hosts)
-    except ValueError as e:
-        raise ValueError(f"--allow-image-urls: {e}") from None
-
-
-def _check_port_option(option: str, port: int, off: int | None = None) -> None:
-    if port != off and not 0 <= port <= 65535:
-        also = "" if off is None else f", or {off} (off)"
-        raise ValueError(f"{option} must be in 0..65535 (0: any free port){also}, got {port}")
 
 
 def serve_config(args):
     """The `ServeConfig` of the serve flags (shared by `serve` and `compile`), checked before anything
-    slow: every number, key file, port and the KV disk directory."""
-    _check_serve_options(args)
+    slow: every value by ServeConfig and its nested configs (errors name field and flag), the key
+    file, and the KV disk directory. auto (--max-context, --max-tokens-limit) is sized here first."""
+    check_mesh_and_hosts(args)
     check_compilation_cache_options(args)
     from serving.config import ServeConfig
-    from serving.tenants import ApiKeys
+    from serving.flags import AUTO
 
-    api_keys = None
-    if args.api_key_file is not None and args.api_key is not None:
-        raise ValueError("--api-key and --api-key-file: give one or the other")
-    if args.api_key_file is not None:
-        try:
-            api_keys = ApiKeys.load(args.api_key_file)
-        except ValueError as e:
-            raise ValueError(f"--api-key-file {e}") from None
-    if args.api_key is not None:
-        try:
-            api_keys = ApiKeys.parse([args.api_key], source="--api-key")
-        except ValueError as e:
-            raise ValueError(str(e).replace("line 1: ", "")) from None
-    _check_port_option("--port", args.port)
-    _check_port_option("--metrics-port", args.metrics_port, off=-1)
-    if args.http_port != 0:  # 0 (or -1) turns the HTTP API off
-        _check_port_option("--http-port", args.http_port, off=-1)
     values = config_values(args)
-    values["http_image_fetch"] = _image_fetch(args, values["http_image_fetch"])
-    chunk = args.prefill_chunk
-    config = ServeConfig(
-        **values,
-        max_context=args.max_context,
-        prefill_buckets=(chunk,),
-        prefill_rows=_prefill_rows(args),  # None: ServeConfig's default for these shapes
-        decode_context_buckets=_context_buckets(args),  # likewise
-        max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=min(_serve_defaults().default_max_tokens, args.max_tokens_limit),
-        prefill_mode=args.prefill_mode,
-        api_keys=api_keys,
-        port=args.port,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        metrics_host=args.host,
-        http_port=None if args.http_port <= 0 else args.http_port,
-        http_models=_http_models(args),
-    )  # validates every value before anything is loaded
+    if values["max_context"] == AUTO:
+        values["max_context"] = _auto_context(args, values)
+    if values["max_tokens_limit"] == AUTO:
+        values["max_tokens_limit"] = values["max_context"]
+    # A request without max_tokens gets ServeConfig's default, within --max-tokens-limit; /metrics
+    # listens on --host.
+    values["default_max_tokens"] = min(ServeConfig().default_max_tokens, values["max_tokens_limit"])
+    values["metrics_host"] = values["host"]
+    config = ServeConfig(**values)  # validates every value before anything is loaded
     # Before the model loads: a busy, unwritable or foreign directory fails at once.
     if config.kv_disk_dir is not None:
         from serving.scheduling.kv_tiers import DiskTier
@@ -259,40 +107,61 @@ def serve_config(args):
     return config
 
 
+def _dest(flag) -> str:
+    """The argparse attribute of a flag: its name's, e.g. max_slots for --max-slots."""
+    return flag.name[2:].replace("-", "_")
+
+
 def add_config_flags(groups: dict) -> None:
-    """One flag per config field that declares one (`serving.flags.Flag`; fields of ServeConfig and of
-    the configs nested in it, `serving.config.serve_flags`): its name, help, section and metavar from the
-    declaration, its type and default from the field; the value lands under the field's path, e.g.
-    "max_slots" or "http_files.ttl_s" (`config_values`)."""
+    """One flag per `serving.flags.Flag` declared on a config field (fields of ServeConfig and of the
+    configs nested in it, `serving.config.serve_flags`): its name, help, section, metavar, choices
+    from the declaration; its type and default from the field, unless it declares a default (text)
+    or a parse, whose text `config_values` parses."""
     from serving.config import serve_flags
 
-    for path, field, flag in serve_flags():
+    for _, field, flag in serve_flags():
+        kw = {"help": flag.help, "metavar": flag.metavar, "choices": flag.choices}
         kind = field.type.replace(" | None", "")
-        kw = {"dest": ".".join(path), "default": field.default, "help": flag.help}
-        if kind == "bool":
+        if flag.repeatable:
+            kw["action"] = "append"
+        if flag.parse is not None:
+            kw["default"] = flag.command_default  # None: not given, the field's default
+        elif kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+            kw["default"] = field.default
         else:
             kw["type"] = {"int": int, "float": float, "str": str}[kind]
-            # argparse would spell a dotted dest; the flag's own name reads as it always did.
-            kw["metavar"] = flag.metavar or flag.name[2:].replace("-", "_").upper()
-        groups[flag.group].add_argument(flag.name, **kw)
+            # A command default is text, typed by argparse like the flag's.
+            kw["default"] = field.default if flag.command_default is None else flag.command_default
+        groups[flag.group].add_argument(flag.name, **{k: v for k, v in kw.items() if v is not None})
 
 
 def config_values(args) -> dict:
-    """The `ServeConfig` fields the serve flags set directly (`add_config_flags`); a nested config
-    (http_limits, http_image_fetch, http_files) is ServeConfig's default with its flags' values, built
-    (and so checked) here."""
+    """The `ServeConfig` fields the serve flags set (`add_config_flags`), each flag's text parsed by
+    its `parse` (a ValueError names field and flag; a flag with a parse not given leaves the field's
+    default, and of two flags of one field one may be given). A nested config (http_limits,
+    http_image_fetch, http_files) is ServeConfig's default with its flags' values, built (and so
+    checked) here. max_context and max_tokens_limit may be AUTO, for `serve_config` to size."""
     import dataclasses
 
     from serving.config import ServeConfig, serve_flags
 
-    values, nested = {}, {}
-    for path, _, _ in serve_flags():
-        value = getattr(args, ".".join(path))
-        if len(path) == 1:
-            values[path[0]] = value
-        else:
-            nested.setdefault(path[0], {})[path[1]] = value
+    values, nested, given = {}, {}, {}
+    for path, _, flag in serve_flags():
+        value = getattr(args, _dest(flag))
+        if flag.parse is not None and value is None:
+            continue
+        if path in given:
+            raise ValueError(f"{path[-1]} ({given[path]} / {flag.name}): give one or the other")
+        given[path] = flag.name
+        if flag.parse is not None:
+            try:
+                value = flag.parse(value)
+            except ValueError as e:
+                raise ValueError(f"{path[-1]} ({flag.name}): {e}") from None
+        fields = values if len(path) == 1 else nested.setdefault(path[0], {})
+        fields[path[-1]] = value
+        fields.update(flag.also)
     defaults = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
     for name, fields in nested.items():
         values[name] = dataclasses.replace(defaults[name], **fields)
@@ -300,99 +169,12 @@ def config_values(args) -> dict:
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    """The flags of `serve`, shared by `compile` (the same flags build the same programs)."""
+    """The flags of `serve`, shared by `compile` (the same flags build the same programs): each
+    declared on the config field it sets (serving/config.py)."""
     p.add_argument("model", help="preset name (tiny) or checkpoint directory")
-    from serving.flags import ADMISSION, FLAG_GROUPS, IMAGES, SCHEDULING, SERVER, SHAPES, TENANTS
+    from serving.flags import FLAG_GROUPS
 
-    serve = _serve_defaults()  # every default below is ServeConfig's (serving/config.py)
-    groups = {name: p.add_argument_group(name) for name in FLAG_GROUPS}
-    add_config_flags(groups)
-    # The flags below are not generated from a field: each sets a value in a form of its own ("auto"
-    # sized from the model and memory, a list checked against other flags, an "off" port), sets
-    # several fields together, or is one declaration shared with other commands.
-    g = groups[SHAPES]
-    # auto: sized from the model, the device memory and other flags (_auto_context), before ServeConfig.
-    g.add_argument(
-        "--max-context",
-        type=_int_or_auto("--max-context"),
-        default="auto",
-        help="prompt + generated tokens per request; auto: the largest the KV pool holds for --max-slots "
-        "sequences (an accelerator's memory to 90 %% after weights and activations, on CPU 256 MiB of KV, "
-        "or --num-pages), at most the model's own context",
-    )
-    # One chunk length: ServeConfig.prefill_buckets is a tuple of them (this command compiles one).
-    g.add_argument(
-        "--prefill-chunk", type=int, default=max(serve.prefill_buckets), help="prompt tokens per prefill call"
-    )
-    # Lists, parsed here and checked against --max-slots / --max-context (which the buckets end with).
-    g.add_argument(
-        "--prefill-rows",
-        help="requests prefilled together: the row counts of the compiled prefill programs, ascending "
-        "(e.g. 4 or 2,4; default: min(4, --max-slots), and 1 too with --no-batch-invariant); one count "
-        "keeps prefix-cache hits bit-identical to cold runs on XLA:CPU, several (only with "
-        "--no-batch-invariant) trade that for less padding",
-    )
-    g.add_argument(
-        "--decode-context-buckets",
-        metavar="TOKENS",
-        help="page-table widths of the compiled prefill and decode programs, in tokens, ascending "
-        "(e.g. 8192,65536; --max-context is added last): a step reads its rows' page tables only up "
-        "to the smallest width that holds its longest row, so its cost follows the context in use, "
-        "not --max-context (same tokens at every width). Default: 8192 and x8 from there below "
-        "--max-context; each width is another set of compiled programs",
-    )
-    g = groups[SCHEDULING]
-    # One declaration with `logits` and `generate` (ced_cli.options), whose default differs.
-    add_prefill_mode_option(g, serve.prefill_mode, per_request=True)
-    g = groups[ADMISSION]
-    # auto: --max-context; also bounds ServeConfig.default_max_tokens (serve_config).
-    g.add_argument(
-        "--max-tokens-limit",
-        type=_int_or_auto("--max-tokens-limit"),
-        default="auto",
-        help="largest accepted max_tokens; auto: --max-context",
-    )
-    g = groups[TENANTS]
-    # Both build ServeConfig.api_keys (a key, or a file of keys and tenant names); one or the other.
-    g.add_argument(
-        "--api-key",
-        help="require this API key on every call (gRPC metadata or HTTP header: authorization: Bearer KEY, "
-        "or x-api-key: KEY); for several keys or named tenants use --api-key-file",
-    )
-    g.add_argument(
-        "--api-key-file",
-        help="require an API key on every call (authorization: Bearer KEY, or x-api-key: KEY); "
-        "the file has one key per line, optionally followed by a name (the tenant's identity)",
-    )
-    g = groups[SERVER]
-    # The command listens on the well-known ports, and -1 (or 0 for HTTP) turns one off (None in the
-    # config); ServeConfig's own default (0, any free port) suits servers started in-process (tests,
-    # benchmarks), which must not collide.
-    g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
-    g.add_argument(
-        "--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free, -1: off)"
-    )
-    g.add_argument(
-        "--http-port",
-        type=int,
-        default=8000,
-        help="HTTP API port: OpenAI Chat Completions / Completions / Responses and Anthropic Messages, as "
-        "DeepSeek's hosted API (0 or -1: off)",
-    )
-    # Repeatable, each parsed into an alias of ServeConfig.http_models.
-    g.add_argument(
-        "--model-alias",
-        action="append",
-        help="accept another model name on the HTTP API: NAME, or NAME=thinking / NAME=non-thinking to "
-        "force the mode (repeatable; deepseek-v4-flash, deepseek-chat, deepseek-reasoner, ... by default)",
-    )
-    g = groups[IMAGES]
-    # Two fields of http_image_fetch: whether URLs are fetched, and from which hosts (_image_fetch).
-    g.add_argument(
-        "--allow-image-urls",
-        metavar="HOST[,HOST...]",
-        help="HTTP API: fetch image URLs from these hosts (host or host:port); default: URLs are refused",
-    )
+    add_config_flags({name: p.add_argument_group(name) for name in FLAG_GROUPS})
     add_impl_options(p)
     add_mesh_options(p)
     add_compilation_cache_options(p)
@@ -404,7 +186,7 @@ def run(args) -> int:
     from serving.server import serve
 
     config = serve_config(args)
-    chunk = args.prefill_chunk
+    chunk = config.prefill_buckets[-1]
     cluster = serve_cluster(args)
     if cluster is not None and not cluster.is_leader:
         return serve_follower(args, config, cluster)

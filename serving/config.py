@@ -19,9 +19,26 @@ from serving.accounting import PricingConfig
 from serving.admission import AdmissionLimits
 from serving.engine.protocol import EngineSpec, check_shapes
 from serving.files import MIB, FilesConfig
-from serving.flags import ADMISSION, IMAGES, SCHEDULING, SERVER, SHAPES, TENANTS, Flag, flag, named
+from serving.flags import (
+    ADMISSION,
+    AUTO,
+    IMAGES,
+    PREFILL_MODE_HELP,
+    SCHEDULING,
+    SERVER,
+    SHAPES,
+    TENANTS,
+    Flag,
+    flag,
+    flags,
+    named,
+    port_or_off,
+    whole_number,
+    whole_number_or_auto,
+    whole_numbers,
+)
 from serving.image_fetch import ImageFetchConfig, ImageInputConfig
-from serving.model_names import ModelNames
+from serving.model_names import ModelNames, parse_alias
 from serving.tenants import ApiKeys
 
 # The fields that name a TCP port the server listens on (checked to be in 0..65535).
@@ -38,21 +55,44 @@ INVARIANT_DECODE_ROWS = 8
 LONG_PREFILL_CHUNK = 2048
 
 
+# Prompt tokens per prefill call (`ServeConfig.prefill_buckets`' one chunk by default, --prefill-chunk).
+PREFILL_CHUNK = 128
+
+
 def serve_flags() -> list[tuple[tuple[str, ...], dataclasses.Field, Flag]]:
-    """(path, field, flag) of every value the serve command sets directly, in order: a `ServeConfig`
-    field (path: its name), or a field of a config nested in one (path: the two names, e.g.
-    ("http_files", "ttl_s")), at the place of the ServeConfig field."""
+    """(path, field, flag) of every flag of the serve command, in order: of a `ServeConfig` field
+    (path: its name), or of a field of a config nested in one (path: the two names, e.g.
+    ("http_files", "ttl_s")), at the place of the ServeConfig field; a field with two flags
+    (api_keys) has two rows."""
     found = []
     for f in dataclasses.fields(ServeConfig):
-        if "flag" in f.metadata:
-            found.append(((f.name,), f, f.metadata["flag"]))
+        if "flags" in f.metadata:
+            found += [((f.name,), f, declared) for declared in f.metadata["flags"]]
         elif dataclasses.is_dataclass(f.default):
             found += [
-                ((f.name, inner.name), inner, inner.metadata["flag"])
+                ((f.name, inner.name), inner, declared)
                 for inner in dataclasses.fields(f.default)
-                if "flag" in inner.metadata
+                for declared in inner.metadata.get("flags", ())
             ]
     return found
+
+
+def _one_chunk(text: str) -> tuple[int, ...]:
+    """--prefill-chunk N: prefill_buckets of that one chunk length."""
+    return (whole_number(text),)
+
+
+def _one_key(key: str) -> ApiKeys:
+    """--api-key KEY (or "KEY NAME"): the keys of a key file of that one line."""
+    try:
+        return ApiKeys.parse([key], source="the key")
+    except ValueError as e:
+        raise ValueError(str(e).replace(" line 1", "")) from None
+
+
+def _model_aliases(values: list[str]) -> ModelNames:
+    """--model-alias, repeated: the served names with these aliases (NAME or NAME=thinking|non-thinking)."""
+    return ModelNames(extra_aliases=tuple(parse_alias(v) for v in values))
 
 
 def default_long_prefill_chunk(max_context: int) -> int:
@@ -99,8 +139,27 @@ class ServeConfig:
         "KV pages in the buffer (default: max-slots x max-context / page-size)",
         group=SHAPES,
     )
-    max_context: int = 2048  # prompt + generated tokens of one request; a multiple of page_size
-    prefill_buckets: tuple[int, ...] = (128,)  # chunk lengths; largest % page_size == 0
+    # Prompt + generated tokens of one request; a multiple of page_size. The command's default, auto,
+    # is sized from the model and the memory there (ced_cli.serve), before the config is built.
+    max_context: int = flag(
+        2048,
+        "--max-context",
+        "prompt + generated tokens per request; auto: the largest the KV pool holds for --max-slots "
+        "sequences (an accelerator's memory to 90 %% after weights and activations, on CPU 256 MiB of KV, "
+        "or --num-pages), at most the model's own context",
+        group=SHAPES,
+        command_default=AUTO,
+        parse=whole_number_or_auto,
+    )
+    # Chunk lengths, ascending; the largest a multiple of page_size. The command compiles one.
+    prefill_buckets: tuple[int, ...] = flag(
+        (PREFILL_CHUNK,),
+        "--prefill-chunk",
+        "prompt tokens per prefill call",
+        group=SHAPES,
+        command_default=str(PREFILL_CHUNK),
+        parse=_one_chunk,
+    )
     # Batch invariance, a guarantee: a request's tokens and log-probabilities are bit-identical
     # whatever else is batched with it (tests/serving/test_serving_jax.py: a request alone and among
     # 31 others). It costs padding: decode runs at least INVARIANT_DECODE_ROWS rows and prefill at
@@ -141,16 +200,36 @@ class ServeConfig:
     # vs 2 or 4 vs 8, on a page that ends mid-way), so with several sizes a request's output, and a
     # prefix-cache hit computed beside other requests, depend on what else is prefilled; one size
     # keeps it exact at the cost of idle rows (BENCHMARKS.md, Serving).
-    prefill_rows: tuple[int, ...] | None = None
+    prefill_rows: tuple[int, ...] | None = flag(
+        None,
+        "--prefill-rows",
+        "requests prefilled together: the row counts of the compiled prefill programs, ascending "
+        "(e.g. 4 or 2,4; default: min(4, --max-slots), and 1 too with --no-batch-invariant); one count "
+        "keeps prefix-cache hits bit-identical to cold runs on XLA:CPU, several (only with "
+        "--no-batch-invariant) trade that for less padding",
+        group=SHAPES,
+        parse=whole_numbers("4 or 2,4"),
+    )
     # Decode page-table widths (tokens of context) compiled at start-up: a decode step reads its rows'
     # page tables only up to the smallest width that holds its longest row, so its cost follows the
     # context in use rather than max_context (the indexer scores every compressed entry its table
     # reaches: on tiny, a 4K-token row in a table of 128K tokens decodes as slowly as a 128K-token
-    # one). The result is the same bit for bit at every width. Ascending multiples of page_size
-    # ending at max_context; None: 8192 tokens and x8 from there, below max_context, then
-    # max_context (one width when max_context <= 8192). Each width multiplies the compiled decode
-    # programs (decode_buckets, and the DSpark widths).
-    decode_context_buckets: tuple[int, ...] | None = None
+    # one). The result is the same bit for bit at every width. Ascending multiples of page_size up
+    # to max_context, which is added last when missing; None: 8192 tokens and x8 from there, below
+    # max_context, then max_context (one width when max_context <= 8192). Each width multiplies the
+    # compiled decode programs (decode_buckets, and the DSpark widths).
+    decode_context_buckets: tuple[int, ...] | None = flag(
+        None,
+        "--decode-context-buckets",
+        "page-table widths of the compiled prefill and decode programs, in tokens, ascending "
+        "(e.g. 8192,65536; --max-context is added last): a step reads its rows' page tables only up "
+        "to the smallest width that holds its longest row, so its cost follows the context in use, "
+        "not --max-context (same tokens at every width). Default: 8192 and x8 from there below "
+        "--max-context; each width is another set of compiled programs",
+        group=SHAPES,
+        metavar="TOKENS",
+        parse=whole_numbers("8192,65536"),
+    )
 
     # Admission and request limits.
     max_running: int | None = flag(
@@ -165,7 +244,15 @@ class ServeConfig:
         "waiting requests; beyond: RESOURCE_EXHAUSTED",
         group=ADMISSION,
     )  # requests waiting for a slot; beyond running + queued: RESOURCE_EXHAUSTED
-    max_tokens_limit: int = 1024  # largest accepted GenerateRequest.max_tokens
+    # Largest accepted GenerateRequest.max_tokens. The command's default, auto, is max_context.
+    max_tokens_limit: int = flag(
+        1024,
+        "--max-tokens-limit",
+        "largest accepted max_tokens; auto: --max-context",
+        group=ADMISSION,
+        command_default=AUTO,
+        parse=whole_number_or_auto,
+    )
     default_max_tokens: int = 256  # when the request leaves max_tokens at 0
     max_logprobs: int = 20  # largest accepted GenerateRequest.logprobs (<= the engine's)
     max_stop_strings: int = 16
@@ -261,7 +348,13 @@ class ServeConfig:
     # "ced" runs the encoder layers over the whole prompt and the decoder layers only over its last
     # window (spec 4.2; about twice the prefill throughput on long prompts, not bit-exact). A model
     # without the CED layout serves "exact" only.
-    prefill_mode: str = "exact"
+    prefill_mode: str = flag(
+        "exact",
+        "--prefill-mode",
+        PREFILL_MODE_HELP + " (per request: GenerateRequest.prefill_mode, the HTTP body's prefill_mode)",
+        group=SCHEDULING,
+        choices=PREFILL_MODES,
+    )
     # Output-side flow control: a decoding request that has generated this many tokens since it got
     # its slot yields the slot when other requests are waiting (its prompt and output so far are
     # registered in the prefix cache and it queues again at the back; its stream goes on where it
@@ -306,7 +399,24 @@ class ServeConfig:
     )
 
     # Tenants (serving/tenants.py).
-    api_keys: ApiKeys | None = None  # None: no authentication, identity = GenerateRequest.user
+    # None: no authentication, identity = GenerateRequest.user. A key, or a file of keys and names.
+    api_keys: ApiKeys | None = flags(
+        None,
+        Flag(
+            "--api-key",
+            "require this API key on every call (gRPC metadata or HTTP header: authorization: Bearer KEY, "
+            "or x-api-key: KEY); for several keys or named tenants use --api-key-file",
+            TENANTS,
+            parse=_one_key,
+        ),
+        Flag(
+            "--api-key-file",
+            "require an API key on every call (authorization: Bearer KEY, or x-api-key: KEY); "
+            "the file has one key per line, optionally followed by a name (the tenant's identity)",
+            TENANTS,
+            parse=ApiKeys.load,
+        ),
+    )
     # True: one prefix cache for every identity, so a tenant's cached_prompt_tokens and latency reveal
     # whether another tenant sent the same prefix. False: the cache is scoped per identity.
     share_prefix_cache: bool = flag(
@@ -342,19 +452,46 @@ class ServeConfig:
 
     # Server.
     host: str = flag("127.0.0.1", "--host", "address the gRPC server and /metrics listen on", group=SERVER)
-    port: int = 0  # 0 = ephemeral
-    metrics_port: int | None = 0  # None = no metrics endpoint; 0 = ephemeral
+    # The ports: 0 = any free port, the default, which suits servers started in-process (tests,
+    # benchmarks: they must not collide); the command listens on the well-known ones, and -1 (or 0
+    # for HTTP) turns one off there (None: off).
+    port: int = flag(0, "--port", "gRPC port (0: any free port)", group=SERVER, command_default="50051")
+    metrics_port: int | None = flag(
+        0,
+        "--metrics-port",
+        "Prometheus /metrics port (0: any free, -1: off)",
+        group=SERVER,
+        command_default="9464",
+        parse=port_or_off(-1),
+    )
     metrics_host: str = "127.0.0.1"
     # The HTTP API (serving/http: OpenAI / Anthropic formats) in the same process; None = off, 0 = any
     # free port. Its host: None = `host` (loopback unless told otherwise).
-    http_port: int | None = None
+    http_port: int | None = flag(
+        None,
+        "--http-port",
+        "HTTP API port: OpenAI Chat Completions / Completions / Responses and Anthropic Messages, as "
+        "DeepSeek's hosted API (0 or -1: off)",
+        group=SERVER,
+        command_default="8000",
+        parse=port_or_off(0, -1),
+    )
     http_host: str | None = flag(
         None,
         "--http-host",
         "address the HTTP API listens on (default: --host)",
         group=SERVER,
     )
-    http_models: ModelNames = ModelNames()  # served name and aliases (serving/model_names.py)
+    # Served name and aliases (serving/model_names.py).
+    http_models: ModelNames = flag(
+        ModelNames(),
+        "--model-alias",
+        "accept another model name on the HTTP API: NAME, or NAME=thinking / NAME=non-thinking to "
+        "force the mode (repeatable; deepseek-v4-flash, deepseek-chat, deepseek-reasoner, ... by default)",
+        group=SERVER,
+        repeatable=True,
+        parse=_model_aliases,
+    )
     # A request body's bytes, checked as it arrives (before parsing; beyond: 413). None: the gRPC
     # limits' equivalent, 4 x max_prompt_bytes (JSON escapes) + 1 MiB, plus base64 images
     # (max_images_per_request x max_image_bytes x 4/3) on a model that takes them.
@@ -425,6 +562,7 @@ class ServeConfig:
             num_pages=1 if self.num_pages is None else self.num_pages,  # the default is >= 1 (below)
             max_context=self.max_context,
             prefill_buckets=self.prefill_buckets,
+            named=lambda field: named(self, field),
         )
         if self.num_pages is None:  # frozen: the default is filled in once, here
             object.__setattr__(self, "num_pages", self.max_slots * (self.max_context // self.page_size))
@@ -442,6 +580,9 @@ class ServeConfig:
                 "break batch invariance (a row's result depends on the batch's size); turn "
                 "batch_invariant off (--no-batch-invariant) to run them"
             )
+        page = f"{named(self, 'page_size')} {self.page_size}"
+        context = f"{named(self, 'max_context')} {self.max_context}"
+        slots = f"{named(self, 'max_slots')} {self.max_slots}"
         if self.decode_context_buckets is None:
             object.__setattr__(
                 self, "decode_context_buckets", default_context_buckets(self.max_context, self.page_size)
@@ -450,13 +591,15 @@ class ServeConfig:
         if (
             not c
             or list(c) != sorted(set(c))
-            or c[-1] != self.max_context
+            or c[-1] > self.max_context
             or any(t < 1 or t % self.page_size for t in c)
         ):
             raise ValueError(
-                "decode_context_buckets must be ascending multiples of page_size "
-                f"({self.page_size}) ending at max_context ({self.max_context}), got {c}"
+                f"{named(self, 'decode_context_buckets')} must be ascending multiples of {page}, at most "
+                f"{context}, got {c}"
             )
+        if c[-1] < self.max_context:  # the last width holds a whole request
+            object.__setattr__(self, "decode_context_buckets", (*c, self.max_context))
         if self.prefill_rows is None:
             rows = min(4, self.max_slots)
             object.__setattr__(
@@ -465,17 +608,16 @@ class ServeConfig:
         r = tuple(self.prefill_rows)
         if not r or list(r) != sorted(set(r)) or r[0] < 1 or r[-1] > self.max_slots:
             raise ValueError(
-                f"prefill_rows must be ascending, positive and at most max_slots ({self.max_slots}), got {r}"
+                f"{named(self, 'prefill_rows')} must be ascending row counts in 1..{slots}, got {r}"
             )
         if self.batch_invariant and len(r) > 1:
             raise ValueError(
-                f"prefill_rows {list(r)}: several prefill sizes break batch invariance (a row's result "
-                "depends on the program's row count); give one, or turn batch_invariant off "
-                "(--no-batch-invariant)"
+                f"{named(self, 'prefill_rows')} {list(r)}: several prefill sizes break batch invariance (a "
+                "request's output would depend on what is prefilled beside it); give one count, or turn "
+                "batch_invariant off (--no-batch-invariant)"
             )
         if self.prefill_token_budget is None:
             object.__setattr__(self, "prefill_token_budget", 2 * self.page_size * r[-1])
-        page = f"{named(self, 'page_size')} {self.page_size}"
         if self.prefill_token_budget < self.page_size:
             raise ValueError(
                 f"{named(self, 'prefill_token_budget')} must be >= {page} (a page per step at least), "
@@ -495,7 +637,7 @@ class ServeConfig:
             raise ValueError(
                 f"{named(self, 'long_prefill_chunk')} must be 0 (off) or a multiple of "
                 f"{named(self, 'long_prefill_step')} {step} above the prefill chunk (--prefill-chunk) "
-                f"{self.prefill_buckets[-1]} and at most max_context (--max-context) {self.max_context}, "
+                f"{self.prefill_buckets[-1]} and at most {context}, "
                 f"got {long_chunk}"
             )
         positive = (
@@ -539,7 +681,10 @@ class ServeConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{named(self, name)} must be >= 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+            raise ValueError(
+                f"default_max_tokens {self.default_max_tokens} must not exceed "
+                f"{named(self, 'max_tokens_limit')} {self.max_tokens_limit}"
+            )
         if not (math.isfinite(self.grace_period_s) and self.grace_period_s >= 0):
             grace = named(self, "grace_period_s")
             raise ValueError(f"{grace} must be a finite number >= 0, got {self.grace_period_s}")
@@ -579,7 +724,10 @@ class ServeConfig:
         for name in PORT_FIELDS:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} must be in 0..65535 (0: any free port), got {port}")
+                off = "" if name == "port" else ", or None (off)"
+                raise ValueError(
+                    f"{named(self, name)} must be in 0..65535 (0: any free port){off}, got {port}"
+                )
 
     @property
     def kv_tiers(self) -> bool:

@@ -51,7 +51,15 @@ class ImageFetchConfig:
     """`ced-jax serve --allow-image-urls HOST[,HOST...] --image-url-max-bytes B --image-url-timeout S`."""
 
     allow_image_urls: bool = False
-    allowed_hosts: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = flag(
+        (),
+        "--allow-image-urls",
+        "HTTP API: fetch image URLs from these hosts (host or host:port); default: URLs are refused",
+        group=IMAGES,
+        metavar="HOST[,HOST...]",
+        parse=lambda hosts: tuple(h.strip() for h in hosts.split(",")),  # checked below
+        also=(("allow_image_urls", True),),  # naming hosts turns fetching on
+    )
     max_bytes: int = flag(20 * MIB, "--image-url-max-bytes", "one fetched image", group=IMAGES)
     timeout_s: float = flag(10.0, "--image-url-timeout", "seconds per fetch", group=IMAGES)
     max_redirects: int = 3
@@ -68,11 +76,12 @@ class ImageFetchConfig:
             raise ValueError(f"ImageFetchConfig.max_redirects: must be >= 0, got {self.max_redirects}")
         for h in self.allowed_hosts:
             if not h or "/" in h or h != h.strip():
-                raise ValueError(f"ImageFetchConfig.allowed_hosts: {h!r} is not a host name (or host:port)")
+                hosts = named(self, "allowed_hosts")
+                raise ValueError(f"ImageFetchConfig.{hosts}: {h!r} is not a host name (or host:port)")
         if self.allow_image_urls and not self.allowed_hosts:
             raise ValueError(
-                "ImageFetchConfig.allowed_hosts: URL fetching is on but no host is allowed; name the hosts "
-                "images may be fetched from"
+                f"ImageFetchConfig.{named(self, 'allowed_hosts')}: URL fetching is on but no host is "
+                "allowed; name the hosts images may be fetched from"
             )
 
 

@@ -95,7 +95,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,10 +125,16 @@ class SamplingParams:
 
 
 def check_shapes(
-    *, max_slots: int, page_size: int, num_pages: int, max_context: int, prefill_buckets: tuple[int, ...]
+    *,
+    max_slots: int,
+    page_size: int,
+    num_pages: int,
+    max_context: int,
+    prefill_buckets: tuple[int, ...],
+    named: Callable[[str], str] = str,
 ) -> None:
     """The rules every engine's shapes obey, for `EngineSpec` and `serving.config.ServeConfig` alike
-    (ValueError naming the field)."""
+    (ValueError naming the field as `named` spells it: ServeConfig's with its flag)."""
     for name, value in (
         ("max_slots", max_slots),
         ("page_size", page_size),
@@ -136,14 +142,17 @@ def check_shapes(
         ("max_context", max_context),
     ):
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise ValueError(f"{named(name)} must be >= 1, got {value}")
+    page = f"{named('page_size')} {page_size}"
     if max_context % page_size:
-        raise ValueError(f"max_context {max_context} must be a multiple of page_size {page_size}")
+        raise ValueError(f"{named('max_context')} must be a multiple of {page}, got {max_context}")
     b = prefill_buckets
     if not b or list(b) != sorted(set(b)) or b[0] < 1:
-        raise ValueError(f"prefill_buckets must be ascending and positive, got {b}")
+        raise ValueError(f"{named('prefill_buckets')} must be ascending, each >= 1, got {b}")
     if b[-1] % page_size:
-        raise ValueError(f"the largest prefill bucket {b[-1]} must be a multiple of page_size {page_size}")
+        raise ValueError(
+            f"the largest of {named('prefill_buckets')} must be a multiple of {page}, got {b[-1]}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

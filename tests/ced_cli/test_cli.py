@@ -134,11 +134,17 @@ def test_serve_flags_are_the_serve_configs_declared_flags():
     from serving.config import ServeConfig, serve_flags
 
     flags = serve_flags()
-    assert len(flags) >= 40
+    assert len(flags) >= 54
+    assert len({flag.name for _, _, flag in flags}) == len(flags)  # no flag twice
     parser = build_parser()
     args = parser.parse_args(["serve", "tiny"])
-    for path, field, flag in flags:
-        assert getattr(args, ".".join(path)) == field.default, flag.name
+    for _, field, flag in flags:
+        # A flag defaults to its field's default, or to the text of the command's own default, or
+        # (typed otherwise than its field) to nothing given: the field's default.
+        want = field.default if flag.parse is None else None
+        if flag.command_default is not None:
+            want = flag.command_default if flag.parse else type(field.default)(flag.command_default)
+        assert getattr(args, flag.name[2:].replace("-", "_")) == want, flag.name
     given = {  # a value other than the default for one field of each kind
         "--max-queued": ("max_queued", 7),
         "--grace-period": ("grace_period_s", 2.5),
@@ -163,19 +169,71 @@ def test_serve_flags_are_the_serve_configs_declared_flags():
     assert not serve_config(parser.parse_args(["serve", "tiny", "--no-prefix-cache"])).enable_prefix_cache
 
 
+def test_serve_flags_typed_otherwise_than_their_fields_reach_the_config(tmp_path):
+    """The flags with a parse (serving.flags.Flag): a comma list, an "off" port, one chunk length, a
+    repeatable alias, a key or a key file, hosts that also turn URL fetching on; and the command's
+    own defaults (the well-known ports, auto)."""
+    from ced_cli.main import build_parser
+    from ced_cli.serve import serve_config
+
+    def config(*flags: str):
+        return serve_config(build_parser().parse_args(["serve", "tiny", *flags]))
+
+    default = config()
+    assert (default.port, default.metrics_port, default.http_port) == (50051, 9464, 8000)
+    assert default.max_tokens_limit == default.max_context > 2048  # auto, sized from the model
+    assert default.prefill_buckets == (128,) and default.api_keys is None
+    assert not default.http_image_fetch.allow_image_urls and default.http_models.extra_aliases == ()
+    keys = tmp_path / "keys"
+    keys.write_text("k1 alice\nk2 bob\n")
+    c = config(
+        "--max-context", "4096", "--max-tokens-limit", "512", "--prefill-chunk", "256",
+        "--prefill-rows", "2,4", "--no-batch-invariant", "--decode-context-buckets", "1024",
+        "--metrics-port", "-1", "--http-port", "0", "--port", "0", "--prefill-mode", "ced",
+        "--model-alias", "a", "--model-alias", "b=thinking", "--allow-image-urls", "x.org, y:81",
+        "--api-key-file", str(keys),
+    )  # fmt: skip
+    assert (c.max_context, c.max_tokens_limit, c.default_max_tokens) == (4096, 512, 256)
+    assert (c.prefill_buckets, c.prefill_rows, c.decode_context_buckets) == ((256,), (2, 4), (1024, 4096))
+    assert (c.port, c.metrics_port, c.http_port, c.prefill_mode) == (0, None, None, "ced")
+    assert [(a.name, a.thinking) for a in c.http_models.extra_aliases] == [("a", None), ("b", True)]
+    assert c.http_image_fetch.allow_image_urls and c.http_image_fetch.allowed_hosts == ("x.org", "y:81")
+    assert c.api_keys.names == {"alice", "bob"}
+    assert len(config("--api-key", "k3").api_keys) == 1
+    assert config("--max-tokens-limit", "100").default_max_tokens == 100  # within the limit
+
+
 def test_serve_bad_options_exit_2_before_loading(capsys):
     from ced_cli.main import main
 
     cases = [
-        (["--prefill-chunk", "20"], "--prefill-chunk 20 must be a multiple of --page-size 16"),
-        (["--max-context", "100"], "--max-context 100 must be a multiple of --page-size 16"),
-        (["--max-slots", "0"], "--max-slots must be >= 1"),
-        (["--decode-context-buckets", "24"], "must be ascending multiples of --page-size 16"),
-        (["--decode-context-buckets", "512,a"], "must be comma-separated token counts"),
+        (
+            ["--prefill-chunk", "20"],
+            "prefill_buckets (--prefill-chunk) must be a multiple of page_size (--page-size) 16, got 20",
+        ),
+        (
+            ["--max-context", "100"],
+            "max_context (--max-context) must be a multiple of page_size (--page-size) 16, got 100",
+        ),
+        (["--max-slots", "0"], "max_slots (--max-slots) must be >= 1"),
+        (
+            ["--decode-context-buckets", "24"],
+            "decode_context_buckets (--decode-context-buckets) must be ascending multiples of page_size "
+            "(--page-size) 16",
+        ),
+        (
+            ["--decode-context-buckets", "512,a"],
+            "decode_context_buckets (--decode-context-buckets): expected comma-separated whole numbers",
+        ),
         (
             ["--max-context", "2048", "--decode-context-buckets", "4096"],
-            "--decode-context-buckets 4096: at most --max-context 2048",
+            "at most max_context (--max-context) 2048, got (4096,)",
         ),
+        (["--max-context", "lots"], "max_context (--max-context): expected a whole number or auto"),
+        (["--api-key", "k", "--api-key-file", "/no/such"], "(--api-key / --api-key-file): give one"),
+        (["--api-key", "a b c"], "api_keys (--api-key): the key: expected 'KEY' or 'KEY NAME'"),
+        (["--model-alias", "x=on"], "http_models (--model-alias): model alias 'x=on'"),
+        (["--allow-image-urls", "a,,b"], "allowed_hosts (--allow-image-urls): '' is not a host name"),
         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"], "needs --mesh"),
     ]
     for extra, message in cases:
@@ -331,10 +389,12 @@ def test_console_script_bad_number_is_one_line_without_traceback():
 @pytest.mark.parametrize(
     "extra, needles",
     [
-        (["--port", "99999"], ("--port must be in 0..65535", "99999")),
-        (["--port", "-1"], ("--port must be in 0..65535", "-1")),
-        (["--metrics-port", "65536"], ("--metrics-port must be in 0..65535", "65536")),
-        (["--metrics-port", "-2"], ("--metrics-port must be in 0..65535", "-1 (off)")),
+        (["--port", "99999"], ("port (--port) must be in 0..65535", "99999")),
+        (["--port", "-1"], ("port (--port) must be in 0..65535", "-1")),
+        (["--metrics-port", "65536"], ("metrics_port (--metrics-port) must be in 0..65535", "65536")),
+        (["--metrics-port", "-2"], ("metrics_port (--metrics-port) must be in 0..65535", "None (off)", "-2")),
+        (["--http-port", "-2"], ("http_port (--http-port) must be in 0..65535", "-2")),
+        (["--http-port", "70000"], ("http_port (--http-port) must be in 0..65535", "70000")),
         (["--max-prompt-bytes", "0"], ("--max-prompt-bytes", ">= 1")),
         (["--max-tokenize-bytes", "0"], ("--max-tokenize-bytes", ">= 1")),
     ],

@@ -425,10 +425,10 @@ def test_grpc_tiny_speculative_greedy_equals_plain_decoding(tiny):
 
 def test_serve_dspark_flags_reach_the_config():
     from ced_cli.main import build_parser
-    from ced_cli.serve import config_values
+    from ced_cli.serve import serve_config
 
     def options(*flags: str) -> ServeConfig:
-        return ServeConfig(**config_values(build_parser().parse_args(["serve", "tiny", *flags])))
+        return serve_config(build_parser().parse_args(["serve", "tiny", "--max-context", "256", *flags]))
 
     default = options()
     assert (default.dspark, default.dspark_confidence) == (0, None)  # off by default

@@ -58,7 +58,7 @@ def test_batch_invariance_is_a_checked_choice():
     ):
         ServeConfig(max_slots=8, decode_buckets=(4, 8))
     with pytest.raises(
-        ValueError, match=r"prefill_rows \[2, 4\]: several prefill sizes break batch invariance"
+        ValueError, match=r"prefill_rows \(--prefill-rows\) \[2, 4\]: several prefill sizes break"
     ):
         ServeConfig(prefill_rows=(2, 4))
     assert ServeConfig(max_slots=8, decode_buckets=(4, 8), prefill_rows=(2, 4), batch_invariant=False)

@@ -395,7 +395,9 @@ def test_decode_context_buckets_must_hold_the_indexer_top_k(model):
     """A width whose entries are fewer than the indexer's top-k would change the selection's shape."""
     with pytest.raises(ValueError, match="buckets: 16 tokens hold 8 entries of compress ratio 2"):
         JaxEngine(model, _config(decode_context_buckets=(16, CONTEXT)))
-    with pytest.raises(ValueError, match="decode_context_buckets must be ascending multiples of page_size"):
+    with pytest.raises(
+        ValueError, match=r"decode_context_buckets \(--decode-context-buckets\) must be ascending multiples"
+    ):
         _config(decode_context_buckets=(24, CONTEXT))
 
 
