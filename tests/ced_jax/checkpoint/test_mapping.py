@@ -224,7 +224,7 @@ def _mapped_inventory(cfg: ModelConfig) -> dict:
     return out
 
 
-@pytest.mark.parametrize("source", ["tiny", "v41-flash", "tiny-a", "tiny-v", "assets-tiny"])
+@pytest.mark.parametrize("source", ["tiny", "v41-flash", "tiny-a", "tiny-v", "tiny-v2", "assets-tiny"])
 def test_model_tree_matches_the_released_inventory(source):
     """Two independent descriptions of the weights agree: the model's abstract tree (from which
     `our_param_specs`, the loaders, the shardings and the planner derive) and the inventory of the
@@ -232,6 +232,7 @@ def test_model_tree_matches_the_released_inventory(source):
     files = {
         "tiny-a": GOLDEN_TINY_A,
         "tiny-v": REPO / "tests/golden/tiny-v",
+        "tiny-v2": REPO / "tests/golden/tiny-v2",
         "assets-tiny": REPO / "ced_jax/assets/tiny",
     }
     if source in files:
