@@ -5,7 +5,7 @@ arrays holding bf16 values (see `ced_jax.quant`), every linear accumulates in f3
 (bias included), RMSNorm (eps 1e-6) and RoPE compute in f32 and round, SiLU/GELU compute in f32 and
 round, each elementwise product and residual add rounds. Attention follows torch's CPU
 scaled_dot_product_attention for bf16 (the reference's kernel): f32 scores and probabilities, an
-online softmax over key blocks of `ATTN_KV_BLOCK`, the output rounded once (`_attention`).
+online softmax over key blocks of `ATTN_KV_BLOCK`, the output rounded once (`vit_attention`).
 
 Shapes: P patches (padded to a bucket: rows past `n_valid` are masked out of attention as keys and
 their outputs are garbage that nothing reads), W the ViT width, Hh heads of Dh, D the text width,
@@ -60,7 +60,7 @@ def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
     )
 
 
-def _linear(x: jax.Array, params: dict, name: str) -> jax.Array:
+def vit_linear(x: jax.Array, params: dict, name: str) -> jax.Array:
     """bf16 linear: f32 accumulation, the bias added before the one rounding (torch's addmm)."""
     y = jnp.einsum("...k,nk->...n", x, params[f"{name}.weight"].astype(jnp.float32), precision=HIGHEST)
     bias = params.get(f"{name}.bias")
@@ -79,14 +79,14 @@ def rope_tables(n_w: jax.Array, num_patches: int, vcfg: VisionConfig) -> tuple[j
     return jnp.cos(freqs), jnp.sin(freqs)
 
 
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def vit_rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Half-split rotation of the whole head: x = (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). x: [P, H, Dh]."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return round_bf16(jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1))
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> jax.Array:
+def vit_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> jax.Array:
     """Non-causal attention over the first n_valid keys, as torch's CPU flash kernel does it for bf16.
 
     q, k, v: [P, H, Dh] bf16 values -> [P, H, Dh] bf16 values, f32 inside. Per block of keys, the
@@ -107,7 +107,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> 
 
 
 def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """`_attention` for one chunk of queries q [Q, H, Dh] against all keys k, v [P, H, Dh]."""
+    """`vit_attention` for one chunk of queries q [Q, H, Dh] against all keys k, v [P, H, Dh]."""
     num_keys, _, head_dim = k.shape
     n_blocks = -(-num_keys // ATTN_KV_BLOCK)
     pad = n_blocks * ATTN_KV_BLOCK - num_keys
@@ -160,14 +160,14 @@ def vit_block(
     head_dim = vcfg.hidden_size // heads
     p = f"vision.blocks.{block}."
     h = vit_rms_norm(x, params[f"{p}norm1.weight"])
-    qkv = _linear(h, params, f"{p}attn.wqkv")
+    qkv = vit_linear(h, params, f"{p}attn.wqkv")
     q, k, v = (t.reshape(num, heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
-    o = _attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, n_valid)
-    x = round_bf16(x + _linear(o.reshape(num, -1), params, f"{p}attn.wo"))
+    o = vit_attention(vit_rotate(q, cos, sin), vit_rotate(k, cos, sin), v, n_valid)
+    x = round_bf16(x + vit_linear(o.reshape(num, -1), params, f"{p}attn.wo"))
     h = vit_rms_norm(x, params[f"{p}norm2.weight"])
-    gate, up = jnp.split(_linear(h, params, f"{p}mlp.w1"), 2, axis=-1)
+    gate, up = jnp.split(vit_linear(h, params, f"{p}mlp.w1"), 2, axis=-1)
     act = round_bf16(round_bf16(jax.nn.silu(gate)) * up)
-    return round_bf16(x + _linear(act, params, f"{p}mlp.w2"))
+    return round_bf16(x + vit_linear(act, params, f"{p}mlp.w2"))
 
 
 def vit_forward(
@@ -183,7 +183,7 @@ def vit_forward(
     [P, W] after the final norm, block inputs [L, P, W] when asked: index b is what block b
     received, so index 0 is the patch embedding)."""
     cos, sin = rope_tables(n_w, patches.shape[0], vcfg)
-    x = _linear(patches, params, "vision.patch_embed.proj")
+    x = vit_linear(patches, params, "vision.patch_embed.proj")
     inputs = []
     for b in range(vcfg.num_hidden_layers):
         inputs.append(x)
@@ -214,13 +214,22 @@ def aligner_forward(
     """ViT output [P, W] of an n_h x n_w grid -> aligner rows [N, D] (bf16 values), tokens in reading
     order (rows past the real n_llm_h * n_llm_w are garbage). Each token's input is its 3x3 window
     in torch F.unfold order: channel, then kernel row, then kernel column."""
-    r = vcfg.downsample_ratio
-    index, inside = aligner_gather_index(n_h, n_w, num_tokens, r)
+    merged = aligner_windows(features, n_h, n_w, num_tokens, vcfg)
+    return vit_linear(aligner_act(params, merged), params, "aligner.w2")
+
+
+def aligner_windows(
+    features: jax.Array, n_h: jax.Array, n_w: jax.Array, num_tokens: int, vcfg: VisionConfig
+) -> jax.Array:
+    """ViT output [P, W] -> each token's window [N, W*r*r], channel-major (zeros past the image edge)."""
+    index, inside = aligner_gather_index(n_h, n_w, num_tokens, vcfg.downsample_ratio)
     window = jnp.where(inside[..., None], features[index], 0.0)  # [N, r*r, W]
-    merged = jnp.transpose(window, (0, 2, 1)).reshape(num_tokens, -1)  # [N, W*r*r], channel-major
-    h = _linear(merged, params, "aligner.w1")
-    h = round_bf16(jax.nn.gelu(h, approximate=False))
-    return _linear(h, params, "aligner.w2")
+    return jnp.transpose(window, (0, 2, 1)).reshape(num_tokens, -1)
+
+
+def aligner_act(params: dict, merged: jax.Array) -> jax.Array:
+    """GELU(w1 x) of the merged windows [N, W*r*r] -> [N, D] (bf16 values): what the aligner's w2 reads."""
+    return round_bf16(jax.nn.gelu(vit_linear(merged, params, "aligner.w1"), approximate=False))
 
 
 def _encode(

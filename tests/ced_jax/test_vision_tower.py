@@ -4,20 +4,31 @@ vision weights' loading (released HF layout and `convert_weights` output).
 The fixture is the vision golden fixture (`--vision-golden DIR`, default tests/golden/tiny-v). Required:
 the image files, inputs.json, config.json, the checkpoint, `image{i}_patch_pixels`, `image{i}_grid`,
 `image{i}_aligner_output`. Optional, compared when present: `image{i}_vit_block_input`,
-`image{i}_vit_output`, `prefill_embed_output`.
+`image{i}_vit_output`, `prefill_embed_output`, and `expected_vit_ops.safetensors` beside them.
 
-Tolerances (measured on tiny-v, 2 ViT blocks of width 64, images of 1536 and 1413 patches; run with
--s to print the figures). The reference runs in bf16 on torch's CPU kernels; our f32 sums are ordered
-differently, so a bf16 rounding occasionally lands one ulp apart and, inside a block, that ulp reaches
-the rest of the row through attention and the MLP.
-- Patch embedding from our own pixels: bit-exact on image0, 1 element of 90,432 one ulp off on image1.
-  Allowed: no element beyond one ulp, at most 0.1% of elements differing.
-- One block from the recorded input (layer-local): 0.18% / 0.12% of elements differ (0.08% / 0.05% by
-  more than one ulp), max |diff| 0.66% of max |ref|, mean |diff| 1e-5 of mean |ref|. Allowed: 5% of elements,
-  2% of max |ref|, 0.1% of mean |ref| (a hidden fixture's blocks may be noisier: tiny-v's block 1,
-  run from its recorded input and normed, already differs in 1.9% of elements).
-- Aligner from the recorded ViT output: 0.07% of elements one ulp off, none beyond. Allowed: 0.5%,
-  0.1% beyond one ulp.
+Tolerances (measured on tiny-v, 2 ViT blocks of width 64, images of 1536 and 1413 patches, and on
+tiny-v2, 3 blocks of width 96, 551, 637 and 870 patches; run with -s to print the figures). The
+reference runs in bf16 on torch's CPU kernels; our f32 sums are ordered differently and torch's
+cos / sin are not correctly rounded (XLA's are: 7.8 % / 2.3 % of tiny-v2's image0 RoPE table entries
+differ by one f32 ulp), so a bf16 rounding occasionally lands one ulp apart.
+- Op by op (`test_block_ops_local`, from what each of the reference's ops received, recorded by
+  running its Block and Aligner on the recorded inputs: `expected_vit_ops.safetensors`): at most
+  3.4e-4 of an op's elements differ, in at most 27 rows; 0-2 elements of an op beyond one ulp. A
+  linear's elements beyond one ulp are cancellations: all within twice its f32 dot's rounding-error
+  bound (`_dot_error_bound`), which even the exactly rounded sum can exceed (tiny-v2 image0's patch
+  embedding: 1.11e-5 from terms of 2.6e-3; the reference's bf16 value is 1.3 ulps from the exact sum).
+- Patch embedding from our own pixels: 0-2e-4 of elements differ, 0-2 beyond one ulp, none beyond the
+  dot's bound. Allowed: none beyond the bound, at most 0.1% differing.
+- One block from the recorded input (layer-local): tiny-v 0.18% / 0.12% of elements differ; tiny-v2
+  image0 block 0 7.9% (144 of 551 rows; with torch's RoPE tables 6.1%): a flip in a key row (1 norm1
+  element, 6 qkv rows there) moves every query's score on that key, so this share measures how far
+  attention spreads a handful of op-level flips, not their number (which the op-local test bounds).
+  Max |diff| 0.76% of max |ref|, mean |diff| 4e-4 of mean |ref|. Allowed: 10% of elements, 2% of
+  max |ref|, 0.1% of mean |ref|.
+- Aligner from the recorded ViT output: tiny-v 0.07% of elements one ulp off, none beyond; tiny-v2
+  image2: one row's intermediate (GELU(w1 x)) one ulp off, which w2 spreads over the row (20 elements
+  beyond one ulp, where the row's outputs are small). Allowed: 0.5% differing; with the op record,
+  rows beyond one ulp only where our intermediate differs from the reference's; without it, 0.1%.
 - End to end from pixels (errors compound through the blocks, the final norm and the 9*W-wide
   aligner contraction): ViT output 13% / 9% of elements differ, max |diff| 0.72% / 0.85% of max
   |ref|, mean |diff| 0.07% / 0.05% of mean |ref|; aligner output 57% / 49% differ (20% beyond one
@@ -34,6 +45,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -43,15 +55,22 @@ from safetensors.numpy import load_file
 from ced_jax.checkpoint.hf_loader import CheckpointError
 from ced_jax.checkpoint.vision import load_vision_params
 from ced_jax.config import ModelConfig
+from ced_jax.quant import round_bf16
 from ced_jax.vision.params import vision_param_specs
 from ced_jax.vision.preprocess import PreparedImage, prepare_image
 from ced_jax.vision.tower import (
     VisionEncoder,
+    aligner_act,
     aligner_forward,
+    aligner_windows,
     default_buckets,
     max_patches,
     rope_tables,
+    vit_attention,
     vit_block,
+    vit_linear,
+    vit_rms_norm,
+    vit_rotate,
 )
 
 REQUIRED = ("patch_pixels", "grid", "aligner_output")
@@ -74,6 +93,16 @@ def golden(request):
 def params(golden):
     d, cfg, _, _ = golden
     return load_vision_params(d, cfg)
+
+
+@pytest.fixture(scope="module")
+def ops(golden) -> dict | None:
+    """What each op of the reference's ViT blocks and aligner received and produced, run on the
+    recorded block inputs and ViT output (`expected_vit_ops.safetensors`; None if the fixture lacks it)."""
+    path = golden[0] / "expected_vit_ops.safetensors"
+    if not path.exists():
+        return None
+    return {k: a.astype(np.float32) for k, a in load_file(str(path)).items()}
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +133,22 @@ def _one_ulp(x: np.ndarray) -> np.ndarray:
     return np.exp2(np.floor(np.log2(mag)) - 7).astype(np.float32)
 
 
-def _report(name: str, got: np.ndarray, want: np.ndarray) -> dict:
+def _dot_error_bound(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Twice the rounding-error bound of an f32 dot product x . w over K terms in any order,
+    2 * K * 2^-24 * sum_k |x_k w_k|: how far two orders of the same sum can lie apart. It exceeds half
+    a bf16 ulp of the result only where the sum cancels (terms much larger than their sum)."""
+    return 2 * x.shape[-1] * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(weight).astype(np.float64).T)
+
+
+def _report(name: str, got: np.ndarray, want: np.ndarray, *, slack: np.ndarray | None = None) -> dict:
+    """Differences of `got` from the reference's `want`; with `slack` (per element, e.g. a linear's
+    `_dot_error_bound`), also the elements beyond one ulp plus that slack."""
     assert got.shape == want.shape, (name, got.shape, want.shape)
     diff = np.abs(got.astype(np.float32) - want)
     stats = {
         "mismatch": float((diff > 0).mean()),
         "beyond_1ulp": float((diff > _one_ulp(want)).mean()),
+        "beyond_bound": int((diff > _one_ulp(want) + (0 if slack is None else slack)).sum()),
         "max_rel_to_max": float(diff.max() / max(np.abs(want).max(), 1e-30)),
         "mean_rel_to_mean": float(diff.mean() / max(np.abs(want).mean(), 1e-30)),
     }
@@ -143,19 +182,111 @@ def test_patch_embedding_and_blocks_layer_local(golden, params, images, features
     for i in present:
         image, recorded = images[i], expected[f"image{i}_vit_block_input"]
         assert recorded.shape[0] == v.num_hidden_layers  # index b: block b's input
-        s = _report(f"image{i} patch embedding", features[i]["vit_block_input"][0], recorded[0])
-        assert s["beyond_1ulp"] == 0 and s["mismatch"] <= 1e-3
+        pe = "vision.patch_embed.proj.weight"
+        bound = _dot_error_bound(image.patch_values(), np.asarray(params[pe], np.float32))
+        s = _report(f"image{i} patch embedding", features[i]["vit_block_input"][0], recorded[0], slack=bound)
+        assert s["beyond_bound"] == 0 and s["mismatch"] <= 1e-3
         cos, sin = rope_tables(jnp.int32(image.n_vit_w), image.num_patches, v)
         for b in range(v.num_hidden_layers - 1):
             got = vit_block(jparams, jnp.asarray(recorded[b]), b, cos, sin, jnp.int32(image.num_patches), v)
             s = _report(f"image{i} block {b} (layer-local)", np.asarray(got), recorded[b + 1])
-            assert s["mismatch"] <= 0.05 and s["max_rel_to_max"] <= 0.02 and s["mean_rel_to_mean"] <= 1e-3
+            assert s["mismatch"] <= 0.10 and s["max_rel_to_max"] <= 0.02 and s["mean_rel_to_mean"] <= 1e-3
         # End to end through every block.
         s = _report(f"image{i} block inputs (end to end)", features[i]["vit_block_input"], recorded)
         assert s["max_rel_to_max"] <= 0.02 * _depth(v) and s["mean_rel_to_mean"] <= 0.01 * _depth(v)
 
 
-def test_aligner_layer_local(golden, params, images):
+# Each op's bars (measured on tiny-v and tiny-v2, every block and image: at most 3.4e-4 of an op's
+# elements differ, in at most 27 rows; 0-2 elements of an op beyond one ulp): at most 1e-3 of the
+# elements differ; a linear's elements beyond one ulp all lie within its dot's error bound (a
+# cancellation); any other op's at most 1e-4 of them.
+OP_MISMATCH, OP_BEYOND_1ULP = 1e-3, 1e-4
+
+
+def test_block_ops_local(golden, params, images, ops):
+    """Every op of every ViT block from the reference's own input to that op (`ops`), against what the
+    reference's op produced: RMS norms, the linears, the rotation with our RoPE tables, the attention,
+    the MLP's activation; then the aligner's two halves. Here a rounding flip stays where it happens; a
+    whole block from its recorded input (`test_patch_embedding_and_blocks_layer_local`) spreads each
+    flipped key over every query that attends to it."""
+    if ops is None:
+        pytest.skip("expected_vit_ops.safetensors absent from this fixture: op-local checks not run")
+    _, cfg, _, expected = golden
+    v = cfg.vision
+    heads, head_dim = v.num_attention_heads, v.hidden_size // v.num_attention_heads
+    jp = {k: jnp.asarray(np.asarray(a, np.float32)) for k, a in params.items()}
+    for i, image in enumerate(images):
+        recorded = expected[f"image{i}_vit_block_input"]
+        n = recorded.shape[1]
+        cos, sin = rope_tables(jnp.int32(image.n_vit_w), n, v)
+        split = lambda a: jnp.asarray(a).reshape(n, heads, head_dim)  # noqa: B023 (called in this iteration)
+        for b in range(v.num_hidden_layers):
+            pre, tag = f"vision.blocks.{b}.", f"image{i} block{b}"
+            op = {
+                name[len(f"image{i}_block{b}_") :]: a
+                for name, a in ops.items()
+                if name.startswith(f"image{i}_block{b}_")
+            }
+            x = jnp.asarray(recorded[b])
+            x1 = round_bf16(x + jnp.asarray(op["attn_out"]))
+            gate, up = jnp.split(vit_linear(jnp.asarray(op["norm2"]), jp, pre + "mlp.w1"), 2, axis=-1)
+            q, k, values = np.split(op["qkv"], 3, axis=-1)
+            for name, got in (
+                ("norm1", vit_rms_norm(x, jp[pre + "norm1.weight"])),
+                ("q_rot", vit_rotate(split(q), cos, sin)),
+                ("k_rot", vit_rotate(split(k), cos, sin)),
+                (
+                    "attention",
+                    vit_attention(split(op["q_rot"]), split(op["k_rot"]), split(values), jnp.int32(n)),
+                ),
+                ("norm2", vit_rms_norm(x1, jp[pre + "norm2.weight"])),
+                ("mlp_act", round_bf16(round_bf16(jax.nn.silu(gate)) * up)),
+            ):
+                _check_op(f"{tag} {name}", np.asarray(got).reshape(op[name].shape), op[name])
+            for linear, x_name, out_name in (
+                ("attn.wqkv", "norm1", "qkv"),
+                ("attn.wo", "attention", "attn_out"),
+                ("mlp.w2", "mlp_act", "mlp_out"),
+            ):
+                _check_linear(f"{tag} {linear}", jp, params, pre + linear, op[x_name], op[out_name])
+            if b + 1 < v.num_hidden_layers:  # the block's output is the next one's recorded input
+                assert np.array_equal(
+                    np.asarray(round_bf16(x1 + jnp.asarray(op["mlp_out"]))), recorded[b + 1]
+                )
+        if i == 0:  # a control: the bias added after the product's rounding (not torch's addmm) fails
+            name, x = "vision.blocks.0.attn.wqkv", ops["image0_block0_norm1"]
+            product = np.asarray(round_bf16(jnp.asarray(x) @ jp[name + ".weight"].T))
+            late_bias = np.asarray(round_bf16(jnp.asarray(product) + jp[name + ".bias"]))
+            with pytest.raises(AssertionError):
+                _check_op("control: bias after rounding", late_bias, ops["image0_block0_qkv"])
+        act = ops[f"image{i}_aligner_act"]
+        _check_op(f"image{i} aligner act", _aligner_act(jp, expected[f"image{i}_vit_output"], image, v), act)
+        _check_linear(
+            f"image{i} aligner.w2", jp, params, "aligner.w2", act, expected[f"image{i}_aligner_output"]
+        )
+
+
+def _check_op(tag: str, got: np.ndarray, want: np.ndarray) -> None:
+    s = _report(tag, got, want)
+    assert s["mismatch"] <= OP_MISMATCH and s["beyond_1ulp"] <= OP_BEYOND_1ULP, (tag, s)
+
+
+def _check_linear(tag: str, jparams: dict, params: dict, name: str, x: np.ndarray, want: np.ndarray) -> None:
+    got = np.asarray(vit_linear(jnp.asarray(x), jparams, name))
+    s = _report(tag, got, want, slack=_dot_error_bound(x, np.asarray(params[name + ".weight"], np.float32)))
+    assert s["mismatch"] <= OP_MISMATCH and s["beyond_bound"] == 0, (tag, s)
+
+
+def _aligner_act(jparams: dict, vit_output: np.ndarray, image: PreparedImage, vcfg) -> np.ndarray:
+    """Our aligner's GELU(w1 x) from a (recorded) ViT output: what its w2 reads."""
+    merged = aligner_windows(
+        jnp.asarray(vit_output), jnp.int32(image.n_vit_h), jnp.int32(image.n_vit_w),
+        image.n_llm_h * image.n_llm_w, vcfg,
+    )  # fmt: skip
+    return np.asarray(aligner_act(jparams, merged))
+
+
+def test_aligner_layer_local(golden, params, images, ops):
     _, cfg, _, expected = golden
     present = [i for i in range(len(images)) if f"image{i}_vit_output" in expected]
     if not present:
@@ -171,8 +302,18 @@ def test_aligner_layer_local(golden, params, images):
             im.n_llm_h * im.n_llm_w,
             cfg.vision,
         )
-        s = _report(f"image{i} aligner (layer-local)", np.asarray(got), expected[f"image{i}_aligner_output"])
-        assert s["beyond_1ulp"] <= 1e-3 and s["mismatch"] <= 5e-3
+        want = expected[f"image{i}_aligner_output"]
+        s = _report(f"image{i} aligner (layer-local)", np.asarray(got), want)
+        assert s["mismatch"] <= 5e-3
+        if ops is None:
+            assert s["beyond_1ulp"] <= 1e-3
+            continue
+        # A row more than one ulp off must come from a flip in its intermediate (our w1 + GELU against
+        # the reference's), which w2 spreads over the whole row: one flip is 20 elements of a 100-row image.
+        act = _aligner_act(jparams, expected[f"image{i}_vit_output"], im, cfg.vision)
+        flipped = (act != ops[f"image{i}_aligner_act"]).any(-1)
+        rows_beyond = (np.abs(np.asarray(got) - want) > _one_ulp(want)).any(-1)
+        assert not (rows_beyond & ~flipped).any(), np.flatnonzero(rows_beyond & ~flipped)
 
 
 def test_vit_and_aligner_end_to_end(golden, images, features):
