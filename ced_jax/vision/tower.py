@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax.config import ModelConfig, VisionConfig
-from ced_jax.invariant import mean_last, sum_small
+from ced_jax.invariant import reciprocal_sqrt, sum_small, torch_mean_last
 from ced_jax.model.layers.common import HIGHEST, rope_inv_freq
 from ced_jax.quant import round_bf16
 from ced_jax.vision.params import vision_param_specs
@@ -51,13 +51,10 @@ ATTN_PV_ROWS = 128  # queries per block of the probabilities-times-values produc
 
 
 def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The ViT's RMSNorm (eps 1e-6): f32, weight in f32, output rounded to bf16. torch's CPU rsqrt
-    is a division by a correctly rounded sqrt; XLA's rsqrt is not always the same f32 value, and
-    on tiny-v the division form leaves 10% fewer bf16 flips in a block."""
-    var = mean_last(jnp.square(x))
-    return round_bf16(
-        weight.astype(jnp.float32) * (x * (jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(VIT_NORM_EPS))))
-    )
+    """The ViT's RMSNorm (eps 1e-6): f32, weight in f32, output rounded to bf16; torch's CPU mean of
+    squares and rsqrt (`ced_jax.model.layers.common.rms_norm`)."""
+    var = torch_mean_last(jnp.square(x))
+    return round_bf16(weight.astype(jnp.float32) * (x * reciprocal_sqrt(var + jnp.float32(VIT_NORM_EPS))))
 
 
 def vit_linear(x: jax.Array, params: dict, name: str) -> jax.Array:
