@@ -25,8 +25,8 @@ from pallas_kernels.formats import exact_div
 #   T = 256 rows on. Which fusion goes to YNNPACK depends on its size, hence on B and T.
 # So the model's f32 contractions go through `matmul_rows` (at least two rows), its long sums
 # through `sum_last` (a `matmul_rows` against ones: sequential f32 accumulation, exact products) and
-# its short sums through `sum_small` (explicit left-to-right adds), the RMS norms' mean of squares in
-# torch's own order (`torch_mean_last`, explicit adds); its maxima whose result feeds
+# its short sums through `sum_small` (explicit left-to-right adds), the ViT's RMS norm's mean of squares
+# in torch's own order (`torch_mean_last`, explicit adds); its maxima whose result feeds
 # inexact math (exp) are explicit (`max_small`) or a reduce fenced off from its neighbours
 # (`max_fenced`). Each is one f32 order of operations per row, whatever the row count: the
 # reference's numerics up to f32 summation order, as before.

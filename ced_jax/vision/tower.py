@@ -51,8 +51,9 @@ ATTN_PV_ROWS = 128  # queries per block of the probabilities-times-values produc
 
 
 def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The ViT's RMSNorm (eps 1e-6): f32, weight in f32, output rounded to bf16; torch's CPU mean of
-    squares and rsqrt (`ced_jax.model.layers.common.rms_norm`)."""
+    """The ViT's RMSNorm (eps 1e-6): f32, weight in f32, output rounded to bf16, as torch computes it
+    on CPU: the mean of squares in its summation order and its rsqrt (`ced_jax.invariant`; removes the
+    one norm1 flip per fixture that the old order left, tests/golden/PARITY.md)."""
     var = torch_mean_last(jnp.square(x))
     return round_bf16(weight.astype(jnp.float32) * (x * reciprocal_sqrt(var + jnp.float32(VIT_NORM_EPS))))
 
