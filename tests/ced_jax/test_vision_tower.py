@@ -19,12 +19,11 @@ differ by one f32 ulp), so a bf16 rounding occasionally lands one ulp apart.
   embedding: 1.11e-5 from terms of 2.6e-3; the reference's bf16 value is 1.3 ulps from the exact sum).
 - Patch embedding from our own pixels: 0-2e-4 of elements differ, 0-2 beyond one ulp, none beyond the
   dot's bound. Allowed: none beyond the bound, at most 0.1% differing.
-- One block from the recorded input (layer-local): tiny-v 0.18% / 0.12% of elements differ; tiny-v2
-  image0 block 0 7.9% (144 of 551 rows; with torch's RoPE tables 6.1%): a flip in a key row (1 norm1
-  element, 6 qkv rows there) moves every query's score on that key, so this share measures how far
-  attention spreads a handful of op-level flips, not their number (which the op-local test bounds).
-  Max |diff| 0.76% of max |ref|, mean |diff| 4e-4 of mean |ref|. Allowed: 10% of elements, 2% of
-  max |ref|, 0.1% of mean |ref|.
+- One block from the recorded input (layer-local): tiny-v 0.16% / 0.05% of elements differ; tiny-v2
+  at most 3.2% (image0 block 0, 7.9% before the ViT's norm took torch's order: a flip in a key row
+  moves every query's score on that key, so this share measures how far attention spreads a handful
+  of op-level flips, which the op-local test bounds). Max |diff| 0.76% of max |ref|, mean |diff| 1.6e-4
+  of mean |ref|. Allowed: 5% of elements, 2% of max |ref|, 0.1% of mean |ref|.
 - Aligner from the recorded ViT output: tiny-v 0.07% of elements one ulp off, none beyond; tiny-v2
   image2: one row's intermediate (GELU(w1 x)) one ulp off, which w2 spreads over the row (20 elements
   beyond one ulp, where the row's outputs are small). Allowed: 0.5% differing; with the op record,
@@ -190,7 +189,7 @@ def test_patch_embedding_and_blocks_layer_local(golden, params, images, features
         for b in range(v.num_hidden_layers - 1):
             got = vit_block(jparams, jnp.asarray(recorded[b]), b, cos, sin, jnp.int32(image.num_patches), v)
             s = _report(f"image{i} block {b} (layer-local)", np.asarray(got), recorded[b + 1])
-            assert s["mismatch"] <= 0.10 and s["max_rel_to_max"] <= 0.02 and s["mean_rel_to_mean"] <= 1e-3
+            assert s["mismatch"] <= 0.05 and s["max_rel_to_max"] <= 0.02 and s["mean_rel_to_mean"] <= 1e-3
         # End to end through every block.
         s = _report(f"image{i} block inputs (end to end)", features[i]["vit_block_input"], recorded)
         assert s["max_rel_to_max"] <= 0.02 * _depth(v) and s["mean_rel_to_mean"] <= 0.01 * _depth(v)
