@@ -623,7 +623,8 @@ def plan(
 ) -> dict:
     """Evaluate `mesh` (or every candidate), recommend a mesh and Engram placement, and correct
     the naive BF16 estimate. Engram tables are tried in host memory (memory-mapped, the engine's
-    default placement; within `host_memory_gib` when given) and on device. dspark: K draft tokens per decode step (`serve --dspark K`; 0 = off)."""
+    default placement; within `host_memory_gib` when given) and on device. dspark: K draft tokens per
+    decode step (`serve --dspark K`; 0 = off)."""
     for name, value in (
         ("max_seqs (--max-seqs)", max_seqs),
         ("context (--context)", context),
@@ -661,8 +662,8 @@ def plan(
     fitting = [c for c in candidates if c["fits"]]
     # Layouts that leave HEADROOM of the device free come first (KV growth beyond the planned
     # workload, fragmentation); then the most replicas (throughput), tables in host memory (the
-    # engine's default: no device memory, a host gather per step), the widest expert axis (EP moves activations, TP all-gathers in every layer), and
-    # the most free memory.
+    # engine's default: no device memory, a host gather per step), the widest expert axis (EP moves
+    # activations, TP all-gathers in every layer), and the most free memory.
     floor = HEADROOM * hw.device_bytes
     fitting.sort(
         key=lambda c: (
@@ -712,8 +713,7 @@ def plan(
 def _check_dspark(cfg: ModelConfig, k: int) -> None:
     """The K a server accepts (`serving.engine.jax_engine` refuses the same): 0, or up to the draft block
     (and sliding_window - 1) of a model with DSpark stages."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"--dspark must be an integer >= 0, got {k!r}")
+    _check_number("dspark (--dspark)", k, 0, integer=True)
     if k == 0:
         return
     if not cfg.num_nextn_predict_layers or not cfg.dspark_block_size:

@@ -314,7 +314,7 @@ def test_plan_with_dspark(flash, capsys):
     assert out["workload"]["dspark"] == 4
     assert out["recommended"]["per_device_total"] == spec["recommended"]["per_device_total"]
     assert main([*argv, "--dspark", "-1"]) == 2
-    assert "--dspark must be an integer >= 0, got -1" in capsys.readouterr().err
+    assert "dspark (--dspark) must be an integer >= 0, got -1" in capsys.readouterr().err
 
 
 def test_dp_ep_splits_the_pages_and_the_rows_over_every_device():
