@@ -151,6 +151,7 @@ class Cluster:
         self.send_seconds = 0.0  # leader: time spent handing calls to the followers
         self.bytes_sent = 0  # leader: payload bytes per follower
         self.barrier_seconds = 0.0  # time spent waiting for peers after compiles
+        self.lost_peer: str | None = None  # leader: PeerWatch's line once a process is gone
         _CompileBarrier.install()
 
     @property
@@ -351,9 +352,11 @@ class PeerWatch:
                 if v != value:
                     last[pid] = (v, now)
                 elif now - since > self.dead_after_s:
-                    self.on_lost(
+                    line = (
                         f"ced-jax: process {pid} of {self.cluster.num_processes} stopped responding "
                         f"(no heartbeat for {now - since:.1f} s): the mesh is incomplete; health "
                         "NOT_SERVING, new requests refused"
                     )
+                    self.cluster.lost_peer = line
+                    self.on_lost(line)
                     return
