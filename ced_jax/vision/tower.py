@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax.config import ModelConfig, VisionConfig
-from ced_jax.invariant import reciprocal_sqrt, sum_small, torch_mean_last
+from ced_jax.invariant import reciprocal_sqrt, rounded_square, sum_small, torch_mean_last
 from ced_jax.model.layers.common import HIGHEST, rope_inv_freq
 from ced_jax.quant import round_bf16
 from ced_jax.vision.params import vision_param_specs
@@ -54,7 +54,7 @@ def vit_rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
     """The ViT's RMSNorm (eps 1e-6): f32, weight in f32, output rounded to bf16, as torch computes it
     on CPU: the mean of squares in its summation order and its rsqrt (`ced_jax.invariant`; removes the
     one norm1 flip per fixture that the old order left, tests/golden/PARITY.md)."""
-    var = torch_mean_last(jnp.square(x))
+    var = torch_mean_last(rounded_square(x))
     return round_bf16(weight.astype(jnp.float32) * (x * reciprocal_sqrt(var + jnp.float32(VIT_NORM_EPS))))
 
 

@@ -5,7 +5,8 @@ The order itself was measured against torch 2.13 (not a dependency here); these 
 functions promise: the documented order (against a numpy evaluation of it, step by step), one result
 per row whatever the row count, and that the order is not a plain sequential or pairwise sum (so
 the choice matters). `reciprocal_sqrt` inside a compiled program is numpy's 1 / sqrt(x) in f32 (both
-correctly rounded), which XLA's rsqrt is not on every input."""
+correctly rounded), which XLA's rsqrt is not on every input. `rounded_square` keeps the squares out of
+the fused multiply-adds that LLVM forms in XLA:CPU's fused loops, depending on the row count."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ced_jax.invariant import reciprocal_sqrt, torch_mean_last, torch_sum_last
+from ced_jax.invariant import reciprocal_sqrt, rounded_square, torch_mean_last, torch_sum_last
 
 F32 = np.float32
 
@@ -68,3 +69,17 @@ def test_reciprocal_sqrt_is_one_over_a_correctly_rounded_sqrt_when_compiled():
     assert np.array_equal(got, want)
     rsqrt = np.asarray(jax.jit(jax.lax.rsqrt)(jnp.asarray(x)))
     assert not np.array_equal(rsqrt, want)  # what the fence keeps XLA from substituting
+
+
+def test_rounded_squares_sum_as_rounded_values_whatever_the_row_count():
+    rng = np.random.default_rng(7)
+    x = (rng.normal(size=(256, 256)) * 3).astype(F32)
+    want = _documented_order((x * x).astype(F32))
+    fenced = jax.jit(lambda v: torch_sum_last(rounded_square(v)))
+    for rows in (1, 3, 4, 16, 64, 256):
+        assert np.array_equal(np.asarray(fenced(jnp.asarray(x[:rows]))), want[:rows]), rows
+    # The control: squares fused into the adds are contracted into fused multiply-adds in some rows.
+    fused = np.asarray(jax.jit(lambda v: torch_sum_last(v * v))(jnp.asarray(x)))
+    assert not np.array_equal(fused, want)
+    x[3, 5] = np.nan
+    assert np.isnan(np.asarray(fenced(jnp.asarray(x)))[3])
