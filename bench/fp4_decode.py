@@ -18,7 +18,9 @@ For each batch size, per weight shape, the median time (after one untimed call) 
 - `products`: the per-entry two-row products on already-decoded f32 weights (`kernels.expert_matmul`'s
   decode path after the decode);
 - `expert_matmul`: `kernels.expert_matmul` as the model calls it (gather, decode and products; past
-  `kernels.EXPERT_DECODE_GROUP` entries a group at a time).
+  `kernels.EXPERT_DECODE_GROUP` entries a group at a time);
+- `cpu kernel`: `kernels.expert_matmul` with impl="cpu", the FP4 expert kernel of `pallas_kernels._cpu`
+  (decoding inside the dot, nothing written out), where it is built.
 and, per step, the sum over the MoE layers and the three matrices of `expert_matmul`, of `decode:table
 + products` (the whole batch decoded at once), and of the convert floor + products, with the tokens/s
 each allows for the routed experts alone (everything else in the step costs extra). The process's
@@ -45,7 +47,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from ced_jax.config import ModelConfig, preset  # noqa: E402
 from ced_jax.model.layers import kernels  # noqa: E402
-from pallas_kernels import formats  # noqa: E402
+from ced_jax.options import Impl  # noqa: E402
+from pallas_kernels import _cpu, formats  # noqa: E402
 
 
 def _decode_from_bits(packed: jax.Array, scale: jax.Array) -> jax.Array:
@@ -153,13 +156,25 @@ def main(argv=None) -> dict:
             shipped = jax.jit(lambda r, i, p, s: kernels.expert_matmul(r, i, {"weight": p, "scale": s}))
             seconds, cores = _timed(shipped, rows, ids, packed, scale, repeats=args.repeats)
             row["expert_matmul"] = {"ms": seconds * 1e3, "cpu_per_wall": cores}
+            if _cpu.available():
+                w = {"weight": packed, "scale": scale}
+                kernel = jax.jit(lambda r, i, w=w: kernels.expert_matmul(r, i, w, impl=Impl("cpu")))
+                seconds, cores = _timed(kernel, rows, ids, repeats=args.repeats)
+                row["cpu kernel"] = {"ms": seconds * 1e3, "ns_per_value": seconds * 1e9 / (entries * n * k),
+                                     "cpu_per_wall": cores}  # fmt: skip
             per_shape[name] = row
         table_ms = _step_ms(per_shape, "decode:table", num_moe_layers)
         shipped_ms = num_moe_layers * sum(
             count * per_shape[name]["expert_matmul"]["ms"] for name, count in MATRICES.items()
         )
         floor_ms = _step_ms(per_shape, "convert floor", num_moe_layers)
+        no_kernel = {"ms": float("nan")}
+        cpu_ms = num_moe_layers * sum(
+            count * per_shape[name].get("cpu kernel", no_kernel)["ms"] for name, count in MATRICES.items()
+        )
         report["batches"][str(batch)] = {
+            "cpu_kernel_ms_per_step": cpu_ms,
+            "cpu_kernel_tok_s_bound": batch * 1e3 / cpu_ms,
             "entries_per_layer": entries,
             "values_per_step": num_moe_layers * entries * 3 * d * f,
             "shapes": per_shape,

@@ -338,7 +338,7 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
         "linears "
         "dequantised to f32 once at load, or those and the routed experts; same values, dequantised "
         "once instead of at every step. Default: f32 on one CPU device when the experts' f32 copy "
-        "stays under 1 GiB (and not with --impl pallas), else stored",
+        "stays under 1 GiB (and not with --impl pallas or cpu), else stored",
     )
     g.add_argument("--coordinator", help="multi-host: jax.distributed coordinator address HOST:PORT")
     g.add_argument("--num-processes", type=int, help="multi-host: number of processes")
@@ -355,7 +355,7 @@ class _ImplAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         interpret = option_string == "--interpret" or getattr(namespace, "_impl_interpret", False)
         kind = getattr(namespace, "_impl_kind", None) if option_string == "--interpret" else values
-        if interpret and kind == "reference":
+        if interpret and kind in ("reference", "cpu"):
             parser.error("--interpret runs the Pallas kernels in the interpreter; it needs --impl pallas")
         namespace._impl_kind, namespace._impl_interpret = kind, interpret
         namespace.impl = (kind or "pallas") + (":interpret" if interpret else "")
@@ -364,10 +364,11 @@ class _ImplAction(argparse.Action):
 def add_impl_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--impl",
-        choices=("reference", "pallas"),
+        choices=("reference", "pallas", "cpu"),
         default="reference",
         action=_ImplAction,
-        help="reference: pure jnp (default); pallas: the pallas_kernels kernels (TPU or GPU)",
+        help="reference: pure jnp (default); pallas: the pallas_kernels kernels (TPU or GPU); cpu: the CPU "
+        "kernels built with ced-jax (the FP4 experts so far)",
     )
     p.add_argument(
         "--interpret",

@@ -15,9 +15,10 @@ PREFILL_MODES = ("exact", "ced")
 
 
 class Impl(NamedTuple):
-    """kind "reference" (pure jnp: the default on CPU and the parity target) or "pallas" (the
+    """kind "reference" (pure jnp: the default on CPU and the parity target), "pallas" (the
     `pallas_kernels` kernels: the backend's own, Mosaic on TPU and Triton on GPU, unless `backend`
-    names one; `interpret` runs them in the Pallas HLO interpreter, how they run on CPU)."""
+    names one; `interpret` runs them in the Pallas HLO interpreter, how they run on CPU) or "cpu"
+    (the CPU kernels built with ced-jax, `pallas_kernels._cpu`, where one exists; jnp elsewhere)."""
 
     kind: str
     backend: str | None = None
@@ -25,21 +26,32 @@ class Impl(NamedTuple):
 
     @classmethod
     def parse(cls, text: str | Impl) -> Impl:
-        """ "reference" or "pallas[:tpu|:gpu][:interpret]"; NotImplementedError on anything else."""
+        """ "reference", "cpu" or "pallas[:tpu|:gpu][:interpret]"; NotImplementedError on anything else."""
         if isinstance(text, Impl):
             return text
         kind, *mods = text.split(":")
         backends = [m for m in mods if m in PALLAS_BACKENDS]
         bad = any(m not in (*PALLAS_BACKENDS, "interpret") for m in mods) or len(set(mods)) != len(mods)
-        if kind not in ("reference", "pallas") or bad or len(backends) > 1 or (kind == "reference" and mods):
+        modifiers_misplaced = kind != "pallas" and mods
+        if kind not in ("reference", "pallas", "cpu") or bad or len(backends) > 1 or modifiers_misplaced:
             raise NotImplementedError(
-                f"impl={text!r} is not available; choose 'reference' or 'pallas[:tpu|:gpu][:interpret]'"
+                f"impl={text!r} is not available; "
+                "choose 'reference', 'cpu' or 'pallas[:tpu|:gpu][:interpret]'"
             )
         return cls(kind, backends[0] if backends else None, "interpret" in mods)
 
     @property
     def pallas(self) -> bool:
         return self.kind == "pallas"
+
+    @property
+    def cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def reads_packed_experts(self) -> bool:
+        """The routed experts go to a kernel that decodes the packed FP4 itself (not the f32 layout)."""
+        return self.kind in ("pallas", "cpu")
 
     def __str__(self) -> str:
         return ":".join(

@@ -79,6 +79,10 @@ class Model:
         weight_layout: how the quantised weights are kept (`ced_jax.checkpoint.weight_layout`); None:
         `default_weight_layout` for this backend, mesh and impl."""
         impl = Impl.parse(impl)  # an unknown kernel choice fails here, not when a program is first traced
+        if impl.cpu:
+            from pallas_kernels import _cpu
+
+            _cpu.require()  # kernels not built on this machine: one line now, not at the first trace
         if weight_layout is None:
             weight_layout = default_weight_layout(cfg, backend=jax.default_backend(), mesh=mesh, impl=impl)
         check_compatible(weight_layout, mesh=mesh, impl=impl)

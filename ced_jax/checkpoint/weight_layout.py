@@ -61,7 +61,7 @@ def default_weight_layout(cfg, *, backend: str, mesh, impl: str | Impl) -> str:
     beside them on the other core."""
     if backend != "cpu" or mesh is not None:
         return "stored"
-    if not Impl.parse(impl).pallas and routed_expert_f32_bytes(cfg) <= F32_EXPERTS_MAX_BYTES:
+    if not Impl.parse(impl).reads_packed_experts and routed_expert_f32_bytes(cfg) <= F32_EXPERTS_MAX_BYTES:
         return "f32"
     return "stored"
 
@@ -72,9 +72,10 @@ def check_compatible(layout: str, *, mesh, impl: str | Impl) -> None:
     check_weight_layout(layout)
     if mesh is not None and layout != "stored":
         raise ValueError(f"weight_layout={layout!r}: a mesh places the stored formats; use 'stored'")
-    if Impl.parse(impl).pallas and layout == "f32":
+    if Impl.parse(impl).reads_packed_experts and layout == "f32":
+        kind = Impl.parse(impl).kind
         raise ValueError(
-            "weight_layout='f32': impl='pallas' runs the FP4 grouped-matmul kernel on the packed "
+            f"weight_layout='f32': impl='{kind}' runs the FP4 expert kernel on the packed "
             "experts; use 'f32-dense' or 'stored'"
         )
 

@@ -249,12 +249,13 @@ def test_conversion_layers():
 
 
 # Inside pallas_kernels: the codecs, tile helpers and backend choice at the bottom; in each kernel
-# package its contract (`common`), then the reference and the two backends, then the entry point
+# package its contract (`common`), then the reference and the backends (TPU, GPU, CPU), then the entry point
 # (`kernel`), then the package; no kernel package imports another.
 KERNEL_PACKAGES = ("grouped_matmul", "indexer", "mhc", "sparse_attention")
-KERNEL_ROLES = (("common",), ("reference", "kernel_tpu", "kernel_triton"), ("kernel",), ("",))
+KERNEL_ROLES = (("common",), ("reference", "kernel_tpu", "kernel_triton", "kernel_cpu"), ("kernel",), ("",))
 PALLAS_GROUPS = {
-    "base": ("pallas_kernels", "pallas_kernels.formats", "pallas_kernels._tiles", "pallas_kernels._backend")
+    "base": ("pallas_kernels", "pallas_kernels.formats", "pallas_kernels._tiles", "pallas_kernels._backend",
+             "pallas_kernels._cpu")  # fmt: skip
 }
 PALLAS_MAY_IMPORT = {"base": {"base"}}
 for _kernel in KERNEL_PACKAGES:

@@ -74,9 +74,11 @@ def test_parse_impl():
         ("pallas", ("pallas", None, False)),
         ("pallas:interpret", ("pallas", None, True)),
         ("pallas:gpu:interpret", ("pallas", "gpu", True)),
+        ("cpu", ("cpu", None, False)),
     ):
         assert Impl.parse(text) == want and str(Impl.parse(text)) == text
-    for bad in ("xla", "pallas:cuda", "pallas:tpu:gpu", "reference:interpret", "pallas:interpret:interpret"):
+    for bad in ("xla", "pallas:cuda", "pallas:tpu:gpu", "reference:interpret", "pallas:interpret:interpret",
+                "cpu:interpret", "cpu:gpu"):  # fmt: skip
         with pytest.raises(NotImplementedError, match="not available"):
             Impl.parse(bad)
 

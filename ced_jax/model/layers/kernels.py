@@ -43,8 +43,19 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: Impl
     Few rows (decode) gather only the touched experts; many rows sort by expert and use
     `lax.ragged_dot` over the dequantised expert stack. Both compute the same products in f32.
     impl="pallas..." sorts the rows by expert and runs the FP4 grouped-matmul kernel, which
-    dequantises the weights tile by tile inside the kernel."""
+    dequantises the weights tile by tile inside the kernel; impl="cpu" runs the CPU kernel on the rows
+    as they are (`pallas_kernels.grouped_matmul.kernel_cpu`: its own order of sums, not this path's)."""
     num_experts = w["weight"].shape[0]
+    if impl.cpu:
+        from pallas_kernels.grouped_matmul import kernel_cpu
+
+        if "scale" not in w:
+            raise ValueError(
+                "impl='cpu': the FP4 expert kernel reads packed experts, and these are dequantised "
+                "(weight_layout='f32'); load with weight_layout='f32-dense' or 'stored'"
+            )
+        ids = expert_ids.astype(jnp.int32)
+        return kernel_cpu.expert_rows(rows.astype(jnp.float32), ids, w["weight"], w["scale"])
     if impl.pallas:
         from pallas_kernels.grouped_matmul import gmm
 

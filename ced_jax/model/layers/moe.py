@@ -65,7 +65,7 @@ def _expert_rows(rows, eids, weights, experts: dict, *, limit: float, impl: Impl
     with w1/w3 split along F over `f_axis`, the hidden activation is all-gathered before its FP8
     quantisation, so the quantisation blocks and the w2 contraction are the unsplit ones."""
     num_experts = experts["w1"]["weight"].shape[0]
-    if f_axis is None and not impl.pallas and rows.shape[0] >= num_experts:
+    if f_axis is None and not impl.reads_packed_experts and rows.shape[0] >= num_experts:
         # Prefill. Decode (fewer rows than experts) keeps the per-row gather of kernels.expert_matmul:
         # the expert loop measured 2x slower inside the whole mid decode step (BENCHMARKS.md).
         # At least two rows per tile: a one-row product sums in another order (`kernels.expert_matmul`).

@@ -1,0 +1,222 @@
+// FP4 expert rows on CPU, an XLA FFI custom call (pallas_kernels.grouped_matmul.kernel_cpu, issue 38).
+//
+// out[m, n] = row m of `rows` times expert ids[m]'s packed FP4 weight row n, in one fixed order:
+// each 32-value block (one ue8m0 scale) is summed exactly (in double: the rows are FP8-dequantised,
+// so every product and every partial sum of a block is exact there, whatever the order), rounded
+// once to f32 with its scale applied, and the blocks are added in index order in f32. The jnp
+// statement of the same order is pallas_kernels.grouped_matmul.reference.expert_rows_blocked. Rows and
+// chunks of 64 columns are shared out over XLA's intra-op thread pool; each output is one thread's.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlock = 32;
+// e2m1 codes 0..15: sign in bit 3; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (code 8 is +0 here, as
+// pallas_kernels.formats.FP4_TABLE).
+constexpr double kE2m1[16] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                              0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
+
+struct Problem {
+  const float* rows;       // [M, K]
+  const int32_t* ids;      // [M]
+  const uint8_t* packed;   // [E, N, K/2], even k in the low nibble
+  const uint8_t* scales;   // [E, N, K/32], ue8m0
+  float* out;              // [M, N]
+  int64_t m, k, e, n;
+};
+
+// ue8m0 as pallas_kernels.formats.ue8m0_to_f32 reads it: 2^(s-127), 0 reads as 0, 255 is NaN.
+inline double ue8m0(uint8_t s) {
+  if (s == 0) return 0.0;
+  if (s == 255) return std::nan("");
+  uint64_t bits = static_cast<uint64_t>(s - 127 + 1023) << 52;
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+// One output: the blocks of one weight row against one row (as doubles), in order. Compiled for AVX2
+// and for any x86-64 (chosen at load time); the same values either way.
+__attribute__((target_clones("avx2", "default")))
+float dot_row_generic(const double* x, const uint8_t* w, const uint8_t* sc, int64_t blocks) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // exact: any grouping of a block gives its sum
+    const uint8_t* wb = w + b * (kBlock / 2);
+    const double* xb = x + b * kBlock;
+    for (int j = 0; j < kBlock / 2; ++j) {
+      lanes[(2 * j) % 8] += xb[2 * j] * kE2m1[wb[j] & 15];
+      lanes[(2 * j + 1) % 8] += xb[2 * j + 1] * kE2m1[wb[j] >> 4];
+    }
+    double s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    float v = static_cast<float>(s * ue8m0(sc[b]));
+    acc = b == 0 ? v : acc + v;
+  }
+  return acc;
+}
+
+// Columns [n0, n1) of one row, one column at a time.
+void columns_generic(const double* x, const uint8_t* w, const uint8_t* sc, int64_t blocks, int64_t n0,
+                     int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) out[n] = dot_row_generic(x, w + n * blocks * 16, sc + n * blocks, blocks);
+}
+
+#define CED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+// A block of one column: 32 products as 8 double lanes (exact), FP4 codes decoded by permute.
+CED_AVX512 inline __m512d block_avx512(const double* xb, const uint8_t* wb, __m512d lo, __m512d hi) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
+  const __m128i even = _mm_and_si128(bytes, nibble);
+  const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  const __m128i codes0 = _mm_unpacklo_epi8(even, odd);  // values 0..15 of the block, in order
+  const __m128i codes1 = _mm_unpackhi_epi8(even, odd);  // values 16..31
+  __m512d s = _mm512_mul_pd(_mm512_loadu_pd(xb), _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(codes0), hi));
+  s = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 8),
+                      _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(_mm_srli_si128(codes0, 8)), hi), s);
+  s = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 16), _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(codes1), hi), s);
+  s = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 24),
+                      _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(_mm_srli_si128(codes1, 8)), hi), s);
+  return s;
+}
+
+// Lane j of the result: the sum of a[j]'s lanes (any order: the sums are exact).
+CED_AVX512 inline __m512d sum_lanes_of_8(const __m512d* a) {
+  __m512d s01 = _mm512_add_pd(_mm512_unpacklo_pd(a[0], a[1]), _mm512_unpackhi_pd(a[0], a[1]));
+  __m512d s23 = _mm512_add_pd(_mm512_unpacklo_pd(a[2], a[3]), _mm512_unpackhi_pd(a[2], a[3]));
+  __m512d s45 = _mm512_add_pd(_mm512_unpacklo_pd(a[4], a[5]), _mm512_unpackhi_pd(a[4], a[5]));
+  __m512d s67 = _mm512_add_pd(_mm512_unpacklo_pd(a[6], a[7]), _mm512_unpackhi_pd(a[6], a[7]));
+  __m512d w0 = _mm512_add_pd(_mm512_shuffle_f64x2(s01, s23, 0x88), _mm512_shuffle_f64x2(s01, s23, 0xDD));
+  __m512d w1 = _mm512_add_pd(_mm512_shuffle_f64x2(s45, s67, 0x88), _mm512_shuffle_f64x2(s45, s67, 0xDD));
+  return _mm512_add_pd(_mm512_shuffle_f64x2(w0, w1, 0x88), _mm512_shuffle_f64x2(w0, w1, 0xDD));
+}
+
+// Columns [n0, n1) of one row: eight columns at a time, their block sums rounded to f32 together.
+CED_AVX512 void columns_avx512(const double* x, const uint8_t* w, const uint8_t* sc, int64_t blocks, int64_t n0,
+                               int64_t n1, float* out) {
+  const __m512d lo = _mm512_loadu_pd(kE2m1), hi = _mm512_loadu_pd(kE2m1 + 8);
+  const int64_t row_bytes = blocks * 16;
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512d sums[8];
+      alignas(64) double scale[8];
+      for (int j = 0; j < 8; ++j) {
+        sums[j] = block_avx512(x + b * kBlock, w + (n + j) * row_bytes + b * 16, lo, hi);
+        scale[j] = ue8m0(sc[(n + j) * blocks + b]);
+      }
+      __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(sum_lanes_of_8(sums), _mm512_load_pd(scale)));
+      acc = b == 0 ? v : _mm256_add_ps(acc, v);
+    }
+    _mm256_storeu_ps(out + n, acc);
+  }
+  columns_generic(x, w, sc, blocks, n, n1, out);
+}
+
+using Columns = void (*)(const double*, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*);
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+// Work items: (row, chunk of kChunk columns), taken in turn by the calling thread and the pool's.
+constexpr int64_t kChunk = 64;
+
+void run_items(const Problem& p, Columns columns, std::atomic<int64_t>& next, int64_t items) {
+  const int64_t blocks = p.k / kBlock, chunks = (p.n + kChunk - 1) / kChunk;
+  std::vector<double> x(p.k);
+  int64_t row = -1;
+  for (int64_t item = next++; item < items; item = next++) {
+    const int64_t m = item / chunks, c = item % chunks;
+    if (m != row) {
+      for (int64_t i = 0; i < p.k; ++i) x[i] = p.rows[m * p.k + i];
+      row = m;
+    }
+    const int64_t id = p.ids[m];
+    columns(x.data(), p.packed + id * p.n * blocks * 16, p.scales + id * p.n * blocks, blocks, c * kChunk,
+            std::min(p.n, (c + 1) * kChunk), p.out + m * p.n);
+  }
+}
+
+ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scales, ffi::ResultBuffer<ffi::F32> out,
+                         int64_t portable) {
+  auto rd = rows.dimensions();
+  auto wd = packed.dimensions();
+  if (rd.size() != 2 || wd.size() != 3 || rd[1] % kBlock || wd[2] * 2 != rd[1] || ids.element_count() != rd[0])
+    return ffi::Error::InvalidArgument("fp4_expert_rows: rows [M, K], ids [M], packed [E, N, K/2] expected");
+  Problem p{rows.typed_data(), ids.typed_data(), packed.typed_data(), scales.typed_data(), out->typed_data(),
+            rd[0], rd[1], wd[0], wd[1]};
+  for (int64_t m = 0; m < p.m; ++m)
+    if (p.ids[m] < 0 || p.ids[m] >= p.e)
+      return ffi::Error::InvalidArgument("fp4_expert_rows: expert id " + std::to_string(p.ids[m]) + " of row " +
+                                         std::to_string(m) + " is outside 0.." + std::to_string(p.e - 1));
+  static const bool avx512 = has_avx512();
+  const Columns columns = (avx512 && !portable) ? columns_avx512 : columns_generic;  // the tests compare both
+  // Helpers from XLA's pool take items while there are any. The caller never waits for a helper that
+  // has not started (the pool's threads may all be busy, e.g. with another call of this kernel that
+  // waits too): once it runs out of items it closes the share and waits only for the helpers at work;
+  // a helper that starts later finds the share closed and touches nothing.
+  struct Share {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t working = 0;
+    bool closed = false;
+  };
+  auto share = std::make_shared<Share>();
+  const int64_t items = p.m * ((p.n + kChunk - 1) / kChunk);
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
+  for (int64_t t = 0; t < helpers; ++t)
+    pool.Schedule([share, p, columns, items] {
+      {
+        std::lock_guard<std::mutex> lock(share->mu);
+        if (share->closed) return;
+        ++share->working;
+      }
+      run_items(p, columns, share->next, items);
+      std::lock_guard<std::mutex> lock(share->mu);
+      if (--share->working == 0) share->cv.notify_all();
+    });
+  run_items(p, columns, share->next, items);
+  std::unique_lock<std::mutex> lock(share->mu);
+  share->closed = true;
+  share->cv.wait(lock, [&] { return share->working == 0; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CedFp4ExpertRows, Fp4ExpertRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("portable"));
+
+// The widest vector loops this CPU runs: 512 (AVX-512), 256 (AVX2) or 0 (the portable build).
+extern "C" int ced_cpu_kernels_isa() {
+  if (has_avx512()) return 512;
+  return __builtin_cpu_supports("avx2") ? 256 : 0;
+}
