@@ -83,8 +83,9 @@ def bench(
     repeats: int,
     generate_tokens: int,
     weight_layout: str | None = None,
+    impl: str = "reference",
 ) -> dict:
-    model = load(model_name, weight_layout=weight_layout)
+    model = load(model_name, weight_layout=weight_layout, impl=impl)
     cfg = model.cfg
     rng = np.random.default_rng(0)
     result: dict = {
@@ -158,6 +159,8 @@ def bench(
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "backend": jax.default_backend(),
+        "impl": impl,
+        "weight_layout": model.weight_layout,
     }
     return result
 
@@ -176,6 +179,7 @@ def main() -> None:
         default=None,
         help="ced_jax.checkpoint.weight_layout (default: the backend's default)",
     )
+    parser.add_argument("--impl", default="reference", help="ced_jax.options.Impl: reference, cpu, pallas...")
     args = parser.parse_args()
     result = bench(
         args.model,
@@ -185,6 +189,7 @@ def main() -> None:
         args.repeats,
         args.generate_tokens,
         weight_layout=args.weight_layout,
+        impl=args.impl,
     )
     print(json.dumps(result, indent=2))
 
