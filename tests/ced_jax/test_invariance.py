@@ -12,6 +12,7 @@ a 2^-9 jump in some block) the results are compared bit for bit:
 - a 256-token prompt as one chunk vs in chunks of 5: from about 256 rows on XLA:CPU hands reduce
   fusions to YNNPACK, which has its own exp (the notebook API's long chunks vs the server's pages).
 Every program here is one of four shapes ([1, 1], [1, 5], [3, 5], [1, 256]) to keep compilation short.
+The first check runs with impl="reference" and with impl="cpu" (the CPU kernels, `pallas_kernels._cpu`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ LONG = 256  # tokens of the one-chunk prompt
 MAX_LEN = 256  # one cache shape for every session of the module (the programs are shared)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return ced_jax.load("tiny")
+@pytest.fixture(scope="module", params=["reference", "cpu"])
+def model(request):
+    """The XLA path, and the CPU kernels (impl="cpu": the routed experts through the FP4 kernel)."""
+    return ced_jax.load("tiny", impl=request.param)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -70,7 +72,19 @@ def _decode_alone(model, prompt: list[int]):
 
 @pytest.fixture(scope="module")
 def alone(model):
-    return [_decode_alone(model, _prompt(seed)) for seed in range(3)]
+    return [_decode_alone(model, _prompt(seed)) for seed in range(1)]
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    """The slow checks' model: the XLA path only (the CPU kernel's rows are independent by its
+    construction and checked against its blocked reference, tests/pallas_kernels/test_cpu_kernels.py)."""
+    return ced_jax.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def reference_alone(reference_model):
+    return [_decode_alone(reference_model, _prompt(seed)) for seed in range(3)]
 
 
 def _assert_bit_identical(got, want, what):
@@ -92,7 +106,8 @@ def test_chunks_of_five_match_one_token_steps(model, alone):
 
 
 @pytest.mark.slow  # a third program shape ([3, 5]) to compile: minutes on 2 cores
-def test_batch_rows_match_each_row_alone(model, alone):
+def test_batch_rows_match_each_row_alone(reference_model, reference_alone):
+    model, alone = reference_model, reference_alone
     assert len({tuple(fed) for fed, _, _ in alone}) == 3
     session = model.new_session(3, MAX_LEN)
     _feed_chunks(session, [_prompt(seed) for seed in range(3)])
@@ -103,7 +118,8 @@ def test_batch_rows_match_each_row_alone(model, alone):
 
 
 @pytest.mark.slow  # a fourth program shape ([1, 256]) to compile: minutes on 2 cores
-def test_one_long_chunk_matches_chunks_of_five(model):
+def test_one_long_chunk_matches_chunks_of_five(reference_model):
+    model = reference_model
     prompt = [int(x) for x in np.random.default_rng(7).integers(3, 500, size=LONG)]
     session = model.new_session(1, MAX_LEN)
     logits, aux = session.step(np.array([prompt], np.int32), capture_blocks=True)
