@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 MODULES = (
     "tests/ced_jax/test_dspark.py",
+    "tests/ced_jax/test_vision_preprocess.py",
     "tests/ced_jax/test_parity_vision.py",
     "tests/ced_jax/test_vision_tower.py",
     "tests/ced_jax/test_dspark_load.py",
