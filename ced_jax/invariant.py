@@ -25,8 +25,8 @@ from pallas_kernels.formats import exact_div
 #   T = 256 rows on. Which fusion goes to YNNPACK depends on its size, hence on B and T.
 # So the model's f32 contractions go through `matmul_rows` (at least two rows), its long sums
 # through `sum_last` (a `matmul_rows` against ones: sequential f32 accumulation, exact products) and
-# its short sums through `sum_small` (explicit left-to-right adds), the RMS norms' mean of squares in
-# torch's own order (`torch_mean_last`, explicit adds of squares that `rounded_square` keeps out of
+# its short sums through `sum_small` (explicit left-to-right adds), the ViT's RMS norm's mean of squares
+# in torch's own order (`torch_mean_last`, explicit adds of squares that `rounded_square` keeps out of
 # fused multiply-adds); its maxima whose result feeds
 # inexact math (exp) are explicit (`max_small`) or a reduce fenced off from its neighbours
 # (`max_fenced`). Each is one f32 order of operations per row, whatever the row count: the
@@ -96,10 +96,11 @@ def reciprocal_sqrt(x: jax.Array) -> jax.Array:
 
 
 def rounded_square(x: jax.Array) -> jax.Array:
-    """x * x rounded to f32 before the adds that sum it. In a fused loop XLA:CPU's LLVM contracts a
-    multiply and the add it feeds into one fused multiply-add (one rounding fewer) where its
-    vectorization of the loop allows, which depends on the row count (measured: 6 of 64 rows moved,
-    none of 1-4). A select the compiler cannot fold keeps the product apart; a NaN stays NaN."""
+    """x * x rounded to f32 before the adds that sum it, as torch's separate kernels do. In one fused
+    loop XLA:CPU's LLVM contracts a multiply and the add it feeds into a fused multiply-add (one
+    rounding fewer: 6 of 64 random f32 rows of 256 summed otherwise, the same at every row count). A
+    select the compiler cannot fold keeps the product apart; a NaN stays NaN. (bf16-exact inputs, as
+    the text model's norms get, have exact squares: there the fence changes nothing.)"""
     square = x * x
     return jnp.where(square == square, square, jnp.float32(jnp.nan))
 

@@ -6,7 +6,7 @@ functions promise: the documented order (against a numpy evaluation of it, step 
 per row whatever the row count, and that the order is not a plain sequential or pairwise sum (so
 the choice matters). `reciprocal_sqrt` inside a compiled program is numpy's 1 / sqrt(x) in f32 (both
 correctly rounded), which XLA's rsqrt is not on every input. `rounded_square` keeps the squares out of
-the fused multiply-adds that LLVM forms in XLA:CPU's fused loops, depending on the row count."""
+the fused multiply-adds that LLVM forms in XLA:CPU's fused loops."""
 
 from __future__ import annotations
 
@@ -71,14 +71,14 @@ def test_reciprocal_sqrt_is_one_over_a_correctly_rounded_sqrt_when_compiled():
     assert not np.array_equal(rsqrt, want)  # what the fence keeps XLA from substituting
 
 
-def test_rounded_squares_sum_as_rounded_values_whatever_the_row_count():
+def test_rounded_squares_sum_as_rounded_values_in_every_row_count():
     rng = np.random.default_rng(7)
     x = (rng.normal(size=(256, 256)) * 3).astype(F32)
     want = _documented_order((x * x).astype(F32))
     fenced = jax.jit(lambda v: torch_sum_last(rounded_square(v)))
     for rows in (1, 3, 4, 16, 64, 256):
         assert np.array_equal(np.asarray(fenced(jnp.asarray(x[:rows]))), want[:rows]), rows
-    # The control: squares fused into the adds are contracted into fused multiply-adds in some rows.
+    # The control: squares fused into the adds are contracted into fused multiply-adds (some rows differ).
     fused = np.asarray(jax.jit(lambda v: torch_sum_last(v * v))(jnp.asarray(x)))
     assert not np.array_equal(fused, want)
     x[3, 5] = np.nan
