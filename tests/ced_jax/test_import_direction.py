@@ -254,8 +254,13 @@ def test_conversion_layers():
 KERNEL_PACKAGES = ("grouped_matmul", "indexer", "mhc", "sparse_attention")
 KERNEL_ROLES = (("common",), ("reference", "kernel_tpu", "kernel_triton", "kernel_cpu"), ("kernel",), ("",))
 PALLAS_GROUPS = {
-    "base": ("pallas_kernels", "pallas_kernels.formats", "pallas_kernels._tiles", "pallas_kernels._backend",
-             "pallas_kernels._cpu")  # fmt: skip
+    "base": (
+        "pallas_kernels",
+        "pallas_kernels.formats",
+        "pallas_kernels._tiles",
+        "pallas_kernels._backend",
+        "pallas_kernels._cpu",
+    ),  # fmt: skip
 }
 PALLAS_MAY_IMPORT = {"base": {"base"}}
 for _kernel in KERNEL_PACKAGES:
