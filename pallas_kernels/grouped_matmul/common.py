@@ -52,5 +52,13 @@ def group_offsets(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
 
 
+def row_experts(group_sizes: jax.Array, m: int, e: int) -> tuple[jax.Array, jax.Array]:
+    """Each of the M sorted rows' expert id (i32 [M]) and whether it lies inside a group (bool [M])."""
+    offsets = group_offsets(group_sizes, m)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    expert = jnp.clip(jnp.searchsorted(offsets[1:], rows, side="right"), 0, e - 1).astype(jnp.int32)
+    return expert, rows < offsets[-1]
+
+
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m

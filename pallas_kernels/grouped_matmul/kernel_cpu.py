@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _cpu
-from pallas_kernels.grouped_matmul.common import group_offsets, validate_inputs
+from pallas_kernels.grouped_matmul.common import row_experts, validate_inputs
 
 
 def _check_rows(rows, ids, packed, scales) -> None:
@@ -39,9 +39,6 @@ def gmm(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: ja
     """The grouped-matmul contract of `common` (rows sorted by expert, `group_sizes`) through
     `expert_rows`: rows at or past sum(group_sizes) are zero."""
     m, _, e, _ = validate_inputs(lhs, w_packed, w_scale, group_sizes)
-    offsets = group_offsets(group_sizes, m)
-    rows = jnp.arange(m, dtype=jnp.int32)
-    ids = jnp.clip(jnp.searchsorted(offsets[1:], rows, side="right"), 0, e - 1).astype(jnp.int32)
-    live = rows < offsets[-1]
+    ids, live = row_experts(group_sizes, m, e)
     out = expert_rows(jnp.where(live[:, None], lhs, 0.0), ids, w_packed, w_scale, portable=portable)
     return jnp.where(live[:, None], out, 0.0)

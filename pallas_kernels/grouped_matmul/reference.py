@@ -9,17 +9,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import formats
-from pallas_kernels.grouped_matmul.common import group_offsets, validate_inputs
+from pallas_kernels.grouped_matmul.common import row_experts, validate_inputs
 
 ROW_CHUNK = 8
 
 
 def gmm(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: jax.Array) -> jax.Array:
     m, k, e, n = validate_inputs(lhs, w_packed, w_scale, group_sizes)
-    offsets = group_offsets(group_sizes, m)
-    rows = jnp.arange(m, dtype=jnp.int32)
-    expert = jnp.clip(jnp.searchsorted(offsets[1:], rows, side="right"), 0, e - 1)
-    live = rows < offsets[-1]
+    expert, live = row_experts(group_sizes, m, e)
     chunk = min(ROW_CHUNK, m)
     pad = -m % chunk
     lhs_p = jnp.pad(jnp.where(live[:, None], lhs, 0.0), ((0, pad), (0, 0)))
