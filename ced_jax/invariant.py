@@ -25,9 +25,10 @@ from pallas_kernels.formats import exact_div
 #   T = 256 rows on. Which fusion goes to YNNPACK depends on its size, hence on B and T.
 # So the model's f32 contractions go through `matmul_rows` (at least two rows), its long sums
 # through `sum_last` (a `matmul_rows` against ones: sequential f32 accumulation, exact products) and
-# its short sums through `sum_small` (explicit left-to-right adds), the ViT's RMS norm's mean of squares
-# in torch's own order (`torch_mean_last`, explicit adds of squares that `rounded_square` keeps out of
-# fused multiply-adds); its maxima whose result feeds
+# its short sums through `sum_small` (explicit left-to-right adds), the RMS norms' mean of squares in
+# torch's own order (`torch_mean_last`, explicit adds of squares that `rounded_square` keeps out of
+# fused multiply-adds), the mHC's products rounded before their adds (`rounded_product`: prefill and
+# decode fuse them differently, so a contraction could round them differently); its maxima whose result feeds
 # inexact math (exp) are explicit (`max_small`) or a reduce fenced off from its neighbours
 # (`max_fenced`). Each is one f32 order of operations per row, whatever the row count: the
 # reference's numerics up to f32 summation order, as before.
@@ -95,14 +96,22 @@ def reciprocal_sqrt(x: jax.Array) -> jax.Array:
     return exact_div(jnp.ones_like(root), root)
 
 
+def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b rounded to f32 before any add it feeds, as torch's separate kernels compute it. In one
+    fused loop XLA:CPU's LLVM contracts a multiply and the add it feeds into a fused multiply-add (one
+    rounding fewer), and whether it does depends on how XLA fused the program: the prefill and decode
+    programs fuse the same layer code differently, so an unfenced product can round differently in
+    the two (PARITY.md, "RMS norms in torch's order"). A select the compiler cannot fold keeps the
+    product apart; a NaN stays NaN."""
+    product = a * b
+    return jnp.where(product == product, product, jnp.float32(jnp.nan))
+
+
 def rounded_square(x: jax.Array) -> jax.Array:
-    """x * x rounded to f32 before the adds that sum it, as torch's separate kernels do. In one fused
-    loop XLA:CPU's LLVM contracts a multiply and the add it feeds into a fused multiply-add (one
-    rounding fewer: 6 of 64 random f32 rows of 256 summed otherwise, the same at every row count). A
-    select the compiler cannot fold keeps the product apart; a NaN stays NaN. (bf16-exact inputs, as
-    the text model's norms get, have exact squares: there the fence changes nothing.)"""
-    square = x * x
-    return jnp.where(square == square, square, jnp.float32(jnp.nan))
+    """x * x rounded to f32 before the adds that sum it (`rounded_product`): 6 of 64 random f32 rows
+    of 256 summed otherwise, the same at every row count. (bf16-exact inputs, as the text model's norms
+    get, have exact squares: there the fence changes nothing.)"""
+    return rounded_product(x, x)
 
 
 def sum_small(x: jax.Array, axis: int) -> jax.Array:

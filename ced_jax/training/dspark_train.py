@@ -59,7 +59,7 @@ import numpy as np
 from ced_jax.checkpoint.hf_loader import INDEX_NAME
 from ced_jax.checkpoint.mapping import FILE_DTYPES, STORAGE_DTYPES, hf_inventory, our_target
 from ced_jax.config import ModelConfig
-from ced_jax.invariant import mean_last
+from ced_jax.invariant import reciprocal_sqrt, rounded_square, torch_mean_last
 from ced_jax.model import dspark
 from ced_jax.model.layers.common import apply_rope, f32_linear, rope_inv_freq
 from ced_jax.model.layers.mhc import hc_mixes
@@ -348,7 +348,7 @@ def effective_params(master: dict, cfg: ModelConfig) -> dict:
 
 # ------------------------------------------------------------------- training forward
 def _rms_norm(x, w, eps):
-    return _rb(w * (x * jax.lax.rsqrt(mean_last(jnp.square(x)) + eps)))
+    return _rb(w * (x * reciprocal_sqrt(torch_mean_last(rounded_square(x)) + jnp.float32(eps))))
 
 
 def _linear8(x, w):

@@ -1,8 +1,7 @@
 """The vision and DSpark parity tests on the second fixture, tests/golden/tiny-v2 (issue 37: other
 shapes than tiny-v's: a 96-wide 3-block tower, three images with odd patch counts and the plain-resize
 path, 3 DSpark stages of block 5). The default suite runs them on tiny-v; this slow gate runs the same
-modules with `--vision-golden tests/golden/tiny-v2` in a pytest of their own (all but the DSpark
-stages' parity, below)."""
+modules with `--vision-golden tests/golden/tiny-v2` in a pytest of their own."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# Not yet tests/ced_jax/test_dspark.py: at draft step 5 its stage 2 meets the RMS-norm flip that
-# tests/golden/PARITY.md ("RMS norms in torch's order") describes, and fails there.
 MODULES = (
+    "tests/ced_jax/test_dspark.py",
     "tests/ced_jax/test_vision_preprocess.py",
     "tests/ced_jax/test_parity_vision.py",
     "tests/ced_jax/test_vision_tower.py",

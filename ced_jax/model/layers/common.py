@@ -15,16 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ced_jax.invariant import matmul_rows, mean_last
+from ced_jax.invariant import matmul_rows, reciprocal_sqrt, rounded_square, torch_mean_last
 from ced_jax.quant import fp8_fake_quant, linear_weight, round_bf16
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in f32, output rounded to bf16. x: [..., D], weight: [D]."""
-    var = mean_last(jnp.square(x))
-    return round_bf16(weight.astype(jnp.float32) * (x * jax.lax.rsqrt(var + eps)))
+    """RMSNorm in f32, output rounded to bf16, as torch computes it on CPU: the mean of squares in its
+    summation order and its rsqrt (`ced_jax.invariant`). x: [..., D], weight: [D]."""
+    var = torch_mean_last(rounded_square(x))
+    return round_bf16(weight.astype(jnp.float32) * (x * reciprocal_sqrt(var + jnp.float32(eps))))
 
 
 def fp8_linear(x: jax.Array, p: dict, block: int = 32) -> jax.Array:

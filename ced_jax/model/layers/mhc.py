@@ -13,7 +13,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ced_jax.invariant import matmul_rows, max_small, mean_last, sum_small
+from ced_jax.invariant import matmul_rows, max_small, mean_last, rounded_product, sum_small
 from ced_jax.quant import exact_div, round_bf16
 
 
@@ -40,6 +40,8 @@ def hc_mixes(
     post = 2 * jax.nn.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*mixes.shape[:-1], hc, hc)
     comb = jnp.exp(comb - max_small(comb, -1)[..., None])  # no reduce: see ced_jax.quant
+    # The products here are not fenced (`rounded_product`): fenced, tiny-v2's DSpark gate weights move
+    # off the reference's (PARITY.md, "RMS norms in torch's order").
     return pre, post, sinkhorn(comb, iters=iters, eps=hc_eps)
 
 
@@ -62,14 +64,14 @@ def sinkhorn(comb: jax.Array, *, iters: int, eps: float) -> jax.Array:
 
 
 def hc_collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
-    """sum_k pre_k X_k -> [B, T, D], rounded to bf16."""
-    return round_bf16(sum_small(pre[..., None] * x, -2))
+    """sum_k pre_k X_k -> [B, T, D] (each product rounded before the sum), rounded to bf16."""
+    return round_bf16(sum_small(rounded_product(pre[..., None], x), -2))
 
 
 def hc_expand(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j comb[j, k] X_j -> [B, T, M, D], rounded to bf16."""
-    mixed = sum_small(comb[..., None] * residual[..., :, None, :], -3)
-    return round_bf16(post[..., None] * y[..., None, :] + mixed)
+    mixed = sum_small(rounded_product(comb[..., None], residual[..., :, None, :]), -3)
+    return round_bf16(rounded_product(post[..., None], y[..., None, :]) + mixed)
 
 
 def stream_mean(x: jax.Array) -> jax.Array:
