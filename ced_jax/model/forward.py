@@ -62,7 +62,7 @@ def _moe(
     routed = moe_lib.routed_experts(
         flat, ids, weights, p["experts"], limit=cfg.swiglu_limit, impl=impl, layout=layout
     )
-    shared = moe_lib.shared_expert(flat, p["shared_experts"], limit=cfg.swiglu_limit)
+    shared = moe_lib.shared_expert(flat, p["shared_experts"], limit=cfg.swiglu_limit, impl=impl)
     return round_bf16(routed + shared).reshape(b, t, d), own.reshape(b, t, -1)
 
 
@@ -79,7 +79,7 @@ def _mixes(p: dict, site: str, x: jax.Array, cfg: ModelConfig):
     )
 
 
-def _engram_site(p: dict, cfg: ModelConfig, layer: int, x, engram_rows, image_mask):
+def _engram_site(p: dict, cfg: ModelConfig, layer: int, x, engram_rows, image_mask, impl: Impl):
     """The streams after layer `layer`'s Engram (unchanged for a layer without one); image-span
     tokens keep their gate shut."""
     if layer not in cfg.engram_layer_ids:
@@ -91,6 +91,7 @@ def _engram_site(p: dict, cfg: ModelConfig, layer: int, x, engram_rows, image_ma
         p["engram"],
         eps=cfg.rms_norm_eps,
         token_mask=None if image_mask is None else ~image_mask,
+        impl=impl,
     )
 
 
@@ -185,7 +186,7 @@ def forward(
         # (bench/launches.py); metadata only.
         with jax.named_scope(f"layer{i}"):
             p = params["layers"][str(i)]
-            x = _engram_site(p, cfg, i, x, engram_rows, image_mask)
+            x = _engram_site(p, cfg, i, x, engram_rows, image_mask, impl)
             if capture_blocks and i > 0:
                 block_outputs.append(x)
             if capture_main_hidden and i in cfg.dspark_target_layer_ids:
@@ -224,7 +225,7 @@ def forward(
     if num_blocks < cfg.num_layers:
         p = params["layers"][str(num_blocks)]
         if num_blocks in cfg.kv_source_layer_ids:
-            x = _engram_site(p, cfg, num_blocks, x, engram_rows, image_mask)
+            x = _engram_site(p, cfg, num_blocks, x, engram_rows, image_mask, impl)
             a_in = rms_norm(hc_collapse(x, pre), p["attn_norm"]["weight"], cfg.rms_norm_eps)
             cache, shared = write_compressed_kv(
                 p["attn"], cfg, num_blocks, a_in, meta, cache, shared, key_source=index_keys

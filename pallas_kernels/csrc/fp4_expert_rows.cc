@@ -5,20 +5,18 @@
 // so every product and every partial sum of a block is exact there, whatever the order), rounded
 // once to f32 with its scale applied, and the blocks are added in index order in f32. The jnp
 // statement of the same order is pallas_kernels.grouped_matmul.reference.expert_rows_blocked. Rows and
-// chunks of 64 columns are shared out over XLA's intra-op thread pool; each output is one thread's.
+// chunks of 64 columns are shared out over XLA's intra-op thread pool (shared_work.h); each output is
+// one thread's.
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
-#include <memory>
-#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "shared_work.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -137,24 +135,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// Work items: (row, chunk of kChunk columns), taken in turn by the calling thread and the pool's.
+// Work items: (row, chunk of kChunk columns).
 constexpr int64_t kChunk = 64;
-
-void run_items(const Problem& p, Columns columns, std::atomic<int64_t>& next, int64_t items) {
-  const int64_t blocks = p.k / kBlock, chunks = (p.n + kChunk - 1) / kChunk;
-  std::vector<double> x(p.k);
-  int64_t row = -1;
-  for (int64_t item = next++; item < items; item = next++) {
-    const int64_t m = item / chunks, c = item % chunks;
-    if (m != row) {
-      for (int64_t i = 0; i < p.k; ++i) x[i] = p.rows[m * p.k + i];
-      row = m;
-    }
-    const int64_t id = p.ids[m];
-    columns(x.data(), p.packed + id * p.n * blocks * 16, p.scales + id * p.n * blocks, blocks, c * kChunk,
-            std::min(p.n, (c + 1) * kChunk), p.out + m * p.n);
-  }
-}
 
 ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::U8> scales, ffi::ResultBuffer<ffi::F32> out,
@@ -171,35 +153,15 @@ ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
                                          std::to_string(m) + " is outside 0.." + std::to_string(p.e - 1));
   static const bool avx512 = has_avx512();
   const Columns columns = (avx512 && !portable) ? columns_avx512 : columns_generic;  // the tests compare both
-  // Helpers from XLA's pool take items while there are any. The caller never waits for a helper that
-  // has not started (the pool's threads may all be busy, e.g. with another call of this kernel that
-  // waits too): once it runs out of items it closes the share and waits only for the helpers at work;
-  // a helper that starts later finds the share closed and touches nothing.
-  struct Share {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t working = 0;
-    bool closed = false;
-  };
-  auto share = std::make_shared<Share>();
-  const int64_t items = p.m * ((p.n + kChunk - 1) / kChunk);
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([share, p, columns, items] {
-      {
-        std::lock_guard<std::mutex> lock(share->mu);
-        if (share->closed) return;
-        ++share->working;
-      }
-      run_items(p, columns, share->next, items);
-      std::lock_guard<std::mutex> lock(share->mu);
-      if (--share->working == 0) share->cv.notify_all();
-    });
-  run_items(p, columns, share->next, items);
-  std::unique_lock<std::mutex> lock(share->mu);
-  share->closed = true;
-  share->cv.wait(lock, [&] { return share->working == 0; });
+  const int64_t blocks = p.k / kBlock, chunks = (p.n + kChunk - 1) / kChunk;
+  ced::share_items(pool, p.m * chunks, [p, columns, blocks, chunks](int64_t item) {
+    const int64_t m = item / chunks, c = item % chunks;
+    thread_local std::vector<double> x;
+    x.assign(p.rows + m * p.k, p.rows + (m + 1) * p.k);
+    const int64_t id = p.ids[m];
+    columns(x.data(), p.packed + id * p.n * blocks * 16, p.scales + id * p.n * blocks, blocks, c * kChunk,
+            std::min(p.n, (c + 1) * kChunk), p.out + m * p.n);
+  });
   return ffi::Error::Success();
 }
 

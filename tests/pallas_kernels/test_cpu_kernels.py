@@ -2,16 +2,20 @@
 expert product (`grouped_matmul.kernel_cpu`) equals `reference.expert_rows_blocked`, its order stated
 in jnp, bit for bit, with the vector and the portable loops; the grouped-matmul contract holds; it is
 within the f32 dot's rounding bound of the XLA product (`reference.gmm`), whose order differs; bad ids
-and a missing build are one-line errors."""
+and a missing build are one-line errors. The FP8 linear (`fp8_linear.kernel_cpu`) likewise against
+`fp8_linear.reference.linear_blocked` (its order in numpy) and the XLA path's dot."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from pallas_kernels import _cpu, formats
+from pallas_kernels.fp8_linear import kernel_cpu as fp8_kernel
+from pallas_kernels.fp8_linear import reference as fp8_reference
 from pallas_kernels.grouped_matmul import kernel_cpu, reference
 from tests.pallas_kernels.cases import fp8_activations, gmm_case
 
@@ -93,3 +97,67 @@ def test_without_the_build_the_kernels_say_how_to_get_them(monkeypatch):
         monkeypatch.undo()
         _cpu._load.cache_clear()
     assert _cpu.available()
+
+
+# ----------------------------------------------------------------------- the FP8 linear kernel
+def _linear_case(seed, m, k, n):
+    """FP8-quantised rows (e4m3 values times a power of two per 32-value block, as the model's
+    activation quantiser gives) and an e4m3 weight with ue8m0 scales per 32 x 32 block."""
+    rng = np.random.default_rng(seed)
+    codes = (rng.standard_normal((m, k)) * 4).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    rows = codes * np.repeat(np.exp2(rng.integers(-8, 8, (m, k // 32))), 32, axis=1).astype(np.float32)
+    weight = (rng.standard_normal((n, k)) * 8).astype(ml_dtypes.float8_e4m3fn)
+    scales = rng.integers(127 - 12, 127 + 12, (-(-n // 32), k // 32)).astype(np.uint8)
+    return rows, weight, scales
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (3, 96, 33), (8, 512, 64), (40, 2048, 200), (70, 256, 17)])
+def test_fp8_linear_rows_equal_the_blocked_order_bit_for_bit(m, k, n):
+    rows, weight, scales = _linear_case(m * 5 + n, m, k, n)
+    want = fp8_reference.linear_blocked(rows, weight, scales)
+    vector = np.asarray(jax.jit(fp8_kernel.linear_rows)(rows, weight, scales))
+    portable = np.asarray(jax.jit(lambda *a: fp8_kernel.linear_rows(*a, portable=True))(rows, weight, scales))
+    assert np.isfinite(want).all()
+    assert np.array_equal(vector, want)
+    assert np.array_equal(portable, want)
+    alone = np.asarray(jax.jit(fp8_kernel.linear_rows)(rows[-1:], weight, scales))
+    assert np.array_equal(alone, want[-1:])  # a row's result does not depend on the other rows
+
+
+def test_the_fp8_blocked_order_is_not_the_xla_dots_order():
+    """The comparison above can fail: the XLA path's f32 dot sums in another order, so many outputs
+    differ, each within the dot's rounding-error bound."""
+    rows, weight, scales = _linear_case(9, 16, 2048, 128)
+    kernel = np.asarray(jax.jit(fp8_kernel.linear_rows)(rows, weight, scales))
+    xla = np.asarray(jax.jit(fp8_reference.linear)(rows, weight, scales))
+    assert 0.05 < np.mean(kernel != xla)
+    w = np.asarray(formats.dequant_fp8_weight(jnp.asarray(weight), jnp.asarray(scales)))
+    bound = 2 * 2048 * 2.0**-24 * (np.abs(rows) @ np.abs(w).T)
+    assert np.all(np.abs(kernel - xla) <= bound)
+
+
+def test_fp8_nan_codes_and_special_scales_read_as_the_dequantiser_reads_them():
+    """e4m3 0x7F / 0xFF are NaN, a scale byte 255 is NaN and 0 reads as 0 (`formats.ue8m0_to_f32`): the
+    kernel's outputs are NaN exactly where the XLA path's are, and equal elsewhere to the blocked order."""
+    rows, weight, scales = _linear_case(4, 4, 128, 96)
+    codes = weight.view(np.uint8).copy()
+    codes[5, 40], codes[70, 3] = 0x7F, 0xFF
+    scales[1, 2], scales[2, 0] = 255, 0
+    weight = codes.view(ml_dtypes.float8_e4m3fn)
+    kernel = np.asarray(jax.jit(fp8_kernel.linear_rows)(rows, weight, scales))
+    xla = np.asarray(jax.jit(fp8_reference.linear)(rows, weight, scales))
+    assert np.array_equal(np.isnan(kernel), np.isnan(xla)) and np.isnan(kernel).any()
+    want = fp8_reference.linear_blocked(rows, weight, scales)
+    assert np.array_equal(kernel, want, equal_nan=True)
+
+
+def test_fp8_linear_shapes_are_checked_naming_the_argument():
+    rows, weight, scales = _linear_case(2, 2, 64, 40)
+    with pytest.raises(ValueError, match=r"weight must be \[N, 64\]"):
+        fp8_kernel.linear_rows(rows, weight[:, :32], scales)
+    with pytest.raises(ValueError, match=r"scales must be \[2, 2\] for a weight \[40, 64\]"):
+        fp8_kernel.linear_rows(rows, weight, scales[:1])
+    with pytest.raises(ValueError, match=r"K = 48 is not a multiple of the scale block 32"):
+        fp8_kernel.linear_rows(rows[:, :48], weight[:, :48], scales)
+    with pytest.raises(ValueError, match=r"rows must be f32"):
+        fp8_kernel.linear_rows(rows.astype(np.float16), weight, scales)

@@ -34,7 +34,7 @@ from ced_jax.model.layers.common import (
     rms_norm,
     rope_inv_freq,
 )
-from ced_jax.options import Impl, IndexKeys
+from ced_jax.options import REFERENCE, Impl, IndexKeys
 from ced_jax.quant import exact_div, fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant, round_bf16
 from pallas_kernels import formats
 
@@ -199,7 +199,7 @@ def index_scores(
       buffer), scored by the XLA formula (`kernels.index_scores_unpacked`) for every impl.
 
     -> scores [B, T, S] (f32 holding bf16 values)."""
-    q, w = index_queries(x, qr, p, positions, inv_freq, cfg)
+    q, w = index_queries(x, qr, p, positions, inv_freq, cfg, impl=impl)
     n_visible = ((positions + 1) // ratio).astype(jnp.int32)
     if key_source is IndexKeys.REFERENCE:
         return kernels.index_scores_unpacked(q, w, keys, n_visible)
@@ -207,11 +207,11 @@ def index_scores(
     return kernels.index_scores(q, w, key_pages, page_tables, n_visible, impl=impl)
 
 
-def index_queries(x, qr, p: dict, positions, inv_freq, cfg: ModelConfig):
+def index_queries(x, qr, p: dict, positions, inv_freq, cfg: ModelConfig, *, impl: Impl = REFERENCE):
     """The indexer's FP4-fake-quantised queries f32 [B, T, I, Dk] and bf16 head weights [B, T, I]
     (softmax scale folded in)."""
     n_heads, dk = cfg.index_n_heads, cfg.index_head_dim
-    q = fp8_linear(qr, p["wq_b"])
+    q = fp8_linear(qr, p["wq_b"], impl=impl)
     q = q.reshape(*q.shape[:-1], n_heads, dk)
     q = apply_rope(q, positions[..., None], inv_freq)
     q = fp4_fake_quant_ue8m0(q, 32)
@@ -374,11 +374,11 @@ def attention(
     positions = meta.positions(x.shape[1])
     shared = dict(shared)
 
-    qr = rms_norm(fp8_linear(x, p["wq_a"]), p["q_norm"]["weight"], eps)
-    q = fp8_linear(qr, p["wq_b"]).reshape(*x.shape[:-1], n_heads, head_dim)
+    qr = rms_norm(fp8_linear(x, p["wq_a"], impl=impl), p["q_norm"]["weight"], eps)
+    q = fp8_linear(qr, p["wq_b"], impl=impl).reshape(*x.shape[:-1], n_heads, head_dim)
     q = apply_rope(q, positions[..., None], inv_freq)
 
-    kv = rms_norm(fp8_linear(x, p["wkv"]), p["kv_norm"]["weight"], eps)
+    kv = rms_norm(fp8_linear(x, p["wkv"], impl=impl), p["kv_norm"]["weight"], eps)
     kv = fp8_fake_quant(apply_rope(kv, positions, inv_freq), 32)
     packed_kv = formats.pack_fp8_entries(kv)
     by_position = not impl.pallas
@@ -412,7 +412,7 @@ def attention(
                 # A Reindex layer picks only inside the candidate pool: score just the pool's entries
                 # (a fixed count) instead of the whole row (the context), with the same result.
                 entries, valid = pool_entries
-                index_q, index_w = index_queries(x, qr, p["indexer"], positions, inv_freq, cfg)
+                index_q, index_w = index_queries(x, qr, p["indexer"], positions, inv_freq, cfg, impl=impl)
                 scores = kernels.index_scores_at(index_q, index_w, *keys, entries, valid)
                 width = keys[1].shape[1] * keys[0].shape[1]
                 own_topk = select_topk(scores, positions, ratio, cfg.index_topk, entries, width)
@@ -440,5 +440,5 @@ def attention(
     o = o.reshape(*x.shape[:-1], groups, n_heads * head_dim // groups)
     wo_a = p["wo_a"]["weight"].astype(jnp.float32).reshape(groups, cfg.o_lora_rank, -1)
     o = round_bf16(grouped_linear(o, wo_a))
-    out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"])
+    out = fp8_linear(o.reshape(*x.shape[:-1], -1), p["wo_b"], impl=impl)
     return out, own_topk, cache, shared

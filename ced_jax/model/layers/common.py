@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ced_jax.invariant import matmul_rows, reciprocal_sqrt, rounded_square, torch_mean_last
+from ced_jax.options import REFERENCE, Impl
 from ced_jax.quant import fp8_fake_quant, linear_weight, round_bf16
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -28,10 +29,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return round_bf16(weight.astype(jnp.float32) * (x * reciprocal_sqrt(var + jnp.float32(eps))))
 
 
-def fp8_linear(x: jax.Array, p: dict, block: int = 32) -> jax.Array:
+def fp8_linear(x: jax.Array, p: dict, block: int = 32, *, impl: Impl = REFERENCE) -> jax.Array:
     """y = act_quant(x) @ dequant(W)^T, rounded to bf16. p: {'weight': FP8 [N, K], 'scale': ue8m0
-    block scales}, or {'weight': f32 [N, K]} already dequantised (`ced_jax.checkpoint.weight_layout`)."""
-    return round_bf16(matmul_rows(fp8_fake_quant(x, block), linear_weight(p, block)))
+    block scales}, or {'weight': f32 [N, K]} already dequantised (`ced_jax.checkpoint.weight_layout`).
+
+    impl="cpu" runs a stored FP8 pair through the CPU kernel, which decodes the weight inside the dot
+    (`pallas_kernels.fp8_linear.kernel_cpu`: its own order of sums, not the f32 dot's); a weight the
+    layout dequantised ("f32-dense") is an f32 dot for every impl."""
+    xq = fp8_fake_quant(x, block)
+    if impl.cpu and "scale" in p:
+        from pallas_kernels.fp8_linear import kernel_cpu
+
+        if block != kernel_cpu.BLOCK:
+            raise ValueError(f"impl='cpu': the FP8 kernel reads blocks of {kernel_cpu.BLOCK}, not {block}")
+        lead, k = xq.shape[:-1], xq.shape[-1]
+        y = kernel_cpu.linear_rows(xq.reshape(-1, k), p["weight"], p["scale"])
+        return round_bf16(y.reshape(*lead, y.shape[-1]))
+    return round_bf16(matmul_rows(xq, linear_weight(p, block)))
 
 
 def bf16_linear(x: jax.Array, weight: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from ced_jax.invariant import mean_last, sum_last
 from ced_jax.model.layers.common import fp8_linear
+from ced_jax.options import REFERENCE, Impl
 from ced_jax.quant import e8m0_to_f32, round_bf16
 
 
@@ -32,7 +33,13 @@ def engram_lookup(table: jax.Array, table_scale: jax.Array, rows: jax.Array, blo
 
 
 def engram(
-    x: jax.Array, rows: jax.Array | dict, p: dict, *, eps: float, token_mask: jax.Array | None = None
+    x: jax.Array,
+    rows: jax.Array | dict,
+    p: dict,
+    *,
+    eps: float,
+    token_mask: jax.Array | None = None,
+    impl: Impl = REFERENCE,
 ) -> jax.Array:
     """x: [B, T, M, D] residual streams; rows: i32 [B, T, C] ids into p["embed"] (tables on device),
     or the gathered rows {"weight": FP8 [B, T, C, ehd], "scale": u8 [B, T, C, ehd / 32]} (tables on
@@ -48,7 +55,7 @@ def engram(
         if "embed" not in p:
             raise ValueError("engram: row ids given, but the parameters hold no table (placement host)")
         emb = engram_lookup(p["embed"]["weight"], p["embed"]["scale"], rows)
-    kv = fp8_linear(emb.reshape(*emb.shape[:-2], -1), p["wkv"])
+    kv = fp8_linear(emb.reshape(*emb.shape[:-2], -1), p["wkv"], impl=impl)
     key = kv[..., : hc * dim].reshape(*kv.shape[:-1], hc, dim)
     value = kv[..., hc * dim :]
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)

@@ -16,7 +16,7 @@ from ced_jax import sharding
 from ced_jax.invariant import sum_small
 from ced_jax.model.layers import kernels
 from ced_jax.model.layers.common import f32_linear, fp8_linear
-from ced_jax.options import Impl
+from ced_jax.options import REFERENCE, Impl
 from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16
 
 
@@ -230,7 +230,7 @@ def _routed_experts_sharded(x, ids, weights, experts, layout, *, limit: float, i
     return fn(x, ids, weights, valid, experts)[:n]
 
 
-def shared_expert(x: jax.Array, p: dict, *, limit: float) -> jax.Array:
-    gate = fp8_linear(x, p["w1"])
-    up = fp8_linear(x, p["w3"])
-    return fp8_linear(round_bf16(swiglu(gate, up, limit)), p["w2"])
+def shared_expert(x: jax.Array, p: dict, *, limit: float, impl: Impl = REFERENCE) -> jax.Array:
+    gate = fp8_linear(x, p["w1"], impl=impl)
+    up = fp8_linear(x, p["w3"], impl=impl)
+    return fp8_linear(round_bf16(swiglu(gate, up, limit)), p["w2"], impl=impl)
