@@ -29,7 +29,11 @@ class OptionalBuildExt(build_ext):
 
 CPU_KERNELS = Extension(
     "pallas_kernels._cpu_kernels",
-    sources=["pallas_kernels/csrc/fp4_expert_rows.cc", "pallas_kernels/csrc/fp8_linear_rows.cc"],
+    sources=[
+        "pallas_kernels/csrc/fp4_expert_rows.cc",
+        "pallas_kernels/csrc/fp8_linear_rows.cc",
+        "pallas_kernels/csrc/index_scores.cc",
+    ],
     depends=["pallas_kernels/csrc/shared_work.h"],
     language="c++",
     # No -ffast-math and no -march: the order of every float operation is the one written, and the

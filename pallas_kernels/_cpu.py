@@ -12,7 +12,11 @@ import jax
 
 LIBRARY_NAME = "_cpu_kernels"
 # XLA FFI target name -> the handler symbol the library exports.
-TARGETS = {"ced_fp4_expert_rows": "CedFp4ExpertRows", "ced_fp8_linear_rows": "CedFp8LinearRows"}
+TARGETS = {
+    "ced_fp4_expert_rows": "CedFp4ExpertRows",
+    "ced_fp8_linear_rows": "CedFp8LinearRows",
+    "ced_index_scores": "CedIndexScores",
+}
 
 
 class CpuKernelsUnavailable(NotImplementedError):

@@ -401,7 +401,7 @@ def pack_fp4_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 def np_ue8m0_to_f32(e: np.ndarray) -> np.ndarray:
     """ue8m0 bytes -> f32 2^(e-127); 255 is NaN, 0 reads as 0 (as `ue8m0_to_f32`)."""
     e = np.asarray(e).astype(np.int32)
-    f = np.ldexp(np.float32(1.0), e - 127).astype(np.float32)
+    f = np.ldexp(np.float32(1.0), np.where(e == 255, 0, e) - 127).astype(np.float32)  # 2^128 overflows
     f[e == 0] = 0.0
     f[e == 255] = np.nan
     return f

@@ -32,7 +32,7 @@ MAX_LEN = 256  # one cache shape for every session of the module (the programs a
 @pytest.fixture(scope="module", params=["reference", "cpu"])
 def model(request):
     """The XLA path, and the CPU kernels (impl="cpu": the routed experts through the FP4 kernel, the
-    stored FP8 linears through the FP8 one)."""
+    stored FP8 linears through the FP8 one, the indexer's scores through its own)."""
     return ced_jax.load("tiny", impl=request.param)
 
 

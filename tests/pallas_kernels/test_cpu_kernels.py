@@ -3,7 +3,8 @@ expert product (`grouped_matmul.kernel_cpu`) equals `reference.expert_rows_block
 in jnp, bit for bit, with the vector and the portable loops; the grouped-matmul contract holds; it is
 within the f32 dot's rounding bound of the XLA product (`reference.gmm`), whose order differs; bad ids
 and a missing build are one-line errors. The FP8 linear (`fp8_linear.kernel_cpu`) likewise against
-`fp8_linear.reference.linear_blocked` (its order in numpy) and the XLA path's dot."""
+`fp8_linear.reference.linear_blocked` (its order in numpy) and the XLA path's dot; the indexer's
+scores (`indexer.kernel_cpu`) against `indexer.reference.index_scores`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pallas_kernels import _cpu, formats
 from pallas_kernels.fp8_linear import kernel_cpu as fp8_kernel
 from pallas_kernels.fp8_linear import reference as fp8_reference
 from pallas_kernels.grouped_matmul import kernel_cpu, reference
-from tests.pallas_kernels.cases import fp8_activations, gmm_case
+from pallas_kernels.indexer import kernel_cpu as index_kernel
+from pallas_kernels.indexer import reference as indexer_reference
+from tests.pallas_kernels.cases import fp8_activations, gmm_case, indexer_case
 
 
 def _rows_case(seed, m, k, n, e, spread=4):
@@ -161,3 +164,35 @@ def test_fp8_linear_shapes_are_checked_naming_the_argument():
         fp8_kernel.linear_rows(rows[:, :48], weight[:, :48], scales)
     with pytest.raises(ValueError, match=r"rows must be f32"):
         fp8_kernel.linear_rows(rows.astype(np.float16), weight, scales)
+
+
+# ----------------------------------------------------------------------- the indexer's scores
+INDEX_CASES = [(0, 2, 5, 8, 128, 16, 6), (1, 3, 1, 4, 64, 8, 9)]
+
+
+@pytest.mark.parametrize("seed, b, t, heads, dk, per_page, pages", INDEX_CASES)
+def test_index_scores_equal_the_reference_bit_for_bit(seed, b, t, heads, dk, per_page, pages):
+    """Poisoned (NaN-scaled) keys past every query's visible slots and -1 table slots, as the
+    reference's own test case has them: the kernel never reads them into a visible score."""
+    args = indexer_case(seed, b, t, heads, dk, per_page, pages).args()
+    want = np.asarray(jax.jit(indexer_reference.index_scores)(*args))
+    vector = np.asarray(jax.jit(index_kernel.index_scores)(*args))
+    portable = np.asarray(jax.jit(lambda *a: index_kernel.index_scores(*a, portable=True))(*args))
+    assert np.isfinite(want[want > -np.inf]).all() and (want > -np.inf).any()
+    assert np.array_equal(vector, want)
+    assert np.array_equal(portable, want)
+
+
+@pytest.mark.parametrize("shift", [10, 16, 24])
+def test_index_scores_equal_the_reference_with_blocks_scaled_far_apart(shift):
+    """The kernel adds a dot's exact block sums in order; XLA's dot adds the same products in its own
+    order, so they can only differ where a score's f32 dot rounds: here the query's second block is
+    scaled 2^-shift against its first (still FP4-quantised values), so its products fall below the
+    first block's last bit. The bf16 roundings after the dot absorb it: the scores stay equal."""
+    case = indexer_case(shift, 1, 4, 4, 64, 8, 4)
+    q = case.q.copy()
+    q[..., 32:] *= np.float32(2.0**-shift)
+    args = (jnp.asarray(q), *case.args()[1:])
+    want = np.asarray(jax.jit(indexer_reference.index_scores)(*args))
+    assert (want > -np.inf).sum() > 10
+    assert np.array_equal(np.asarray(jax.jit(index_kernel.index_scores)(*args)), want)

@@ -211,7 +211,9 @@ def index_scores(
     `pallas_kernels.indexer.index_scores`, which reads each page through the table inside the
     kernel and sums the heads in order 0..I-1: in interpret mode with the reference's products (the
     TPU kernel then equals this path bit for bit), on hardware with its own accumulation inside each
-    head's dot, so the two may differ by one bf16 ulp where a score straddles a rounding tie. The
+    head's dot, so the two may differ by one bf16 ulp where a score straddles a rounding tie;
+    impl="cpu" runs `pallas_kernels.indexer.kernel_cpu`, which reads the packed keys through the table
+    (exact block sums added in order: this path's scores wherever the dots are exact). The
     contract (and the shapes each kernel supports) is `pallas_kernels.indexer.common`.
 
     block_entries (impl reference): the row is unpacked and scored in blocks of about this many key
@@ -223,6 +225,10 @@ def index_scores(
     from pallas_kernels import indexer
 
     b = indexer.validate_inputs(q, weights, key_pages, page_table, n_visible)[0]
+    if impl.cpu:
+        from pallas_kernels.indexer import kernel_cpu
+
+        return kernel_cpu.index_scores(q, weights, key_pages, page_table, n_visible)
     if impl.pallas:
         return indexer.index_scores(
             q, weights, key_pages, page_table.astype(jnp.int32), n_visible.astype(jnp.int32),
