@@ -132,15 +132,17 @@ def measure(
     return out
 
 
-def indexer_only(cfg, length: int, page: int, repeats: int = 9) -> dict:
+def indexer_only(cfg, length: int, page: int, repeats: int = 9, impl: str = "reference") -> dict:
     """The part of a decode step that grows with the context, alone: each index source layer's
-    scoring of every compressed entry (`kernels.index_scores`, impl reference: the FP4 keys unpacked
-    through the page table, bf16 dot products) and its top-k, at one query, summed over the layers
+    scoring of every compressed entry (`kernels.index_scores` under `impl`; reference: the FP4 keys
+    unpacked through the page table, bf16 dot products; cpu: the packed keys read by the CPU kernel) and
+    its top-k, at one query, summed over the layers
     (median ms of `repeats` after one compile). Also the multiply-adds it does (entries x index
     heads x index head dim)."""
     import jax.numpy as jnp
 
     from ced_jax.model.layers import kernels
+    from ced_jax.options import Impl
 
     key_bytes = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
     total_ms, macs = 0.0, 0
@@ -155,7 +157,11 @@ def indexer_only(cfg, length: int, page: int, repeats: int = 9) -> dict:
         q = jnp.asarray(rng.standard_normal((1, 1, cfg.index_n_heads, cfg.index_head_dim)), jnp.float32)
         w = jnp.ones((1, 1, cfg.index_n_heads), jnp.float32)
         visible = jnp.full((1, 1), entries, jnp.int32)
-        fn = jax.jit(lambda q, w, k, t, n: jax.lax.top_k(kernels.index_scores(q, w, k, t, n), cfg.index_topk))
+        fn = jax.jit(
+            lambda q, w, k, t, n: jax.lax.top_k(
+                kernels.index_scores(q, w, k, t, n, impl=Impl.parse(impl)), cfg.index_topk
+            )
+        )
         jax.block_until_ready(fn(q, w, key_pages, table, visible))
         times = []
         for _ in range(repeats):
@@ -203,6 +209,7 @@ def main(argv=None) -> int:
         "--decode-only", action="store_true",
         help="no prefill: time decode steps at each length on unwritten pages (the same work per step)",
     )  # fmt: skip
+    ap.add_argument("--impl", default="reference", help="ced_jax.options.Impl: reference, cpu, pallas...")
     ap.add_argument("--shape-model", default="v41-flash")
     ap.add_argument("--shape-context", type=int, default=1 << 20)
     ap.add_argument(
@@ -212,13 +219,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.chunk % args.page_size:
         ap.error(f"--chunk {args.chunk} is not a multiple of --page-size {args.page_size}")
-    report = {"model": args.model, "load_start": os.getloadavg(), "lengths": {}}
+    report = {"model": args.model, "impl": args.impl, "load_start": os.getloadavg(), "lengths": {}}
     report["shape_only"] = shape_only(args.shape_model, args.shape_context, args.page_size)
     print(json.dumps(report["shape_only"]), file=sys.stderr, flush=True)
-    model = load(args.model)
+    model = load(args.model, impl=args.impl)
     for length in args.lengths:
         if args.indexer_only:
-            entry = {"context_tokens": length, **indexer_only(model.cfg, length, args.page_size)}
+            scan = indexer_only(model.cfg, length, args.page_size, impl=args.impl)
+            entry = {"context_tokens": length, **scan}
             report["lengths"][str(length)] = entry
             print(json.dumps(entry), file=sys.stderr, flush=True)
             continue
@@ -232,7 +240,7 @@ def main(argv=None) -> int:
             args.table_context,
             args.decode_only,
         )
-        entry.update(indexer_only(model.cfg, length, args.page_size))
+        entry.update(indexer_only(model.cfg, length, args.page_size, impl=args.impl))
         report["lengths"][str(length)] = entry
         print(json.dumps(entry), file=sys.stderr, flush=True)
     key = "indexer_ms" if args.indexer_only else "decode_step_ms_median"
