@@ -4,9 +4,10 @@
 // each 32-value block (one ue8m0 scale) is summed exactly (in double: the rows are FP8-dequantised,
 // so every product and every partial sum of a block is exact there, whatever the order), rounded
 // once to f32 with its scale applied, and the blocks are added in index order in f32. The jnp
-// statement of the same order is pallas_kernels.grouped_matmul.reference.expert_rows_blocked. Rows and
-// chunks of 64 columns are shared out over XLA's intra-op thread pool (shared_work.h); each output is
-// one thread's.
+// statement of the same order is pallas_kernels.grouped_matmul.reference.expert_rows_blocked. The rows
+// are taken in expert order, in tiles of up to 16 rows of one expert that share one decode of each
+// weight block; tiles and chunks of 64 columns are shared out over XLA's intra-op thread pool
+// (shared_work.h); each output is one thread's.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -127,7 +128,62 @@ CED_AVX512 void columns_avx512(const double* x, const uint8_t* w, const uint8_t*
   columns_generic(x, w, sc, blocks, n, n1, out);
 }
 
-using Columns = void (*)(const double*, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*);
+constexpr int kTile = 16;  // rows of one expert that share one decode of its weight blocks
+
+// Columns [n0, n1) of up to kTile rows of one expert (`xs` as doubles, `outs` their output rows): eight
+// columns at a time, each block of the eight weight rows decoded once for all the rows; each row's
+// eight block sums rounded to f32 together. Per row the same values as one row at a time, which a
+// lone row takes (measured faster there: no decoded block kept for other rows).
+CED_AVX512 void tile_avx512(const double* const* xs, int rows, const uint8_t* w, const uint8_t* sc, int64_t blocks,
+                            int64_t n0, int64_t n1, float* const* outs) {
+  if (rows == 1) return columns_avx512(xs[0], w, sc, blocks, n0, n1, outs[0]);  // decode fused into the dot
+  const __m512d lo = _mm512_loadu_pd(kE2m1), hi = _mm512_loadu_pd(kE2m1 + 8);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const int64_t row_bytes = blocks * 16;
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    __m256 acc[kTile];
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512d wv[8][4];
+      alignas(64) double scale[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + j) * row_bytes + b * 16));
+        const __m128i even = _mm_and_si128(bytes, nibble);
+        const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        const __m128i codes0 = _mm_unpacklo_epi8(even, odd), codes1 = _mm_unpackhi_epi8(even, odd);
+        wv[j][0] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(codes0), hi);
+        wv[j][1] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(_mm_srli_si128(codes0, 8)), hi);
+        wv[j][2] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(codes1), hi);
+        wv[j][3] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(_mm_srli_si128(codes1, 8)), hi);
+        scale[j] = ue8m0(sc[(n + j) * blocks + b]);
+      }
+      const __m512d sc8 = _mm512_load_pd(scale);
+      for (int r = 0; r < rows; ++r) {
+        const double* xb = xs[r] + b * kBlock;
+        __m512d sums[8];
+        for (int j = 0; j < 8; ++j) {
+          __m512d s = _mm512_mul_pd(_mm512_loadu_pd(xb), wv[j][0]);
+          s = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 8), wv[j][1], s);
+          s = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 16), wv[j][2], s);
+          sums[j] = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 24), wv[j][3], s);
+        }
+        const __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(sum_lanes_of_8(sums), sc8));
+        acc[r] = b == 0 ? v : _mm256_add_ps(acc[r], v);
+      }
+    }
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(outs[r] + n, acc[r]);
+  }
+  for (int r = 0; r < rows; ++r) columns_generic(xs[r], w, sc, blocks, n, n1, outs[r]);
+}
+
+// The same, one row and one column at a time (the portable loop).
+void tile_generic(const double* const* xs, int rows, const uint8_t* w, const uint8_t* sc, int64_t blocks,
+                  int64_t n0, int64_t n1, float* const* outs) {
+  for (int r = 0; r < rows; ++r) columns_generic(xs[r], w, sc, blocks, n0, n1, outs[r]);
+}
+
+using Tile = void (*)(const double* const*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t,
+                      float* const*);
 
 bool has_avx512() {
   __builtin_cpu_init();
@@ -135,7 +191,7 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// Work items: (row, chunk of kChunk columns).
+// Work items: (tile of up to kTile rows of one expert, chunk of kChunk columns).
 constexpr int64_t kChunk = 64;
 
 ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> ids,
@@ -152,16 +208,39 @@ ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
       return ffi::Error::InvalidArgument("fp4_expert_rows: expert id " + std::to_string(p.ids[m]) + " of row " +
                                          std::to_string(m) + " is outside 0.." + std::to_string(p.e - 1));
   static const bool avx512 = has_avx512();
-  const Columns columns = (avx512 && !portable) ? columns_avx512 : columns_generic;  // the tests compare both
+  const Tile tile = (avx512 && !portable) ? tile_avx512 : tile_generic;  // the tests compare both
+  // The rows in expert order (stable), cut into tiles of one expert.
+  std::vector<int64_t> order(p.m);
+  for (int64_t m = 0; m < p.m; ++m) order[m] = m;
+  std::stable_sort(order.begin(), order.end(), [&p](int64_t a, int64_t b) { return p.ids[a] < p.ids[b]; });
+  std::vector<std::pair<int64_t, int>> tiles;  // (first position in `order`, rows)
+  for (int64_t i = 0; i < p.m;) {
+    int rows = 1;
+    while (i + rows < p.m && rows < kTile && p.ids[order[i + rows]] == p.ids[order[i]]) ++rows;
+    tiles.emplace_back(i, rows);
+    i += rows;
+  }
   const int64_t blocks = p.k / kBlock, chunks = (p.n + kChunk - 1) / kChunk;
-  ced::share_items(pool, p.m * chunks, [p, columns, blocks, chunks](int64_t item) {
-    const int64_t m = item / chunks, c = item % chunks;
-    thread_local std::vector<double> x;
-    x.assign(p.rows + m * p.k, p.rows + (m + 1) * p.k);
-    const int64_t id = p.ids[m];
-    columns(x.data(), p.packed + id * p.n * blocks * 16, p.scales + id * p.n * blocks, blocks, c * kChunk,
-            std::min(p.n, (c + 1) * kChunk), p.out + m * p.n);
-  });
+  const std::vector<int64_t>* sorted = &order;
+  const std::vector<std::pair<int64_t, int>>* cut = &tiles;
+  ced::share_items(pool, static_cast<int64_t>(tiles.size()) * chunks,
+                   [p, tile, blocks, chunks, sorted, cut](int64_t item) {
+                     const auto [first, rows] = (*cut)[item / chunks];
+                     const int64_t c = item % chunks;
+                     thread_local std::vector<double> x;
+                     x.resize(kTile * p.k);
+                     const double* xs[kTile];
+                     float* outs[kTile];
+                     for (int r = 0; r < rows; ++r) {
+                       const int64_t m = (*sorted)[first + r];
+                       std::copy(p.rows + m * p.k, p.rows + (m + 1) * p.k, x.begin() + r * p.k);
+                       xs[r] = x.data() + r * p.k;
+                       outs[r] = p.out + m * p.n;
+                     }
+                     const int64_t id = p.ids[(*sorted)[first]];
+                     tile(xs, rows, p.packed + id * p.n * blocks * 16, p.scales + id * p.n * blocks, blocks,
+                          c * kChunk, std::min(p.n, (c + 1) * kChunk), outs);
+                   });
   return ffi::Error::Success();
 }
 

@@ -39,7 +39,10 @@ def test_the_kernels_are_built_here():
     assert _cpu.vector_width() in (0, 256, 512)
 
 
-@pytest.mark.parametrize("m, k, n, e", [(1, 32, 1, 1), (3, 96, 33, 4), (8, 512, 64, 16), (48, 2048, 40, 64)])
+# The last case: about 23 rows per expert, so tiles of 16 rows of one expert and their remainders.
+@pytest.mark.parametrize(
+    "m, k, n, e", [(1, 32, 1, 1), (3, 96, 33, 4), (8, 512, 64, 16), (48, 2048, 40, 64), (70, 256, 72, 3)]
+)
 def test_expert_rows_equal_the_blocked_order_bit_for_bit(m, k, n, e):
     args = _rows_case(m * 7 + k, m, k, n, e)
     want = np.asarray(jax.jit(reference.expert_rows_blocked)(*args))
