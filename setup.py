@@ -34,7 +34,7 @@ CPU_KERNELS = Extension(
         "pallas_kernels/csrc/fp8_linear_rows.cc",
         "pallas_kernels/csrc/index_scores.cc",
     ],
-    depends=["pallas_kernels/csrc/shared_work.h"],
+    depends=["pallas_kernels/csrc/shared_work.h", "pallas_kernels/csrc/cpu_common.h"],
     language="c++",
     # No -ffast-math and no -march: the order of every float operation is the one written, and the
     # AVX-512 loops are chosen at run time (function targets), so one build runs on any x86-64 CPU.

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_common.h"
 #include "shared_work.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,16 +40,6 @@ struct Problem {
   int64_t m, k, e, n;
 };
 
-// ue8m0 as pallas_kernels.formats.ue8m0_to_f32 reads it: 2^(s-127), 0 reads as 0, 255 is NaN.
-inline double ue8m0(uint8_t s) {
-  if (s == 0) return 0.0;
-  if (s == 255) return std::nan("");
-  uint64_t bits = static_cast<uint64_t>(s - 127 + 1023) << 52;
-  double d;
-  std::memcpy(&d, &bits, sizeof d);
-  return d;
-}
-
 // One output: the blocks of one weight row against one row (as doubles), in order. Compiled for AVX2
 // and for any x86-64 (chosen at load time); the same values either way.
 __attribute__((target_clones("avx2", "default")))
@@ -63,7 +54,7 @@ float dot_row_generic(const double* x, const uint8_t* w, const uint8_t* sc, int6
       lanes[(2 * j + 1) % 8] += xb[2 * j + 1] * kE2m1[wb[j] >> 4];
     }
     double s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    float v = static_cast<float>(s * ue8m0(sc[b]));
+    float v = static_cast<float>(s * ced::ue8m0(sc[b]));
     acc = b == 0 ? v : acc + v;
   }
   return acc;
@@ -75,7 +66,6 @@ void columns_generic(const double* x, const uint8_t* w, const uint8_t* sc, int64
   for (int64_t n = n0; n < n1; ++n) out[n] = dot_row_generic(x, w + n * blocks * 16, sc + n * blocks, blocks);
 }
 
-#define CED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 // A block of one column: 32 products as 8 double lanes (exact), FP4 codes decoded by permute.
 CED_AVX512 inline __m512d block_avx512(const double* xb, const uint8_t* wb, __m512d lo, __m512d hi) {
@@ -94,17 +84,6 @@ CED_AVX512 inline __m512d block_avx512(const double* xb, const uint8_t* wb, __m5
   return s;
 }
 
-// Lane j of the result: the sum of a[j]'s lanes (any order: the sums are exact).
-CED_AVX512 inline __m512d sum_lanes_of_8(const __m512d* a) {
-  __m512d s01 = _mm512_add_pd(_mm512_unpacklo_pd(a[0], a[1]), _mm512_unpackhi_pd(a[0], a[1]));
-  __m512d s23 = _mm512_add_pd(_mm512_unpacklo_pd(a[2], a[3]), _mm512_unpackhi_pd(a[2], a[3]));
-  __m512d s45 = _mm512_add_pd(_mm512_unpacklo_pd(a[4], a[5]), _mm512_unpackhi_pd(a[4], a[5]));
-  __m512d s67 = _mm512_add_pd(_mm512_unpacklo_pd(a[6], a[7]), _mm512_unpackhi_pd(a[6], a[7]));
-  __m512d w0 = _mm512_add_pd(_mm512_shuffle_f64x2(s01, s23, 0x88), _mm512_shuffle_f64x2(s01, s23, 0xDD));
-  __m512d w1 = _mm512_add_pd(_mm512_shuffle_f64x2(s45, s67, 0x88), _mm512_shuffle_f64x2(s45, s67, 0xDD));
-  return _mm512_add_pd(_mm512_shuffle_f64x2(w0, w1, 0x88), _mm512_shuffle_f64x2(w0, w1, 0xDD));
-}
-
 // Columns [n0, n1) of one row: eight columns at a time, their block sums rounded to f32 together.
 CED_AVX512 void columns_avx512(const double* x, const uint8_t* w, const uint8_t* sc, int64_t blocks, int64_t n0,
                                int64_t n1, float* out) {
@@ -118,9 +97,9 @@ CED_AVX512 void columns_avx512(const double* x, const uint8_t* w, const uint8_t*
       alignas(64) double scale[8];
       for (int j = 0; j < 8; ++j) {
         sums[j] = block_avx512(x + b * kBlock, w + (n + j) * row_bytes + b * 16, lo, hi);
-        scale[j] = ue8m0(sc[(n + j) * blocks + b]);
+        scale[j] = ced::ue8m0(sc[(n + j) * blocks + b]);
       }
-      __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(sum_lanes_of_8(sums), _mm512_load_pd(scale)));
+      __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(ced::sum_lanes_of_8(sums), _mm512_load_pd(scale)));
       acc = b == 0 ? v : _mm256_add_ps(acc, v);
     }
     _mm256_storeu_ps(out + n, acc);
@@ -155,7 +134,7 @@ CED_AVX512 void tile_avx512(const double* const* xs, int rows, const uint8_t* w,
         wv[j][1] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(_mm_srli_si128(codes0, 8)), hi);
         wv[j][2] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(codes1), hi);
         wv[j][3] = _mm512_permutex2var_pd(lo, _mm512_cvtepu8_epi64(_mm_srli_si128(codes1, 8)), hi);
-        scale[j] = ue8m0(sc[(n + j) * blocks + b]);
+        scale[j] = ced::ue8m0(sc[(n + j) * blocks + b]);
       }
       const __m512d sc8 = _mm512_load_pd(scale);
       for (int r = 0; r < rows; ++r) {
@@ -167,7 +146,7 @@ CED_AVX512 void tile_avx512(const double* const* xs, int rows, const uint8_t* w,
           s = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 16), wv[j][2], s);
           sums[j] = _mm512_fmadd_pd(_mm512_loadu_pd(xb + 24), wv[j][3], s);
         }
-        const __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(sum_lanes_of_8(sums), sc8));
+        const __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(ced::sum_lanes_of_8(sums), sc8));
         acc[r] = b == 0 ? v : _mm256_add_ps(acc[r], v);
       }
     }
@@ -185,12 +164,6 @@ void tile_generic(const double* const* xs, int rows, const uint8_t* w, const uin
 using Tile = void (*)(const double* const*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t,
                       float* const*);
 
-bool has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
 // Work items: (tile of up to kTile rows of one expert, chunk of kChunk columns).
 constexpr int64_t kChunk = 64;
 
@@ -207,7 +180,7 @@ ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
     if (p.ids[m] < 0 || p.ids[m] >= p.e)
       return ffi::Error::InvalidArgument("fp4_expert_rows: expert id " + std::to_string(p.ids[m]) + " of row " +
                                          std::to_string(m) + " is outside 0.." + std::to_string(p.e - 1));
-  static const bool avx512 = has_avx512();
+  static const bool avx512 = ced::has_avx512();
   const Tile tile = (avx512 && !portable) ? tile_avx512 : tile_generic;  // the tests compare both
   // The rows in expert order (stable), cut into tiles of one expert.
   std::vector<int64_t> order(p.m);
@@ -258,6 +231,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CedFp4ExpertRows, Fp4ExpertRows,
 
 // The widest vector loops this CPU runs: 512 (AVX-512), 256 (AVX2) or 0 (the portable build).
 extern "C" int ced_cpu_kernels_isa() {
-  if (has_avx512()) return 512;
+  if (ced::has_avx512()) return 512;
   return __builtin_cpu_supports("avx2") ? 256 : 0;
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 
+#include "cpu_common.h"
 #include "shared_work.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,16 +49,6 @@ struct E4m3Table {
 };
 const E4m3Table kE4m3;
 
-// ue8m0 as pallas_kernels.formats.ue8m0_to_f32 reads it: 2^(s-127), 0 reads as 0, 255 is NaN.
-inline double ue8m0(uint8_t s) {
-  if (s == 0) return 0.0;
-  if (s == 255) return std::nan("");
-  uint64_t bits = static_cast<uint64_t>(s - 127 + 1023) << 52;
-  double d;
-  std::memcpy(&d, &bits, sizeof d);
-  return d;
-}
-
 struct Problem {
   const float* rows;      // [M, K]
   const uint8_t* weight;  // [N, K] e4m3 codes
@@ -81,7 +72,7 @@ void tile_generic(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t 
         for (int j = 0; j < kBlock; ++j)
           lanes[j % 8] += static_cast<double>(x[b * kBlock + j]) * kE4m3.value[w[b * kBlock + j]];
         double s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-        float v = static_cast<float>(s * ue8m0(p.scales[(n / kBlock) * blocks + b]));
+        float v = static_cast<float>(s * ced::ue8m0(p.scales[(n / kBlock) * blocks + b]));
         acc = b == 0 ? v : acc + v;
       }
       p.out[r * p.n + n] = acc;
@@ -89,7 +80,6 @@ void tile_generic(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t 
   }
 }
 
-#define CED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
 
 // 16 e4m3 codes -> 16 f32, exactly: the code's low 7 bits are an f16's exponent and mantissa bits
 // shifted by 7 (bias 15 instead of 7, so the f16 is the value times 2^-8, subnormals included), the
@@ -102,17 +92,6 @@ CED_AVX512 inline __m512 decode16(__m128i codes) {
   const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
   const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));
   return _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(std::nanf("")));
-}
-
-// Lane j of the result: the sum of a[j]'s lanes (any order: the sums are exact).
-CED_AVX512 inline __m512d sum_lanes_of_8(const __m512d* a) {
-  __m512d s01 = _mm512_add_pd(_mm512_unpacklo_pd(a[0], a[1]), _mm512_unpackhi_pd(a[0], a[1]));
-  __m512d s23 = _mm512_add_pd(_mm512_unpacklo_pd(a[2], a[3]), _mm512_unpackhi_pd(a[2], a[3]));
-  __m512d s45 = _mm512_add_pd(_mm512_unpacklo_pd(a[4], a[5]), _mm512_unpackhi_pd(a[4], a[5]));
-  __m512d s67 = _mm512_add_pd(_mm512_unpacklo_pd(a[6], a[7]), _mm512_unpackhi_pd(a[6], a[7]));
-  __m512d w0 = _mm512_add_pd(_mm512_shuffle_f64x2(s01, s23, 0x88), _mm512_shuffle_f64x2(s01, s23, 0xDD));
-  __m512d w1 = _mm512_add_pd(_mm512_shuffle_f64x2(s45, s67, 0x88), _mm512_shuffle_f64x2(s45, s67, 0xDD));
-  return _mm512_add_pd(_mm512_shuffle_f64x2(w0, w1, 0x88), _mm512_shuffle_f64x2(w0, w1, 0xDD));
 }
 
 // Eight columns at a time: each block of the eight weight rows decoded once (as doubles), then every
@@ -133,7 +112,7 @@ CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0
         w[j][1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1)));
         w[j][2] = _mm512_cvtps_pd(_mm512_castps512_ps256(hi));
         w[j][3] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hi), 1)));
-        scale[j] = ue8m0(p.scales[((n + j) / kBlock) * blocks + b]);
+        scale[j] = ced::ue8m0(p.scales[((n + j) / kBlock) * blocks + b]);
       }
       const __m512d sc = _mm512_load_pd(scale);
       for (int64_t r = r0; r < r1; ++r) {
@@ -147,7 +126,7 @@ CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0
           s = _mm512_fmadd_pd(x[2], w[j][2], s);
           sums[j] = _mm512_fmadd_pd(x[3], w[j][3], s);
         }
-        const __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(sum_lanes_of_8(sums), sc));
+        const __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(ced::sum_lanes_of_8(sums), sc));
         acc[r - r0] = b == 0 ? v : _mm256_add_ps(acc[r - r0], v);
       }
     }
@@ -157,13 +136,6 @@ CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0
 }
 
 using Tile = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
-
-bool has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("f16c");
-}
 
 ffi::Error Fp8LinearRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> weight,
                          ffi::Buffer<ffi::U8> scales, ffi::ResultBuffer<ffi::F32> out, int64_t portable) {
@@ -176,7 +148,7 @@ ffi::Error Fp8LinearRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
         "fp8_linear_rows: rows [M, K], weight [N, K], scales [ceil(N/32), K/32] with K a multiple of 32 expected");
   const Problem p{rows.typed_data(), weight.typed_data(), scales.typed_data(), out->typed_data(), rd[0], rd[1],
                   wd[0]};
-  static const bool avx512 = has_avx512();
+  static const bool avx512 = ced::has_avx512();
   const Tile tile = (avx512 && !portable) ? tile_avx512 : tile_generic;  // the tests compare both
   const int64_t chunks = (p.n + kChunk - 1) / kChunk, tiles = (p.m + kTile - 1) / kTile;
   ced::share_items(pool, chunks * tiles, [p, tile, chunks](int64_t item) {

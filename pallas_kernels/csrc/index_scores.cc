@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_common.h"
 #include "shared_work.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -64,7 +65,6 @@ inline float dot_generic(const float* q, const float* key, int64_t dk) {
   return total;
 }
 
-#define CED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 CED_AVX512 inline __m512 round_bf16_16(__m512 x) {  // round_bf16 in each lane
   const __m512i bits = _mm512_castps_si512(x);
@@ -149,12 +149,6 @@ CED_AVX512 void score16(const Problem& p, int64_t row, int64_t c0, int64_t end, 
   }
 }
 
-bool has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
 // Pages [first, last) of one row's table, a slot and a query at a time. Compiled for AVX2 and for any
 // x86-64 (chosen at load time); the same values either way.
 __attribute__((target_clones("avx2", "default")))
@@ -213,7 +207,7 @@ ffi::Error IndexScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
         "n_visible [B, T] expected");
   const Problem p{q.typed_data(), w.typed_data(), pages.typed_data(), table.typed_data(), visible.typed_data(),
                   out->typed_data(), qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], td[1] * pd[1]};
-  static const bool avx512 = has_avx512();
+  static const bool avx512 = ced::has_avx512();
   const bool vector = avx512 && !portable;  // the tests compare both
   const int64_t chunks = (td[1] + kPagesPerItem - 1) / kPagesPerItem;
   ced::share_items(pool, p.b * chunks, [p, vector, chunks, n = td[1]](int64_t item) {
