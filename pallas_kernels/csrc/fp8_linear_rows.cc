@@ -1,12 +1,10 @@
 // The FP8 block-scaled linear on CPU, an XLA FFI custom call (pallas_kernels.fp8_linear.kernel_cpu,
 // issue 38): out[m, n] = rows[m] . dequant(weight)[n], the e4m3 weight decoded inside the dot.
 //
-// One order, whatever the shapes: each 32-value block of a row against a weight row (one ue8m0 scale
-// of the 32 x 32 grid) summed exactly (in double: the rows are FP8-quantised, so every product of two
-// e4m3 values times powers of two and every partial sum of a block is exact there, whatever the
-// order), its scale applied, rounded once to f32; the blocks added in index order in f32 (the order of
-// the FP4 expert kernel). Work items are (chunk of columns, tile of rows): a weight block is decoded
-// once per tile of rows.
+// The XLA path's values bit for bit: the weight value is the e4m3 value times its ue8m0 scale (one
+// per 32 x 32 block) in f32, as the XLA path dequantises it, and each output adds its products in
+// XLA:CPU's order (cpu_common.h, "the order of sums"). Work items are (tile of rows, chunk of
+// columns); a weight value is decoded once for up to eight rows.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,20 +27,20 @@ constexpr int64_t kTile = 32;    // rows of one work item
 
 // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (m * 2^-9);
 // 0x7F / 0xFF are NaN, there is no infinity.
-double e4m3_value(uint8_t code) {
+float e4m3_value(uint8_t code) {
   const int e = (code >> 3) & 15, m = code & 7;
-  double v;
+  float v;
   if (e == 15 && m == 7)
-    v = std::nan("");
+    v = std::nanf("");
   else if (e == 0)
-    v = std::ldexp(static_cast<double>(m), -9);
+    v = std::ldexp(static_cast<float>(m), -9);
   else
-    v = std::ldexp(static_cast<double>(8 + m), e - 10);
+    v = std::ldexp(static_cast<float>(8 + m), e - 10);
   return (code & 0x80) ? -v : v;
 }
 
 struct E4m3Table {
-  double value[256];
+  float value[256];
   E4m3Table() {
     for (int c = 0; c < 256; ++c) value[c] = e4m3_value(static_cast<uint8_t>(c));
   }
@@ -66,79 +64,122 @@ void tile_generic(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t 
     const float* x = p.rows + r * p.k;
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = p.weight + n * p.k;
-      float acc = 0.0f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // exact: any grouping of a block gives its sum
-        for (int j = 0; j < kBlock; ++j)
-          lanes[j % 8] += static_cast<double>(x[b * kBlock + j]) * kE4m3.value[w[b * kBlock + j]];
-        double s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-        float v = static_cast<float>(s * ced::ue8m0(p.scales[(n / kBlock) * blocks + b]));
-        acc = b == 0 ? v : acc + v;
+      const uint8_t* sc = p.scales + (n / kBlock) * blocks;
+      float total = 0.0f;
+      for (int64_t start = 0; start < p.k; start += ced::kRun) {
+        float acc = 0.0f;
+        for (int64_t k = start; k < std::min(p.k, start + ced::kRun); ++k)
+          acc = std::fma(kE4m3.value[w[k]] * ced::ue8m0_f32(sc[k / kBlock]), x[k], acc);
+        total = start == 0 ? acc : total + acc;
       }
-      p.out[r * p.n + n] = acc;
+      p.out[r * p.n + n] = total;
     }
   }
 }
 
-
-// 16 e4m3 codes -> 16 f32, exactly: the code's low 7 bits are an f16's exponent and mantissa bits
-// shifted by 7 (bias 15 instead of 7, so the f16 is the value times 2^-8, subnormals included), the
-// sign moved to bit 15; 0x7F / 0xFF become NaN.
-CED_AVX512 inline __m512 decode16(__m128i codes) {
-  const __m256i h = _mm256_cvtepu8_epi16(codes);
-  const __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi16(0x7F));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
-  const __m256i half = _mm256_or_si256(sign, _mm256_slli_epi16(magnitude, 7));
-  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));
-  return _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(std::nanf("")));
-}
-
-// Eight columns at a time: each block of the eight weight rows decoded once (as doubles), then every
-// row of the tile against it; the eight block sums rounded to f32 together.
-CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+// G groups of 16 columns from n (a multiple of 16, so a group's columns share their scales; lanes past
+// n1 masked off) for R rows from r: lane j of group g is column n + 16 g + j, its weight codes gathered
+// four at a time. A code's low 7 bits shifted by 7 are an f16 whose value is the e4m3 value times 2^-8
+// (bias 15 instead of 7, subnormals included); times 2^8 times the scale it is the XLA path's
+// dequantised value (one rounding either way, to the same real number). 0x7F / 0xFF are NaN.
+template <int G, int R>
+CED_AVX512 void panel_avx512(const Problem& p, int64_t r, int64_t n, int64_t n1) {
   const int64_t blocks = p.k / kBlock;
-  int64_t n = n0;
-  for (; n + 8 <= n1; n += 8) {
-    __m256 acc[kTile];
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512d w[8][4];
-      alignas(64) double scale[8];
-      for (int j = 0; j < 8; ++j) {
-        const uint8_t* wb = p.weight + (n + j) * p.k + b * kBlock;
-        const __m512 lo = decode16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-        const __m512 hi = decode16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16)));
-        w[j][0] = _mm512_cvtps_pd(_mm512_castps512_ps256(lo));
-        w[j][1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1)));
-        w[j][2] = _mm512_cvtps_pd(_mm512_castps512_ps256(hi));
-        w[j][3] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hi), 1)));
-        scale[j] = ced::ue8m0(p.scales[((n + j) / kBlock) * blocks + b]);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i magnitude_bits = _mm512_set1_epi32(0x3F80), sign_bit = _mm512_set1_epi32(0x8000);
+  __mmask16 live[G];
+  __m512i offset[G];  // each lane's weight row, in bytes from p.weight
+  for (int g = 0; g < G; ++g) {
+    const __m512i col = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(n + 16 * g)));
+    live[g] = _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(n1)));
+    offset[g] = _mm512_mullo_epi32(col, _mm512_set1_epi32(static_cast<int>(p.k)));
+  }
+  const float* x = p.rows + r * p.k;
+  for (int64_t start = 0; start < p.k; start += ced::kRun) {
+    __m512 acc[R][G];
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
+    const int64_t end = std::min(p.k, start + ced::kRun);
+    for (int64_t b = start / kBlock; b < end / kBlock; ++b) {
+      __m512 scale[G], plain[G];  // 2^8 times the scale, or 2^8 and the scale apart where that overflows
+      bool split[G];
+      for (int g = 0; g < G; ++g) {
+        const float s = n + 16 * g < n1 ? ced::ue8m0_f32(p.scales[((n + 16 * g) / kBlock) * blocks + b]) : 0.0f;
+        split[g] = !std::isfinite(256.0f * s) && std::isfinite(s);
+        scale[g] = _mm512_set1_ps(split[g] ? s : 256.0f * s);
+        plain[g] = _mm512_set1_ps(split[g] ? 256.0f : 1.0f);
       }
-      const __m512d sc = _mm512_load_pd(scale);
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* xb = p.rows + r * p.k + b * kBlock;
-        __m512d x[4];
-        for (int q = 0; q < 4; ++q) x[q] = _mm512_cvtps_pd(_mm256_loadu_ps(xb + 8 * q));
-        __m512d sums[8];
-        for (int j = 0; j < 8; ++j) {
-          __m512d s = _mm512_mul_pd(x[0], w[j][0]);
-          s = _mm512_fmadd_pd(x[1], w[j][1], s);
-          s = _mm512_fmadd_pd(x[2], w[j][2], s);
-          sums[j] = _mm512_fmadd_pd(x[3], w[j][3], s);
+      for (int q = 0; q < kBlock / 4; ++q) {  // four codes of each lane at a time
+        __m512i codes[G];
+        __mmask64 nan[G];
+        for (int g = 0; g < G; ++g) {
+          codes[g] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live[g],
+                                                 _mm512_add_epi32(offset[g], _mm512_set1_epi32(b * kBlock + q * 4)),
+                                                 p.weight, 1);
+          nan[g] = _mm512_cmpeq_epi8_mask(_mm512_and_si512(codes[g], _mm512_set1_epi8(0x7F)), _mm512_set1_epi8(0x7F));
         }
-        const __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(ced::sum_lanes_of_8(sums), sc));
-        acc[r - r0] = b == 0 ? v : _mm256_add_ps(acc[r - r0], v);
+        for (int v = 0; v < 4; ++v) {
+          const int64_t k = b * kBlock + q * 4 + v;
+          for (int g = 0; g < G; ++g) {
+            const __m512i c = _mm512_srli_epi32(codes[g], 8 * v);
+            const __m512i half = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(c, 7), magnitude_bits),
+                                                 _mm512_and_si512(_mm512_slli_epi32(c, 8), sign_bit));
+            __m512 w = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(half));
+            if (split[g]) w = _mm512_mul_ps(w, plain[g]);
+            w = _mm512_mul_ps(w, scale[g]);
+            if (nan[g]) {  // rare: a NaN code among this gather's
+              const __mmask16 lanes = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)),
+                                                              _mm512_set1_epi32(0x7F));
+              w = _mm512_mask_blend_ps(lanes, w, _mm512_set1_ps(std::nanf("")));
+            }
+            for (int i = 0; i < R; ++i) acc[i][g] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[i * p.k + k]), acc[i][g]);
+          }
+        }
       }
     }
-    for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(p.out + r * p.n + n, acc[r - r0]);
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < G; ++g) {
+        float* o = p.out + (r + i) * p.n + n + 16 * g;
+        const __m512 sum = start == 0 ? acc[i][g] : _mm512_add_ps(_mm512_maskz_loadu_ps(live[g], o), acc[i][g]);
+        _mm512_mask_storeu_ps(o, live[g], sum);
+      }
   }
-  if (n < n1) tile_generic(p, r0, r1, n, n1);
+}
+
+template <int R>
+CED_AVX512 void rows_avx512(const Problem& p, int64_t r, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 32) panel_avx512<2, R>(p, r, n, n1);
+}
+
+// A lone row four groups of 16 columns at a time (four independent chains of adds); more rows up to
+// eight at a time, two groups at a time.
+CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+  if (r1 - r0 == 1) {
+    for (int64_t n = n0; n < n1; n += 64) panel_avx512<4, 1>(p, r0, n, n1);
+    return;
+  }
+  for (int64_t r = r0; r < r1; r += 8) {
+    switch (std::min<int64_t>(8, r1 - r)) {
+      case 1: rows_avx512<1>(p, r, n0, n1); break;
+      case 2: rows_avx512<2>(p, r, n0, n1); break;
+      case 3: rows_avx512<3>(p, r, n0, n1); break;
+      case 4: rows_avx512<4>(p, r, n0, n1); break;
+      case 5: rows_avx512<5>(p, r, n0, n1); break;
+      case 6: rows_avx512<6>(p, r, n0, n1); break;
+      case 7: rows_avx512<7>(p, r, n0, n1); break;
+      default: rows_avx512<8>(p, r, n0, n1); break;
+    }
+  }
 }
 
 using Tile = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
-ffi::Error Fp8LinearRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> weight,
+// The weight comes as float8_e4m3fn or as its uint8 codes, read the same: a bitcast to uint8 in the
+// caller would make XLA:CPU copy the whole weight on every call.
+ffi::Error Fp8LinearRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer weight,
                          ffi::Buffer<ffi::U8> scales, ffi::ResultBuffer<ffi::F32> out, int64_t portable) {
+  if (weight.element_type() != ffi::DataType::U8 && weight.element_type() != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("fp8_linear_rows: weight must be float8_e4m3fn or uint8");
   auto rd = rows.dimensions();
   auto wd = weight.dimensions();
   auto sd = scales.dimensions();
@@ -146,8 +187,10 @@ ffi::Error Fp8LinearRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
       sd[0] != (wd[0] + kBlock - 1) / kBlock || sd[1] != rd[1] / kBlock)
     return ffi::Error::InvalidArgument(
         "fp8_linear_rows: rows [M, K], weight [N, K], scales [ceil(N/32), K/32] with K a multiple of 32 expected");
-  const Problem p{rows.typed_data(), weight.typed_data(), scales.typed_data(), out->typed_data(), rd[0], rd[1],
-                  wd[0]};
+  if (wd[0] * wd[1] >= (int64_t{1} << 31))
+    return ffi::Error::InvalidArgument("fp8_linear_rows: the weight must be under 2 GiB");
+  const Problem p{rows.typed_data(), static_cast<const uint8_t*>(weight.untyped_data()), scales.typed_data(),
+                  out->typed_data(), rd[0], rd[1], wd[0]};
   static const bool avx512 = ced::has_avx512();
   const Tile tile = (avx512 && !portable) ? tile_avx512 : tile_generic;  // the tests compare both
   const int64_t chunks = (p.n + kChunk - 1) / kChunk, tiles = (p.m + kTile - 1) / kTile;
@@ -164,7 +207,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CedFp8LinearRows, Fp8LinearRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("portable"));

@@ -29,13 +29,6 @@ constexpr int64_t kPagesPerItem = 16;
 constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                              0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-inline float ue8m0(uint8_t s) {  // pallas_kernels.formats.ue8m0_to_f32: 0 reads as 0, 255 is NaN
-  uint32_t bits = static_cast<uint32_t>(s) << 23 | (s == 255 ? 1u << 22 : 0u);
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 inline float round_bf16(float x) {  // pallas_kernels.formats.round_bf16, on the bit pattern
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
@@ -95,7 +88,7 @@ CED_AVX512 inline void decode_key(const uint8_t* e, int64_t dk, float* key) {
   for (int64_t blk = 0; blk < dk / kBlock; ++blk) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e + blk * 16));
     const __m128i even = _mm_and_si128(bytes, nibble), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-    const __m512 scale = _mm512_set1_ps(ue8m0(e[dk / 2 + blk]));
+    const __m512 scale = _mm512_set1_ps(ced::ue8m0_f32(e[dk / 2 + blk]));
     const __m512i lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd));
     const __m512i hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(even, odd));
     _mm512_storeu_ps(key + blk * kBlock, _mm512_mul_ps(_mm512_permutexvar_ps(lo, table), scale));
@@ -169,7 +162,7 @@ void score_pages_generic(const Problem& p, int64_t row, int64_t first, int64_t l
       }
       const uint8_t* e = p.pages + (page * p.slots + s) * entry;
       for (int64_t i = 0; i < p.dk / 2; ++i) {
-        const float scale = ue8m0(e[p.dk / 2 + (2 * i) / kBlock]);
+        const float scale = ced::ue8m0_f32(e[p.dk / 2 + (2 * i) / kBlock]);
         key[2 * i] = kE2m1[e[i] & 15] * scale;
         key[2 * i + 1] = kE2m1[e[i] >> 4] * scale;
       }

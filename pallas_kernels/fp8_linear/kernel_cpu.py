@@ -1,10 +1,11 @@
 """The FP8 block-scaled linear on CPU: an XLA FFI custom call (`pallas_kernels/csrc/fp8_linear_rows.cc`)
 that decodes the e4m3 weight inside the dot, so no f32 copy of the weight is ever written.
 
-Its order of operations is `reference.linear_blocked`'s, fixed whatever the shapes and the same for
-every row alone or among others; exact block sums need FP8-quantised rows, which is what the model
-passes. The AVX-512 loop runs where the CPU has it, else a portable one; `portable=True` forces the
-latter (the tests compare both). Measured: BENCHMARKS.md, "CPU kernels through `jax.ffi`"."""
+Its values are the XLA path's bit for bit: the same dequantised weight values, each output's
+products summed in XLA:CPU's order (`pallas_kernels.run_order`; `reference.linear_in_run_order`
+states it in numpy), the same for every row alone or among others. The AVX-512 loop runs where the
+CPU has it, else a portable one; `portable=True` forces the latter (the tests compare both).
+Measured: BENCHMARKS.md, "CPU kernels through `jax.ffi`"."""
 
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ def linear_rows(rows: jax.Array, weight: jax.Array, scales: jax.Array, *, portab
     m, _, n = validate(rows, weight, scales)
     if rows.dtype != jnp.float32:
         raise ValueError(f"rows must be f32, got {rows.dtype}")
-    if weight.dtype == jnp.float8_e4m3fn:
-        weight = jax.lax.bitcast_convert_type(weight, jnp.uint8)
-    if weight.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
+    if weight.dtype not in (jnp.float8_e4m3fn, jnp.uint8) or scales.dtype != jnp.uint8:
         raise ValueError(
             f"weight must be float8_e4m3fn or uint8 and scales uint8, got {weight.dtype} and {scales.dtype}"
         )

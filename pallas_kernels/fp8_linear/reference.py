@@ -2,18 +2,16 @@
 [ceil(N/32), K/32])^T -> f32 [M, N].
 
 `linear` is the XLA path's product (the weight dequantised, an f32 dot at HIGHEST precision, XLA's
-order of sums). `linear_blocked` states the CPU kernel's order in numpy: each 32-value block of a row
-against a weight row summed exactly (float64: FP8-quantised rows times e4m3 values give products and
-block sums that float64 holds exactly), times the block's scale, rounded once to f32, the blocks
-added in index order in f32."""
+order of sums). `linear_in_run_order` states that order in numpy (`pallas_kernels.run_order`), which
+the CPU kernel follows."""
 
 from __future__ import annotations
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from pallas_kernels import formats
+from pallas_kernels.run_order import products_in_run_order
 
 BLOCK = 32
 
@@ -40,14 +38,7 @@ def linear(rows: jax.Array, weight: jax.Array, scales: jax.Array) -> jax.Array:
     return jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
 
 
-def linear_blocked(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    m, k, n = validate(rows, weight, scales)
-    x = np.asarray(rows, np.float64).reshape(m, k // BLOCK, BLOCK)
-    w = np.asarray(weight).view(ml_dtypes.float8_e4m3fn).astype(np.float64).reshape(n, k // BLOCK, BLOCK)
-    block_sums = np.einsum("mbj,nbj->mnb", x, w)  # exact in float64, whatever numpy's order
-    factors = np.asarray(formats.np_ue8m0_to_f32(np.asarray(scales)), np.float64)  # [ceil(N/32), K/32]
-    blocks = (block_sums * np.repeat(factors, BLOCK, axis=0)[:n][None]).astype(np.float32)
-    out = blocks[..., 0].copy()
-    for b in range(1, k // BLOCK):
-        out = out + blocks[..., b]  # f32 + f32, in block order
-    return out
+def linear_in_run_order(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    validate(rows, weight, scales)
+    w = np.asarray(jax.jit(formats.dequant_fp8_weight)(weight, scales))  # the XLA path's f32 values
+    return products_in_run_order(rows, w)

@@ -1,11 +1,11 @@
-"""The FP4 expert product on CPU: an XLA FFI custom call (`pallas_kernels/csrc/fp4_expert_rows.cc`).
+"""The FP4 expert product on CPU: an XLA FFI custom call (`pallas_kernels/csrc/fp4_expert_rows.cc`)
+that decodes the packed weight inside the dot.
 
-Order of operations, fixed whatever the shapes: each 32-value block of a row's product with a weight
-row (one ue8m0 scale) summed exactly, rounded once to f32, the blocks added in index order in f32;
-`reference.expert_rows_blocked` states the same order in jnp. Exact block sums need FP8-dequantised
-rows (every product and partial sum of a block is then exact in double), which is what the model
-passes. The AVX-512 loop runs where the CPU has it, else a portable one; `portable=True` forces the
-latter (the tests compare both). Measured: BENCHMARKS.md, "CPU kernels through `jax.ffi`"."""
+Its values are the XLA path's bit for bit: the same dequantised weight values, each output's
+products summed in XLA:CPU's order (`pallas_kernels.run_order`; `reference.expert_rows_in_run_order`
+states it in numpy), the same for every row alone or among others. The AVX-512 loop runs where the
+CPU has it, else a portable one; `portable=True` forces the latter (the tests compare both).
+Measured: BENCHMARKS.md, "CPU kernels through `jax.ffi`"."""
 
 from __future__ import annotations
 
