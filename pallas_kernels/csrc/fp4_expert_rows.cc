@@ -46,7 +46,7 @@ struct Tile {
   int rows;
   const uint8_t* w;        // [N, K/2]
   const uint8_t* sc;       // [N, K/32]
-  int64_t k;
+  int64_t k, n;
 };
 
 // Columns [n0, n1) of every row of the tile, one output at a time (the portable loop). Compiled
@@ -71,6 +71,29 @@ void columns_generic(const Tile& t, int64_t n0, int64_t n1) {
     }
 }
 
+// The scales of block b of 16 columns (their scale rows at `offset` bytes from t.sc) as f32, as
+// ced::ue8m0_f32 reads them: four bytes gathered from each row, the first one kept. A lane whose four
+// bytes would run past the expert's scales reads its one byte alone.
+CED_AVX512 inline __m512 scales_avx512(const Tile& t, __m512i offset, __mmask16 live, int64_t b) {
+  const __m512i at = _mm512_add_epi32(offset, _mm512_set1_epi32(static_cast<int>(b)));
+  const int64_t size = t.n * (t.k / kBlock);
+  const __mmask16 whole = _mm512_mask_cmplt_epi32_mask(live, at, _mm512_set1_epi32(static_cast<int>(size - 3)));
+  __m512i bytes = _mm512_and_si512(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), whole, at, t.sc, 1),
+                                   _mm512_set1_epi32(0xFF));
+  if (live & ~whole) {
+    alignas(64) int32_t lanes[16], at_lanes[16];
+    _mm512_store_si512(lanes, bytes);
+    _mm512_store_si512(at_lanes, at);
+    for (int j = 0; j < 16; ++j)
+      if ((live & ~whole) >> j & 1) lanes[j] = t.sc[at_lanes[j]];
+    bytes = _mm512_load_si512(lanes);
+  }
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(255));
+  const __m512i bits = _mm512_mask_or_epi32(_mm512_slli_epi32(bytes, 23), nan, _mm512_slli_epi32(bytes, 23),
+                                            _mm512_set1_epi32(1 << 22));
+  return _mm512_castsi512_ps(bits);
+}
+
 // G groups of 16 columns from n (lanes past n1 masked off) for R rows of the tile: lane j of group g
 // is column n + 16 g + j, its weight bytes gathered eight values at a time and decoded by permute.
 template <int G, int R>
@@ -79,11 +102,12 @@ CED_AVX512 void panel_avx512(const Tile& t, int r0, int64_t n, int64_t n1) {
   const int64_t blocks = t.k / kBlock, row_bytes = blocks * 16;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __mmask16 live[G];
-  __m512i offset[G];  // each lane's weight row, in bytes from t.w
+  __m512i offset[G], scale_offset[G];  // each lane's weight row and scale row, in bytes from t.w and t.sc
   for (int g = 0; g < G; ++g) {
     const __m512i col = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(n + 16 * g)));
     live[g] = _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(n1)));
     offset[g] = _mm512_mullo_epi32(col, _mm512_set1_epi32(static_cast<int>(row_bytes)));
+    scale_offset[g] = _mm512_mullo_epi32(col, _mm512_set1_epi32(static_cast<int>(blocks)));
   }
   for (int64_t start = 0; start < t.k; start += ced::kRun) {
     __m512 acc[R][G];
@@ -92,14 +116,7 @@ CED_AVX512 void panel_avx512(const Tile& t, int r0, int64_t n, int64_t n1) {
     const int64_t end = std::min(t.k, start + ced::kRun);
     for (int64_t b = start / kBlock; b < end / kBlock; ++b) {
       __m512 scale[G];
-      for (int g = 0; g < G; ++g) {
-        alignas(64) float s[16];
-        for (int j = 0; j < 16; ++j) {
-          const int64_t col = n + 16 * g + j;
-          s[j] = col < n1 ? ced::ue8m0_f32(t.sc[col * blocks + b]) : 0.0f;
-        }
-        scale[g] = _mm512_load_ps(s);
-      }
+      for (int g = 0; g < G; ++g) scale[g] = scales_avx512(t, scale_offset[g], live[g], b);
       for (int q = 0; q < 4; ++q) {  // four bytes (eight values) of each lane's block at a time
         __m512i bytes[G];
         for (int g = 0; g < G; ++g)
@@ -200,7 +217,7 @@ ffi::Error Fp4ExpertRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
                      }
                      const int64_t id = p.ids[(*sorted)[first]];
                      const Tile t{xs, outs, n_rows, p.packed + id * p.n * blocks * 16, p.scales + id * p.n * blocks,
-                                  p.k};
+                                  p.k, p.n};
                      columns(t, c * kChunk, std::min(p.n, (c + 1) * kChunk));
                    });
   return ffi::Error::Success();
