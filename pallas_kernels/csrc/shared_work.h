@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -17,8 +18,12 @@ namespace ced {
 // e.g. with another kernel call that waits too): once it runs out of items it closes the share and
 // waits only for the helpers at work; a helper that starts later finds the share closed and touches
 // nothing. `work` is copied into each helper, so it must hold its data by value or by pointer.
+// `values` (the multiply-adds of all the items) below kValuesPerHelper keeps the work on the calling
+// thread: waking a helper costs more than a small product (a `tiny` decode step's linears).
+constexpr int64_t kValuesPerHelper = int64_t{1} << 18;
+
 template <typename Work>
-void share_items(xla::ffi::ThreadPool& pool, int64_t items, const Work& work) {
+void share_items(xla::ffi::ThreadPool& pool, int64_t items, const Work& work, int64_t values = INT64_MAX) {
   struct Share {
     std::atomic<int64_t> next{0};
     std::mutex mu;
@@ -30,7 +35,8 @@ void share_items(xla::ffi::ThreadPool& pool, int64_t items, const Work& work) {
   auto drain = [items](Share& s, const Work& w) {
     for (int64_t item = s.next++; item < items; item = s.next++) w(item);
   };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items);
+  const int64_t helpers = std::min<int64_t>(threads - 1, values / kValuesPerHelper);
   for (int64_t t = 0; t < helpers; ++t)
     pool.Schedule([share, work, drain] {
       {
