@@ -33,6 +33,7 @@ CPU_KERNELS = Extension(
         "pallas_kernels/csrc/fp4_expert_rows.cc",
         "pallas_kernels/csrc/fp8_linear_rows.cc",
         "pallas_kernels/csrc/index_scores.cc",
+        "pallas_kernels/csrc/materialize.cc",
     ],
     depends=["pallas_kernels/csrc/shared_work.h", "pallas_kernels/csrc/cpu_common.h"],
     language="c++",

@@ -16,6 +16,7 @@ TARGETS = {
     "ced_fp4_expert_rows": "CedFp4ExpertRows",
     "ced_fp8_linear_rows": "CedFp8LinearRows",
     "ced_index_scores": "CedIndexScores",
+    "ced_materialize": "CedMaterialize",
 }
 
 
@@ -61,3 +62,11 @@ def vector_width() -> int:
     """The widest vector loops the kernels run on this CPU: 512 (AVX-512), 256 (AVX2) or 0."""
     require()
     return int(_load().ced_cpu_kernels_isa())
+
+
+def materialized(x: jax.Array) -> jax.Array:
+    """x itself, computed once into a buffer its consumers read (`csrc/materialize.cc`): XLA:CPU
+    would otherwise recompute an elementwise producer inside each consumer's fusion."""
+    require()
+    call = jax.ffi.ffi_call("ced_materialize", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})
+    return call(x)

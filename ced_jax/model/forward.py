@@ -25,7 +25,7 @@ from ced_jax.cache import PagedCache, StepMetadata, paged_cache_axes
 from ced_jax.config import ModelConfig
 from ced_jax.model.layers import moe as moe_lib
 from ced_jax.model.layers.attention import attention, write_compressed_kv
-from ced_jax.model.layers.common import f32_linear, rms_norm
+from ced_jax.model.layers.common import f32_linear, materialized, rms_norm
 from ced_jax.model.layers.engram import engram
 from ced_jax.model.layers.mhc import hc_collapse, hc_expand, hc_mixes, stream_mean
 from ced_jax.model.params import param_specs
@@ -212,7 +212,7 @@ def forward(
             )
             if topk is not None:
                 own_topk[str(i)] = topk
-            x = hc_expand(y, residual, attn_post, attn_comb)
+            x = materialized(hc_expand(materialized(y, impl), residual, attn_post, attn_comb), impl)
             # --- FFN site
             residual = x
             ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", x, cfg)
@@ -220,7 +220,7 @@ def forward(
             forced_ids = forced["experts"][i] if "experts" in forced else None
             y, ids = _moe(p["ffn"], cfg, f_in, forced_ids, impl, layout, image_mask)
             own_experts.append(ids)
-            x = hc_expand(y, residual, ffn_post, ffn_comb)
+            x = materialized(hc_expand(materialized(y, impl), residual, ffn_post, ffn_comb), impl)
             pre = ffn_pre
     if num_blocks < cfg.num_layers:
         p = params["layers"][str(num_blocks)]

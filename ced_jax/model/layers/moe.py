@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ced_jax import sharding
 from ced_jax.invariant import sum_small
 from ced_jax.model.layers import kernels
-from ced_jax.model.layers.common import f32_linear, fp8_linear
+from ced_jax.model.layers.common import f32_linear, fp8_linear, materialized
 from ced_jax.options import REFERENCE, Impl
 from ced_jax.quant import exact_div, expert_weight, fp8_fake_quant, round_bf16
 
@@ -161,7 +161,7 @@ def routed_experts(
     weights = jnp.take_along_axis(weights, order, axis=-1)
     if layout is not None:  # on a mesh (sharding.make_layout): expert-parallel dispatch
         return _routed_experts_sharded(x, ids, weights, experts, layout, limit=limit, impl=impl)
-    xq = fp8_fake_quant(x)  # one activation quantisation serves every expert of the token
+    xq = materialized(fp8_fake_quant(x), impl)  # one activation quantisation serves every expert of the token
     rows = jnp.repeat(xq, top_k, axis=0)
     out = _expert_rows(rows, ids.reshape(-1), weights.reshape(-1), experts, limit=limit, impl=impl)
     return _sum_in_order(out.reshape(n, top_k, -1))
