@@ -82,8 +82,6 @@ void tile_generic(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t 
 // eight at a time. A code's low 7 bits shifted by 7 are an f16 whose value is the e4m3 value times 2^-8
 // (bias 15 instead of 7, subnormals included); times 2^8 times the scale it is the XLA path's
 // dequantised value (one rounding either way, to the same real number). 0x7F / 0xFF are NaN.
-constexpr int64_t kPrefetch = 4;
-
 template <int G, int R>
 CED_AVX512 void panel_avx512(const Problem& p, int64_t r, int64_t n, int64_t n1) {
   const int64_t blocks = p.k / kBlock;
@@ -111,13 +109,6 @@ CED_AVX512 void panel_avx512(const Problem& p, int64_t r, int64_t n, int64_t n1)
       for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
     const int64_t end = std::min(p.k, start + ced::kRun);
     for (int64_t b = start / kBlock; b < end / kBlock; ++b) {
-      // Sixteen rows read side by side are more streams than the hardware prefetcher follows: each
-      // row's cache line kPrefetch blocks ahead is asked for once per line (two blocks).
-      if (b % 2 == 0 && b + kPrefetch < blocks)
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < 16 && n + 16 * g + j < n1; ++j)
-            _mm_prefetch(reinterpret_cast<const char*>(p.weight + (n + 16 * g + j) * p.k + (b + kPrefetch) * kBlock),
-                         _MM_HINT_T0);
       __m512 scale[G], plain[G];  // 2^8 times the scale, or 2^8 and the scale apart where that overflows
       bool split[G];
       for (int g = 0; g < G; ++g) {
