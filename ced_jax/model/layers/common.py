@@ -45,8 +45,8 @@ def fp8_linear(x: jax.Array, p: dict, block: int = 32, *, impl: Impl = REFERENCE
     block scales}, or {'weight': f32 [N, K]} already dequantised (`ced_jax.checkpoint.weight_layout`).
 
     impl="cpu" runs a stored FP8 pair through the CPU kernel, which decodes the weight inside the dot
-    (`pallas_kernels.fp8_linear.kernel_cpu`: its own order of sums, not the f32 dot's); a weight the
-    layout dequantised ("f32-dense") is an f32 dot for every impl."""
+    (`pallas_kernels.fp8_linear.kernel_cpu`: the f32 dot's values bit for bit); a weight the layout
+    dequantised ("f32-dense") is an f32 dot for every impl."""
     xq = fp8_fake_quant(x, block)
     if impl.cpu and "scale" in p:
         from pallas_kernels.fp8_linear import kernel_cpu

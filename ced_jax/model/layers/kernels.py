@@ -44,7 +44,7 @@ def expert_matmul(rows: jax.Array, expert_ids: jax.Array, w: dict, *, impl: Impl
     `lax.ragged_dot` over the dequantised expert stack. Both compute the same products in f32.
     impl="pallas..." sorts the rows by expert and runs the FP4 grouped-matmul kernel, which
     dequantises the weights tile by tile inside the kernel; impl="cpu" runs the CPU kernel on the rows
-    as they are (`pallas_kernels.grouped_matmul.kernel_cpu`: its own order of sums, not this path's)."""
+    as they are (`pallas_kernels.grouped_matmul.kernel_cpu`: this path's values bit for bit)."""
     num_experts = w["weight"].shape[0]
     if impl.cpu:
         from pallas_kernels.grouped_matmul import kernel_cpu
