@@ -68,5 +68,7 @@ def materialized(x: jax.Array) -> jax.Array:
     """x itself, computed once into a buffer its consumers read (`csrc/materialize.cc`): XLA:CPU
     would otherwise recompute an elementwise producer inside each consumer's fusion."""
     require()
-    call = jax.ffi.ffi_call("ced_materialize", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})
+    call = jax.ffi.ffi_call(
+        "ced_materialize", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0}
+    )
     return call(x)

@@ -98,7 +98,9 @@ def test_tiny_a_with_the_cpu_kernels_is_the_xla_path_bit_for_bit(monkeypatch, go
     res = mode_a_run(model, golden, "intended")
     xla = mode_a_run(load(str(GOLDEN_TINY_A), impl="reference"), golden, "intended")
     assert set(res) == set(xla)
-    differ = [key for key in res if not np.array_equal(np.asarray(res[key]), np.asarray(xla[key]), equal_nan=True)]
+    differ = [
+        key for key in res if not np.array_equal(np.asarray(res[key]), np.asarray(xla[key]), equal_nan=True)
+    ]
     assert not differ, differ
     assert_mode_a_gate(mode_a_metrics(model, golden, "intended", res))
     assert len(set(calls)) >= 2, calls  # traced with the prompt's rows and with a decode step's

@@ -66,8 +66,11 @@ def test_the_runs_change_the_values():
     one_run = np.zeros_like(kernel)
     for i in range(x.shape[1]):
         one_run += x[:, i, None] * w[:, :, i]
-    blocks = np.einsum("mbj,mnbj->mnb", x.reshape(16, 64, 32).astype(np.float64),
-                       w.reshape(16, 128, 64, 32).astype(np.float64)).astype(np.float32)
+    blocks = np.einsum(
+        "mbj,mnbj->mnb",
+        x.reshape(16, 64, 32).astype(np.float64),
+        w.reshape(16, 128, 64, 32).astype(np.float64),
+    ).astype(np.float32)
     blocked = blocks[..., 0].copy()
     for b in range(1, 64):
         blocked += blocks[..., b]
