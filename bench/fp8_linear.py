@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +23,12 @@ import numpy as np
 from pallas_kernels import _cpu, formats
 from pallas_kernels.fp8_linear import kernel_cpu, reference
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_check import time_call  # noqa: E402  (the bench scripts' one median timer)
+
 
 def _median_ms(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    return 1e3 * time_call(fn, args, repeats)
 
 
 def main(argv=None) -> int:
@@ -52,6 +48,8 @@ def main(argv=None) -> int:
             dense = np.asarray(jax.jit(formats.dequant_fp8_weight)(weight, scales))
             # Two rows at least: a one-row f32 dot is a matrix-vector product (`ced_jax.invariant`).
             padded = np.pad(rows, ((0, max(0, 2 - m)), (0, 0)))
+            # On the device once: numpy arguments would be copied in on every timed call.
+            rows, weight, scales, dense, padded = map(jnp.asarray, (rows, weight, scales, dense, padded))
             kernel = _median_ms(jax.jit(kernel_cpu.linear_rows), (rows, weight, scales), args.repeats)
             xla = _median_ms(jax.jit(reference.linear), (rows, weight, scales), args.repeats)
             f32_dot = jax.jit(lambda x, w: jnp.dot(x, w.T, precision="highest"))

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // The vector loops' target; one build runs on any x86-64 CPU, these functions only where
 // `ced::has_avx512()` says so (F16C, which every AVX-512 CPU has, for the e4m3 decode).
@@ -38,5 +39,21 @@ inline float ue8m0_f32(uint8_t s) {
 // and an unfused multiply-add give the same value. The kernels' tests compare them with the XLA
 // path's products, so a jaxlib that sums otherwise fails them.
 constexpr int64_t kRun = 512;
+
+// run(std::integral_constant<int, R>{}) with R = rows, 1 to 8 (more reads as 8): the vector loops keep
+// R rows' accumulators in registers, so R must be known when they are compiled.
+template <typename Run>
+inline void with_row_count(int64_t rows, const Run& run) {
+  switch (rows) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 5: return run(std::integral_constant<int, 5>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 7: return run(std::integral_constant<int, 7>{});
+    default: return run(std::integral_constant<int, 8>{});
+  }
+}
 
 }  // namespace ced

@@ -167,28 +167,15 @@ CED_AVX512 void panel_avx512(const Tile& t, int r0, int64_t n, int64_t n1) {
 
 // Columns [n0, n1) of every row of the tile: a lone row four groups of 16 columns at a time (four
 // independent chains of adds), several rows up to eight at a time two groups at a time.
-template <int R>
-CED_AVX512 void rows_avx512(const Tile& t, int r0, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 32) panel_avx512<2, R>(t, r0, n, n1);
-}
-
 CED_AVX512 void columns_avx512(const Tile& t, int64_t n0, int64_t n1) {
   if (t.rows == 1) {
     for (int64_t n = n0; n < n1; n += 64) panel_avx512<4, 1>(t, 0, n, n1);
     return;
   }
-  for (int r0 = 0; r0 < t.rows; r0 += 8) {
-    switch (std::min(8, t.rows - r0)) {
-      case 1: rows_avx512<1>(t, r0, n0, n1); break;
-      case 2: rows_avx512<2>(t, r0, n0, n1); break;
-      case 3: rows_avx512<3>(t, r0, n0, n1); break;
-      case 4: rows_avx512<4>(t, r0, n0, n1); break;
-      case 5: rows_avx512<5>(t, r0, n0, n1); break;
-      case 6: rows_avx512<6>(t, r0, n0, n1); break;
-      case 7: rows_avx512<7>(t, r0, n0, n1); break;
-      default: rows_avx512<8>(t, r0, n0, n1); break;
-    }
-  }
+  for (int r0 = 0; r0 < t.rows; r0 += 8)
+    ced::with_row_count(t.rows - r0, [&](auto rows) {
+      for (int64_t n = n0; n < n1; n += 32) panel_avx512<2, decltype(rows)::value>(t, r0, n, n1);
+    });
 }
 
 using Columns = void (*)(const Tile&, int64_t, int64_t);

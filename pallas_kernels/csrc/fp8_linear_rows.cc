@@ -173,11 +173,6 @@ CED_AVX512 void panel_avx512(const Problem& p, int64_t r, int64_t n, int64_t n1)
   }
 }
 
-template <int R>
-CED_AVX512 void rows_avx512(const Problem& p, int64_t r, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 32) panel_avx512<2, R>(p, r, n, n1);
-}
-
 // A lone row four groups of 16 columns at a time (four independent chains of adds); more rows up to
 // eight at a time, two groups at a time.
 CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
@@ -185,18 +180,10 @@ CED_AVX512 void tile_avx512(const Problem& p, int64_t r0, int64_t r1, int64_t n0
     for (int64_t n = n0; n < n1; n += 64) panel_avx512<4, 1>(p, r0, n, n1);
     return;
   }
-  for (int64_t r = r0; r < r1; r += 8) {
-    switch (std::min<int64_t>(8, r1 - r)) {
-      case 1: rows_avx512<1>(p, r, n0, n1); break;
-      case 2: rows_avx512<2>(p, r, n0, n1); break;
-      case 3: rows_avx512<3>(p, r, n0, n1); break;
-      case 4: rows_avx512<4>(p, r, n0, n1); break;
-      case 5: rows_avx512<5>(p, r, n0, n1); break;
-      case 6: rows_avx512<6>(p, r, n0, n1); break;
-      case 7: rows_avx512<7>(p, r, n0, n1); break;
-      default: rows_avx512<8>(p, r, n0, n1); break;
-    }
-  }
+  for (int64_t r = r0; r < r1; r += 8)
+    ced::with_row_count(r1 - r, [&](auto rows) {
+      for (int64_t n = n0; n < n1; n += 32) panel_avx512<2, decltype(rows)::value>(p, r, n, n1);
+    });
 }
 
 using Tile = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
