@@ -217,3 +217,15 @@ def test_index_scores_equal_the_reference_with_blocks_scaled_far_apart(shift):
     want = np.asarray(jax.jit(indexer_reference.index_scores)(*args))
     assert (want > -np.inf).sum() > 10
     assert np.array_equal(np.asarray(jax.jit(index_kernel.index_scores)(*args)), want)
+
+
+def test_materialized_is_the_value_and_stays_in_the_program():
+    """`_cpu.materialized` returns its operand unchanged (bits, dtype, NaNs) and survives XLA's
+    optimisation as a custom call, which is what keeps consumers from recomputing it."""
+    x = jnp.asarray(np.array([[1.5, -0.0, np.nan], [2.0**-140, 3.0, -7.25]], np.float32))
+    fn = jax.jit(lambda a: _cpu.materialized(a * 2.0) + 1.0)
+    got = np.asarray(fn(x))
+    assert np.array_equal(got, np.asarray(x) * 2.0 + 1.0, equal_nan=True)
+    assert "ced_materialize" in fn.lower(x).compile().as_text()
+    bf = jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)
+    assert np.array_equal(np.asarray(jax.jit(_cpu.materialized)(bf)), np.asarray(bf))
